@@ -1,0 +1,1 @@
+"""Checkpoint side effects: the progress journal and (with the checkpoint engine) storage."""

@@ -1,0 +1,67 @@
+"""Fault injection: SIGKILL a rank at a given iteration, or at Poisson-distributed times.
+
+An injected failure fires once per run directory: a marker file is made durable
+before the kill, so the restarted job does not fail again at the same point.
+Poisson failures (the paper's Eq. 3, rate lambda per hour of wall time) draw their
+time and victim rank from ``(seed, number of failures already fired)``, so every
+rank draws the same failure and each restart draws the next one.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import signal
+import time
+
+import numpy as np
+
+from cpsr_ds.config import FaultConfig
+
+logger = logging.getLogger(__name__)
+
+FAULTS_DIR = "faults"
+
+
+def poisson_failure(rate_per_hour: float, seed: int, index: int, world_size: int) -> tuple[float, int]:
+    """The ``index``-th Poisson failure: (seconds after the job starts, rank it kills)."""
+    rng = np.random.default_rng([seed, index])
+    return float(rng.exponential(3600.0 / rate_per_hour)), int(rng.integers(world_size))
+
+
+class FaultInjector:
+    def __init__(self, cfg: FaultConfig, directory: str, rank: int, world_size: int):
+        self.cfg = cfg
+        self.rank = rank
+        self.markers = os.path.join(directory, FAULTS_DIR)
+        os.makedirs(self.markers, exist_ok=True)
+        self.poisson = None
+        if cfg.poisson_rate_per_hour > 0:
+            index = len(glob.glob(os.path.join(self.markers, "poisson-*")))
+            after_s, victim = poisson_failure(cfg.poisson_rate_per_hour, cfg.seed, index, world_size)
+            self.poisson = (f"poisson-{index}", time.monotonic() + after_s, victim)
+
+    def check(self, iteration: int) -> None:
+        """Called after every iteration; may not return."""
+        if self.cfg.kill_at_iteration == iteration and self.rank == self.cfg.kill_rank:
+            self._fire(f"iteration-{iteration}-rank-{self.rank}", iteration)
+        if self.poisson is not None:
+            name, deadline, victim = self.poisson
+            if self.rank == victim and time.monotonic() >= deadline:
+                self._fire(name, iteration)
+
+    def _fire(self, name: str, iteration: int) -> None:
+        marker = os.path.join(self.markers, name)
+        try:
+            fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return
+        os.write(fd, f"{iteration}\n".encode())
+        os.fsync(fd)
+        os.close(fd)
+        dir_fd = os.open(self.markers, os.O_RDONLY)
+        os.fsync(dir_fd)
+        os.close(dir_fd)
+        logger.warning("cpsr fault injection: SIGKILL rank %d after iteration %d (%s)", self.rank, iteration, name)
+        os.kill(os.getpid(), signal.SIGKILL)

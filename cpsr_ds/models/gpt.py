@@ -1,0 +1,153 @@
+"""GPT built from megatron-core layers, as a DeepSpeed ``PipelineModule``.
+
+Layout, top to bottom: token + position embedding -> ``num_layers`` megatron-core
+``TransformerLayer`` blocks (the local spec) -> final LayerNorm -> vocabulary head.
+Activations travel between pipeline stages as ``[sequence, batch, hidden]``, the
+layout megatron-core's layers use.
+
+megatron-core's fused attention paths need CUDA; on the CPU the spec's core
+attention is replaced by :class:`SDPAttention`, which calls
+``torch.nn.functional.scaled_dot_product_attention``. On CUDA the stock spec runs.
+megatron-core's own DDP, optimizer and pipeline p2p are CUDA-only, so DeepSpeed does
+those; megatron-core only needs its (trivial, TP = PP = 1) model-parallel state.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+
+with warnings.catch_warnings():
+    # megatron-core warns at import that Apex / Transformer Engine are absent.
+    warnings.simplefilter("ignore")
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+from deepspeed.pipe import LayerSpec, PipelineModule
+
+from cpsr_ds.data.corpus import VOCAB_SIZE
+
+
+class GPTConfig(BaseModel):
+    """Model shape; read from the ``"gpt"`` block of the DeepSpeed config."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_layers: int = Field(4, gt=0)
+    hidden_size: int = Field(128, gt=0)
+    num_attention_heads: int = Field(4, gt=0)
+    seq_length: int = Field(128, gt=0)
+    vocab_size: int = Field(VOCAB_SIZE, gt=0)
+    init_method_std: float = Field(0.02, gt=0)
+
+
+class SDPAttention(DotProductAttention):
+    """Causal core attention on PyTorch's SDPA, so megatron-core layers run on the CPU."""
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
+        seq, batch = query.shape[0], query.shape[1]
+        # [s, b, heads, d] -> [b, heads, s, d]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
+
+
+def transformer_config(cfg: GPTConfig, params_dtype: torch.dtype) -> TransformerConfig:
+    return TransformerConfig(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        init_method_std=cfg.init_method_std,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+    )
+
+
+def layer_spec():
+    spec = get_gpt_layer_local_spec()
+    if not torch.cuda.is_available():
+        spec = copy.deepcopy(spec)
+        spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    return spec
+
+
+class Embedding(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.positions = nn.Embedding(cfg.seq_length, cfg.hidden_size)
+        for table in (self.tokens, self.positions):
+            nn.init.normal_(table.weight, std=cfg.init_method_std)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        hidden = self.tokens(tokens) + self.positions(positions)[None]
+        return hidden.transpose(0, 1).contiguous()
+
+
+class Block(nn.Module):
+    """One megatron-core ``TransformerLayer``; ``layer_number`` counts from 1."""
+
+    def __init__(self, cfg: GPTConfig, layer_number: int, params_dtype: torch.dtype):
+        super().__init__()
+        self.layer = build_module(layer_spec(), config=transformer_config(cfg, params_dtype), layer_number=layer_number)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        output, _context = self.layer(hidden, attention_mask=None)
+        return output
+
+
+class Head(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.norm = nn.LayerNorm(cfg.hidden_size)
+        self.proj = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        nn.init.normal_(self.proj.weight, std=cfg.init_method_std)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.norm(hidden)).transpose(0, 1)
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def ensure_model_parallel_state() -> None:
+    """megatron-core layers query their (TP = 1) group; DeepSpeed owns all real parallelism."""
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+
+
+def gpt_pipeline(cfg: GPTConfig, num_stages: int, seed: int, params_dtype: torch.dtype = torch.float32) -> PipelineModule:
+    """The GPT as ``num_stages`` pipeline stages, transformer blocks balanced across them.
+
+    Each layer is seeded from ``seed`` and its index, so the initial weights do not
+    depend on the number of stages.
+    """
+    ensure_model_parallel_state()
+    layers = [LayerSpec(Embedding, cfg)]
+    layers += [LayerSpec(Block, cfg, n + 1, params_dtype) for n in range(cfg.num_layers)]
+    layers += [LayerSpec(Head, cfg)]
+    return PipelineModule(
+        layers=layers,
+        loss_fn=lm_loss,
+        num_stages=num_stages,
+        partition_method="type:Block",
+        seed_layers=True,
+        # DeepSpeed's default seeder hands numpy ints to random.seed, which rejects them.
+        seed_fn=lambda layer_seed: torch.manual_seed(int(layer_seed)),
+        base_seed=seed,
+    )

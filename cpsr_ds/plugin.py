@@ -1,0 +1,101 @@
+"""``cpsr_ds.initialize``: ``deepspeed.initialize`` plus CPSR's pieces.
+
+With a ``"cpsr"`` block in the DeepSpeed config (and ``"enabled": true``) the
+engine DeepSpeed builds is a subclass that, after every training iteration,
+appends to the progress journal, takes a checkpoint every ``interval``
+iterations and gives fault injection its chance; before returning, the engine is
+restored from the run directory if an earlier run left progress there
+(``engine.cpsr.recovery`` says how, and ``engine.global_steps`` is where to resume).
+Without the block it is ``deepspeed.initialize`` itself.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import sys
+from contextlib import contextmanager
+
+import deepspeed
+from deepspeed.runtime.pipe.engine import PipelineEngine
+from deepspeed.runtime.pipe.module import PipelineModule
+from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
+
+from cpsr_ds.checkpoint.journal import ProgressJournal
+from cpsr_ds.config import CPSRConfig
+from cpsr_ds.faults import FaultInjector
+from cpsr_ds.recovery import RecoveryReport, recover
+
+logger = logging.getLogger("cpsr_ds")
+if not logger.handlers:
+    _handler = logging.StreamHandler(sys.stdout)
+    _handler.setFormatter(logging.Formatter("[cpsr_ds] %(message)s"))
+    logger.addHandler(_handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
+class Runtime:
+    """CPSR's per-engine state: config, journal, fault injector, how the job recovered."""
+
+    def __init__(self, engine: PipelineEngine, cfg: CPSRConfig):
+        self.cfg = cfg
+        self.directory = cfg.checkpoint.dir
+        rank, world = engine.global_rank, engine.world_size
+        self.journal = ProgressJournal(self.directory, rank)
+        self.faults = FaultInjector(cfg.faults, self.directory, rank, world)
+        self.recovery: RecoveryReport | None = None
+
+    def after_iteration(self, engine: PipelineEngine, loss: float) -> None:
+        iteration = engine.global_steps
+        self.journal.append(iteration, loss)
+        if iteration % self.cfg.checkpoint.interval == 0:
+            engine.save_checkpoint(self.directory)
+        self.faults.check(iteration)
+
+
+class CPSRPipelineEngine(PipelineEngine):
+    cpsr: Runtime
+
+    def train_batch(self, data_iter=None):
+        loss = super().train_batch(data_iter)
+        self.cpsr.after_iteration(self, float(loss))
+        return loss
+
+
+def _ds_config(bound: inspect.BoundArguments) -> dict:
+    """The config dict DeepSpeed will use, from ``config``, ``config_params`` or ``args``."""
+    args = bound.arguments
+    config = args.get("config") or args.get("config_params")
+    if config is None and args.get("args") is not None:
+        config = getattr(args["args"], "deepspeed_config", None)
+    if config is None:
+        raise ValueError("cpsr_ds.initialize: no DeepSpeed config (pass config=... or --deepspeed_config)")
+    return load_ds_config(os.fspath(config) if isinstance(config, os.PathLike) else config)
+
+
+@contextmanager
+def _engine_class(cls):
+    """``deepspeed.initialize`` looks the pipeline engine class up at call time."""
+    original = deepspeed.PipelineEngine
+    deepspeed.PipelineEngine = cls
+    try:
+        yield
+    finally:
+        deepspeed.PipelineEngine = original
+
+
+def initialize(*args, **kwargs):
+    """Same arguments and return values as ``deepspeed.initialize``."""
+    bound = inspect.signature(deepspeed.initialize).bind(*args, **kwargs)
+    cfg = CPSRConfig.from_ds_config(_ds_config(bound))
+    if not cfg.enabled:
+        return deepspeed.initialize(*args, **kwargs)
+    if not isinstance(bound.arguments.get("model"), PipelineModule):
+        raise TypeError("cpsr_ds: the model must be a deepspeed.pipe.PipelineModule (num_stages=1 for no pipelining)")
+    with _engine_class(CPSRPipelineEngine):
+        engine, optimizer, dataloader, scheduler = deepspeed.initialize(*args, **kwargs)
+    engine.cpsr = Runtime(engine, cfg)
+    engine.cpsr.recovery = recover(engine, cfg.checkpoint.dir)
+    return engine, optimizer, dataloader, scheduler

@@ -1,0 +1,147 @@
+"""Train a GPT (megatron-core layers, DeepSpeed pipeline) on a code corpus with cpsr_ds.
+
+    deepspeed --num_gpus 2 launch/train_gpt.py --deepspeed_config configs/gpt_tiny_cpu.json
+
+Pipeline degree: ``"pipeline": {"stages": S}`` in the DeepSpeed config; the
+data-parallel degree is the world size over S. Model shape: the ``"gpt"`` block.
+Failure recovery: the ``"cpsr"`` block (see the README); a restarted job resumes at
+the iteration ``cpsr_ds.initialize`` restored, with the batches the failure-free
+run would have seen from there on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import deepspeed  # noqa: E402
+from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import cpsr_ds  # noqa: E402
+from cpsr_ds.data.corpus import Batches, load_corpus  # noqa: E402
+from cpsr_ds.models.gpt import GPTConfig, gpt_pipeline  # noqa: E402
+
+VALIDATION_FILE = "validation.csv"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
+    p.add_argument("--train-iters", type=int, default=200)
+    p.add_argument("--data", default=None, help="directory of text files (default: the Python standard library's sources)")
+    p.add_argument("--eval-interval", type=int, default=50, help="iterations between validation evaluations")
+    p.add_argument("--log-interval", type=int, default=10, help="iterations between log lines")
+    p.add_argument("--valid-sequences", type=int, default=64, help="size of the fixed validation set, in sequences")
+    p.add_argument("--seed", type=int, default=1234)
+    model = p.add_argument_group("model (overrides the config's \"gpt\" block)")
+    model.add_argument("--num-layers", type=int)
+    model.add_argument("--hidden-size", type=int)
+    model.add_argument("--num-attention-heads", type=int)
+    model.add_argument("--seq-length", type=int)
+    cpsr = p.add_argument_group("cpsr (overrides the config's \"cpsr\" block)")
+    cpsr.add_argument("--checkpoint-dir", help="cpsr.checkpoint.dir")
+    cpsr.add_argument("--checkpoint-interval", type=int, help="cpsr.checkpoint.interval")
+    cpsr.add_argument("--kill-rank", type=int, help="cpsr.faults.kill_rank")
+    cpsr.add_argument("--kill-at-iteration", type=int, help="cpsr.faults.kill_at_iteration")
+    cpsr.add_argument("--poisson-rate-per-hour", type=float, help="cpsr.faults.poisson_rate_per_hour")
+    deepspeed.add_config_arguments(p)
+    return p.parse_args(argv)
+
+
+def _override(config: dict, path: str, value) -> None:
+    """Set ``config[a][b][c] = value`` for ``path`` "a.b.c", unless ``value`` is None."""
+    if value is None:
+        return
+    *parents, key = path.split(".")
+    for name in parents:
+        config = config.setdefault(name, {})
+    config[key] = value
+
+
+def build_config(args: argparse.Namespace) -> dict:
+    if not args.deepspeed_config:
+        raise SystemExit("train_gpt.py: --deepspeed_config is required")
+    config = load_ds_config(args.deepspeed_config)
+    config.setdefault("gpt", {})
+    for key in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
+        _override(config, f"gpt.{key}", getattr(args, key))
+    _override(config, "cpsr.checkpoint.dir", args.checkpoint_dir)
+    _override(config, "cpsr.checkpoint.interval", args.checkpoint_interval)
+    _override(config, "cpsr.faults.kill_rank", args.kill_rank)
+    _override(config, "cpsr.faults.kill_at_iteration", args.kill_at_iteration)
+    _override(config, "cpsr.faults.poisson_rate_per_hour", args.poisson_rate_per_hour)
+    return config
+
+
+def evaluate(engine, validation) -> float:
+    return float(engine.eval_batch(iter(validation), num_micro_batches=len(validation)))
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    config = build_config(args)
+    # Fail on a bad "cpsr" block before any process group or model exists.
+    cpsr_cfg = cpsr_ds.CPSRConfig.from_ds_config(config)
+    gpt_cfg = GPTConfig.model_validate(config.pop("gpt"))
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    torch.manual_seed(args.seed)
+
+    stages = int(config.get("pipeline", {}).get("stages", 1))
+    dtype = torch.bfloat16 if config.get("bf16", {}).get("enabled") else torch.float32
+    model = gpt_pipeline(gpt_cfg, num_stages=stages, seed=args.seed, params_dtype=dtype)
+    engine, _, _, _ = cpsr_ds.initialize(model=model, model_parameters=model.parameters(), config=config)
+
+    train, valid = load_corpus(args.data)
+    batches = Batches(
+        train,
+        valid,
+        seq_length=gpt_cfg.seq_length,
+        micro_batch=engine.train_micro_batch_size_per_gpu(),
+        grad_accum=engine.gradient_accumulation_steps(),
+        dp_rank=engine.grid.get_data_parallel_rank(),
+        dp_size=engine.grid.get_data_parallel_world_size(),
+        seed=args.seed,
+        valid_sequences=args.valid_sequences,
+    )
+    validation = batches.validation()
+    leader = engine.global_rank == 0
+    val_log = os.path.join(cpsr_cfg.checkpoint.dir, VALIDATION_FILE) if cpsr_cfg.enabled else None
+
+    def report_validation(iteration: int) -> None:
+        loss = evaluate(engine, validation)
+        if leader:
+            print(f"iteration {iteration:6d} | validation loss {loss:.4f}", flush=True)
+            if val_log:
+                with open(val_log, "a") as f:
+                    f.write(f"{iteration},{loss!r}\n")
+
+    start = engine.global_steps
+    if start == 0:
+        report_validation(0)
+    tick, tick_iter = time.perf_counter(), start
+    for iteration in range(start, args.train_iters):
+        loss = engine.train_batch(iter(batches.micro_batches(iteration)))
+        done = iteration + 1
+        if leader and (done % args.log_interval == 0 or done == args.train_iters):
+            now = time.perf_counter()
+            rate = (done - tick_iter) / (now - tick)
+            print(f"iteration {done:6d} | loss {float(loss):.4f} | {rate:.2f} it/s", flush=True)
+            tick, tick_iter = now, done
+        if done % args.eval_interval == 0 or done == args.train_iters:
+            report_validation(done)
+    if leader and cpsr_cfg.enabled:
+        print(json.dumps({"final_iteration": engine.global_steps, "recovery": engine.cpsr.recovery.method}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
