@@ -1,0 +1,14 @@
+"""CPSR's checkpoint engine: chunked pipelined snapshot/persist, several in flight, fixed interval.
+
+The interval is ``checkpoint.interval`` (T_c); the planner chooses it, not the engine.
+"""
+
+from __future__ import annotations
+
+from cpsr_ds.checkpoint.engine import AsyncCheckpointEngine
+from cpsr_ds.config import CheckpointConfig
+
+
+class CPSRCheckpointEngine(AsyncCheckpointEngine):
+    def __init__(self, cfg: CheckpointConfig, rank: int, world_size: int):
+        super().__init__(cfg, rank, world_size, max_in_flight=cfg.max_in_flight, chunk_bytes=cfg.chunk_mb << 20)

@@ -1,0 +1,223 @@
+"""Asynchronous DeepSpeed checkpoint engine: snapshot into host buffers, persist in the background.
+
+DeepSpeed calls ``create(info)``, then ``save(state, path)`` once per file, then
+``commit(info)`` before the next optimizer step (``DeepSpeedEngine.step`` does this for
+decoupled engines; a pipeline engine has to call it itself). ``save`` only captures
+the state; ``commit`` blocks until the copies are done, which is the whole training
+stall. The engine owns ``latest``: it reports ``save_latest=False`` to DeepSpeed, so
+DeepSpeed never writes ``latest`` itself, and rank 0's committer moves it once every
+rank's part is durable.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import queue
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
+
+from cpsr_ds.checkpoint import store
+from cpsr_ds.checkpoint.fileformat import CheckpointError, read_snapshot
+from cpsr_ds.checkpoint.persist import Committer, Job, RetryPolicy, Writer, describe_error
+from cpsr_ds.checkpoint.snapshot import Copier, HostBuffers, snapshot_file
+from cpsr_ds.config import CheckpointConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CheckpointStats:
+    """What the last checkpoints cost; strategies derive their interval from it."""
+
+    started: int = 0
+    persisted: int = 0
+    failed: int = 0
+    last_stall_s: Optional[float] = None
+    last_persist_s: Optional[float] = None
+    last_bytes: int = 0
+
+
+class AsyncCheckpointEngine(CheckpointEngine):
+    """Snapshot/persist engine; strategies differ in ``max_in_flight``, chunking and ``interval``."""
+
+    def __init__(self, cfg: CheckpointConfig, rank: int, world_size: int, max_in_flight: int,
+                 chunk_bytes: Optional[int]):
+        super().__init__(None)
+        self.name = type(self).__name__
+        self.cfg = cfg
+        self.rank = rank
+        self.world_size = world_size
+        self.chunk_bytes = chunk_bytes
+        self._max_in_flight = max_in_flight
+        self.stats = CheckpointStats()
+        pin = torch.cuda.is_available()
+        self._free: queue.Queue = queue.Queue()
+        for _ in range(max_in_flight):
+            self._free.put(HostBuffers(pin))
+        self._job: Optional[Job] = None
+        self._info: Optional[CheckpointCommitInfo] = None
+        self._stall_s = 0.0
+        self._last_ns = 0
+        self._jobs: list[Job] = []
+        self._lock = threading.Lock()
+        policy = RetryPolicy(cfg.retries, cfg.retry_backoff_s)
+        self._copier = Copier()
+        self._committer = (Committer(world_size, cfg.keep_last, cfg.commit_timeout_s, policy, self._in_flight,
+                                     self._finish)
+                           if rank == 0 else None)
+        self._writer = Writer(rank, world_size, cfg.checksum, policy, self._release, self._persisted)
+        self._closed = False
+        # A script that ends without cleanup() still gets its last checkpoint committed.
+        ref = weakref.ref(self)
+        atexit.register(lambda: ref() is not None and ref().cleanup())
+
+    # ------------------------------------------------------------ DeepSpeed interface
+
+    def create(self, info: CheckpointCommitInfo):
+        t0 = time.perf_counter()
+        if self._job is not None:
+            self._seal()
+        buffers = self._free.get()
+        self._last_ns = max(time.time_ns(), self._last_ns + 1)
+        job = Job(info.tag, info.save_dir, self._last_ns, buffers)
+        self._forget_stale(job)
+        with self._lock:
+            self._jobs.append(job)
+        self._job, self._info = job, info
+        self.stats.started += 1
+        self._writer.submit(job)
+        self._stall_s = time.perf_counter() - t0
+
+    def save(self, state_dict, path: str):
+        t0 = time.perf_counter()
+        if self._job is None:
+            raise RuntimeError(f"{self.name}.save({path}) outside create()/commit()")
+        rel = os.path.relpath(path, self._job.tag_dir)
+        snap = snapshot_file(rel, state_dict, self._job.buffers, self.chunk_bytes)
+        self._copier.submit(snap)
+        self._job.add(snap)
+        self._stall_s += time.perf_counter() - t0
+
+    def commit(self, info: CheckpointCommitInfo):
+        """Seal the open checkpoint and wait until its state is copied: call before the optimizer step."""
+        t0 = time.perf_counter()
+        if self._job is not None:
+            self._seal()
+        self.wait_snapshot()
+        self.stats.last_stall_s = self._stall_s + time.perf_counter() - t0
+        self._stall_s = 0.0
+        return True
+
+    def load(self, path: str, map_location=None):
+        """Read a file, verifying it against its checkpoint's manifests; files of DeepSpeed's engine load as they are."""
+        tag_dir = os.path.dirname(path)
+        manifests = store.read_manifests(tag_dir)
+        if not manifests:
+            return read_snapshot(path, map_location=map_location)
+        found = store.manifest_entry(manifests, tag_dir, path)
+        if found is None:
+            raise CheckpointError(f"{path}: listed in no rank manifest of {tag_dir} (partial checkpoint)")
+        entry, algorithm = found
+        return read_snapshot(path, entry, algorithm, map_location)
+
+    def makedirs(self, path, exist_ok=False):
+        # Storage trouble must not stop training here; the writer retries and reports it.
+        try:
+            os.makedirs(path, exist_ok=exist_ok)
+        except OSError as err:
+            log.warning("could not create %s: %s", path, describe_error(err))
+
+    def is_decoupled(self):
+        return True
+
+    def preserves_storage_sharing(self):
+        # True would make DeepSpeed clone every tensor on the device before save().
+        return False
+
+    def get_commit_info(self):
+        if self._info is None:
+            return None
+        return CheckpointCommitInfo(tag=self._info.tag, save_dir=self._info.save_dir, save_latest=False)
+
+    def cleanup(self):
+        if self._closed:
+            return
+        self.flush()
+        self._closed = True
+        self._copier.stop()
+        self._writer.stop()
+        if self._committer is not None:
+            self._committer.stop()
+
+    # ------------------------------------------------------------ beyond DeepSpeed's interface
+
+    def wait_snapshot(self) -> None:
+        """Block until every tensor handed to ``save`` is copied; re-raises a failed copy."""
+        self._copier.wait_all()
+
+    def flush(self, timeout_s: Optional[float] = None) -> bool:
+        """Seal the open checkpoint and wait until all are persisted (and on rank 0 committed or given up)."""
+        if self._job is not None:
+            self._seal()
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._lock:
+            jobs = list(self._jobs)
+        for job in jobs:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not job.finished.wait(left):
+                return False
+        return True
+
+    def interval(self, iteration_time_s: Optional[float] = None) -> int:
+        """Iterations until the next checkpoint."""
+        return self.cfg.interval
+
+    # ------------------------------------------------------------ internals
+
+    def _seal(self) -> None:
+        self._job.seal()
+        self._job, self._info = None, None
+
+    def _forget_stale(self, job: Job) -> None:
+        """Remove what an earlier run left under this tag, so it cannot be mistaken for this run's."""
+        stale = [store.manifest_name(self.rank)] + ([store.COMMIT] if self.rank == 0 else [])
+        for name in stale:
+            try:
+                os.unlink(os.path.join(job.tag_dir, name))
+            except FileNotFoundError:
+                pass
+            except OSError as err:
+                log.warning("checkpoint %s: could not remove stale %s: %s", job.tag, name, describe_error(err))
+
+    def _in_flight(self, tag: str) -> bool:
+        with self._lock:
+            return any(j.tag == tag for j in self._jobs)
+
+    def _release(self, job: Job) -> None:
+        job.buffers.drop_unused()
+        self._free.put(job.buffers)
+
+    def _persisted(self, job: Job) -> None:
+        if job.ok:
+            self.stats.persisted += 1
+            self.stats.last_persist_s = job.write_s
+            self.stats.last_bytes = job.nbytes
+        if self._committer is not None and job.ok:
+            self._committer.submit(job)
+        else:
+            self._finish(job)
+
+    def _finish(self, job: Job) -> None:
+        if not job.ok:
+            self.stats.failed += 1
+        job.finished.set()
+        with self._lock:
+            self._jobs.remove(job)

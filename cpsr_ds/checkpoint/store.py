@@ -1,0 +1,293 @@
+"""On-disk layout of checkpoints: file format, manifests, commit records, ``latest``, retention.
+
+A checkpoint directory ``CKPT_DIR`` holds one directory per tag, named as DeepSpeed
+names them (``global_step100``), and DeepSpeed's plain-text ``latest`` file::
+
+    CKPT_DIR/latest                           tag of the newest committed checkpoint
+    CKPT_DIR/TAG/<files DeepSpeed saves>      snapshot files (see fileformat.py)
+    CKPT_DIR/TAG/cpsr_manifest.rank00003.json rank 3's files: size and xxhash digest each
+    CKPT_DIR/TAG/cpsr_commit.json             written by rank 0 once every rank's manifest is there
+
+Every file is written to a hidden temporary name, fsynced, renamed, and its directory
+fsynced, so a reader sees either nothing or the whole file. A rank writes its
+manifest only after its files are durable; rank 0 writes the commit record only after
+all ``world_size`` manifests exist, and moves ``latest`` only after the commit record
+is durable. Hence ``latest`` never names a checkpoint that is incomplete on any rank.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Optional
+
+
+from cpsr_ds.checkpoint.fileformat import CheckpointError, check_digest, hash_file, new_hasher
+
+log = logging.getLogger(__name__)
+
+LATEST = "latest"
+COMMIT = "cpsr_commit.json"
+MANIFEST_RE = re.compile(r"^cpsr_manifest\.rank(\d{5})\.json$")
+
+
+def manifest_name(rank: int) -> str:
+    return f"cpsr_manifest.rank{rank:05d}.json"
+
+
+def tag_iteration(tag: str) -> Optional[int]:
+    """The iteration a DeepSpeed tag stands for (``global_step120`` -> 120), if it ends in digits."""
+    m = re.search(r"(\d+)$", tag)
+    return int(m.group(1)) if m else None
+
+
+# ---------------------------------------------------------------- atomic files
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def temp_name(path: str) -> str:
+    # Hidden so that DeepSpeed's globs over layer files never pick up a half-written one.
+    d, name = os.path.split(path)
+    return os.path.join(d, f".{name}.tmp{os.getpid()}")
+
+
+def write_atomic(path: str, chunks: Iterable, algorithm: Optional[str] = None) -> tuple[int, Optional[str]]:
+    """Write ``chunks`` (bytes-like) to ``path`` durably and atomically.
+
+    Returns (size, hex digest or None). On any error the temporary file is removed and
+    the error propagates; ``path`` is then untouched.
+    """
+    tmp = temp_name(path)
+    hasher = new_hasher(algorithm) if algorithm else None
+    size = 0
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for chunk in chunks:
+            view = memoryview(chunk).cast("B")
+            if hasher is not None:
+                hasher.update(view)
+            while view:
+                n = os.write(fd, view)
+                view = view[n:]
+                size += n
+        os.fsync(fd)
+        os.close(fd)
+        fd = -1
+        os.replace(tmp, path)
+        fsync_dir(os.path.dirname(path) or ".")
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return size, hasher.hexdigest() if hasher else None
+
+
+def write_json_atomic(path: str, obj: Any) -> None:
+    write_atomic(path, [json.dumps(obj, indent=1, sort_keys=True).encode()])
+
+
+def read_json(path: str) -> Any:
+    with open(path, "rb") as f:
+        return json.loads(f.read())
+
+
+# ---------------------------------------------------------------- snapshot files
+
+# ---------------------------------------------------------------- manifests and commits
+
+def read_manifests(tag_dir: str) -> dict[int, dict]:
+    """Every rank manifest in ``tag_dir``, by rank."""
+    found = {}
+    try:
+        names = os.listdir(tag_dir)
+    except FileNotFoundError:
+        return found
+    for name in names:
+        m = MANIFEST_RE.match(name)
+        if m:
+            found[int(m.group(1))] = read_json(os.path.join(tag_dir, name))
+    return found
+
+
+def manifest_entry(manifests: dict[int, dict], tag_dir: str, path: str) -> Optional[tuple[dict, str]]:
+    """The manifest entry of ``path`` and the checksum algorithm that made it, if any rank lists it."""
+    rel = os.path.relpath(path, tag_dir)
+    for man in manifests.values():
+        if rel in man["files"]:
+            return man["files"][rel], man["checksum"]
+    return None
+
+
+def read_latest(ckpt_dir: str) -> Optional[str]:
+    try:
+        with open(os.path.join(ckpt_dir, LATEST)) as f:
+            return f.read().strip() or None
+    except FileNotFoundError:
+        return None
+
+
+def read_commit(tag_dir: str) -> Optional[dict]:
+    try:
+        return read_json(os.path.join(tag_dir, COMMIT))
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def commit_checkpoint(ckpt_dir: str, tag: str, record: dict, keep_last: int,
+                      protected: Callable[[str], bool] = lambda tag: False) -> bool:
+    """Make ``tag`` committed, move ``latest`` to it if it is the newest, apply retention.
+
+    ``record`` carries ``started_ns``, the order of checkpoints. Returns whether
+    ``latest`` moved. ``protected`` tags (still in flight) are never deleted.
+    """
+    write_json_atomic(os.path.join(ckpt_dir, tag, COMMIT), record)
+    current = read_latest(ckpt_dir)
+    current_rec = read_commit(os.path.join(ckpt_dir, current)) if current else None
+    moved = current_rec is None or current_rec["started_ns"] < record["started_ns"]
+    if moved:
+        write_atomic(os.path.join(ckpt_dir, LATEST), [tag.encode()])
+    apply_retention(ckpt_dir, keep_last, protected)
+    return moved
+
+
+def apply_retention(ckpt_dir: str, keep_last: int, protected: Callable[[str], bool]) -> list[str]:
+    """Delete our checkpoints beyond the ``keep_last`` newest committed ones; returns the tags deleted.
+
+    Only directories carrying our manifests or commit records are touched, and never
+    the one ``latest`` names. Uncommitted ones go only when older than the oldest kept.
+    """
+    ours = [c for c in scan(ckpt_dir) if c.kind == "cpsr"]
+    committed = sorted((c for c in ours if c.committed), key=lambda c: c.started_ns, reverse=True)
+    kept = committed[:keep_last]
+    if not kept:
+        return []
+    floor = kept[-1].started_ns
+    latest = read_latest(ckpt_dir)
+    doomed = [c.tag for c in ours
+              if c not in kept and c.tag != latest and not protected(c.tag)
+              and (c.committed or c.started_ns < floor)]
+    for tag in doomed:
+        # Renaming first makes the removal atomic for readers and for a crash mid-delete.
+        trash = os.path.join(ckpt_dir, f".trash-{tag}-{os.getpid()}")
+        try:
+            os.replace(os.path.join(ckpt_dir, tag), trash)
+            shutil.rmtree(trash, ignore_errors=True)
+        except OSError as err:
+            log.warning("retention: could not delete checkpoint %s: %s", tag, err)
+    return doomed
+
+
+# ---------------------------------------------------------------- listing and verification
+
+@dataclass
+class Checkpoint:
+    """One tag directory as found on storage."""
+
+    tag: str
+    kind: str                 # "cpsr" (has our metadata) or "deepspeed" (no manifest)
+    started_ns: int           # order of checkpoints: rank 0's start time, or the directory mtime
+    iteration: Optional[int]
+    size: int
+    committed: bool
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def valid(self) -> bool:
+        return self.committed and not self.problems
+
+
+def scan(ckpt_dir: str) -> list[Checkpoint]:
+    """Tag directories of ``ckpt_dir`` from metadata only (no data read), oldest first."""
+    found = []
+    try:
+        names = sorted(os.listdir(ckpt_dir))
+    except FileNotFoundError:
+        return found
+    for name in names:
+        tag_dir = os.path.join(ckpt_dir, name)
+        if name.startswith(".") or not os.path.isdir(tag_dir):
+            continue
+        found.append(_describe(tag_dir, name))
+    return sorted(found, key=lambda c: c.started_ns)
+
+
+def _describe(tag_dir: str, tag: str) -> Checkpoint:
+    manifests = read_manifests(tag_dir)
+    commit = read_commit(tag_dir)
+    size = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(tag_dir) for f in fs)
+    if not manifests and commit is None:
+        return Checkpoint(tag, "deepspeed", os.stat(tag_dir).st_mtime_ns, tag_iteration(tag), size, committed=False)
+    meta = commit or next(iter(manifests.values()))
+    return Checkpoint(tag, "cpsr", meta["started_ns"], meta.get("iteration"), size, committed=commit is not None)
+
+
+def verify(ckpt_dir: str, ckpt: Checkpoint, read_data: bool = True) -> list[str]:
+    """Problems of a checkpoint of ours, each naming the rank or file; empty means loadable.
+
+    Checks every rank's manifest is there and every listed file has its size and,
+    with ``read_data``, its checksum.
+    """
+    tag_dir = os.path.join(ckpt_dir, ckpt.tag)
+    commit = read_commit(tag_dir)
+    manifests = read_manifests(tag_dir)
+    world = commit["world_size"] if commit else max(m["world_size"] for m in manifests.values())
+    problems = [f"{ckpt.tag}: rank {r} manifest {manifest_name(r)} missing (partial checkpoint)"
+                for r in range(world) if r not in manifests]
+    if commit is None:
+        problems.append(f"{ckpt.tag}: not committed ({COMMIT} missing)")
+    for man in manifests.values():
+        for rel, entry in man["files"].items():
+            path = os.path.join(tag_dir, rel)
+            try:
+                if read_data:
+                    with open(path, "rb") as f:
+                        if os.fstat(f.fileno()).st_size != entry["size"]:
+                            raise CheckpointError(f"{path}: size {os.fstat(f.fileno()).st_size} != manifest {entry['size']} (truncated)")
+                        check_digest(path, hash_file(f, man["checksum"]), entry)
+                elif os.path.getsize(path) != entry["size"]:
+                    raise CheckpointError(f"{path}: size {os.path.getsize(path)} != manifest {entry['size']} (truncated)")
+            except FileNotFoundError:
+                problems.append(f"{path}: missing")
+            except CheckpointError as err:
+                problems.append(str(err))
+    return problems
+
+
+def list_checkpoints(ckpt_dir: str, read_data: bool = True) -> list[Checkpoint]:
+    """All checkpoints, oldest first, ours verified; DeepSpeed ones count as committed when ``latest`` names them."""
+    latest = read_latest(ckpt_dir)
+    found = scan(ckpt_dir)
+    for c in found:
+        if c.kind == "cpsr":
+            c.problems = verify(ckpt_dir, c, read_data)
+        else:
+            c.committed = c.tag == latest
+    return found
+
+
+def select_checkpoint(ckpt_dir: str, read_data: bool = True) -> Optional[str]:
+    """The tag to load: the newest valid checkpoint, or None when there is none.
+
+    Each rejected newer checkpoint is logged with its problems. Every rank reaches the
+    same answer from the same shared directory, so no collective is needed.
+    """
+    for c in reversed(list_checkpoints(ckpt_dir, read_data)):
+        if c.valid:
+            return c.tag
+        if c.kind == "cpsr":
+            log.error("checkpoint %s is not loadable, falling back to an older one: %s", c.tag, "; ".join(c.problems))
+    return None
