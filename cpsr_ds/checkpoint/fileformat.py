@@ -131,7 +131,7 @@ def read_snapshot(path: str, expect: Optional[dict] = None, algorithm: str = "xx
         if head[:8] != MAGIC:
             if expect is not None:
                 check_digest(path, hash_file(f, algorithm, head), expect)
-                f.seek(0)
+            f.seek(0)
             return torch.load(f, map_location=map_location, weights_only=False)
         hasher = new_hasher(algorithm)
         hasher.update(head)
