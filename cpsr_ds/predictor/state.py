@@ -1,0 +1,161 @@
+"""The checkpoint history a predictor learns from (Sec. III-A).
+
+Each observed training state is a flat dict of tensors whose keys carry their kind
+as a prefix: ``param/<name>``, ``exp_avg/<name>``, ``exp_avg_sq/<name>``. A
+:class:`Layout` packs the floating tensors of each kind into one float32 vector,
+so that predictors work on one series per kind and slice tensors out of it as
+views; a :class:`History` keeps the last few of those vectors with their
+iterations, the checkpoints' time stamps.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+KINDS = ("param", "exp_avg", "exp_avg_sq")
+MOMENTS = ("exp_avg", "exp_avg_sq")
+OTHER = "other"
+
+
+def kind_of(key: str) -> str:
+    """The kind named by a key's prefix; anything else is ``"other"`` and never predicted."""
+    prefix, sep, _ = key.partition("/")
+    return prefix if sep and prefix in KINDS else OTHER
+
+
+@dataclass(frozen=True)
+class Entry:
+    key: str
+    kind: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def span(self) -> slice:
+        return slice(self.offset, self.offset + self.numel)
+
+
+class Layout:
+    """Where every tensor of a state lives in its kind's flat float32 vector.
+
+    ``align`` rounds each kind's length up with zeros so that the vector reshapes
+    into whole chunks of ``align`` values (the VITP token size).
+    """
+
+    def __init__(self, entries: list[Entry], sizes: dict[str, int]):
+        self.entries = entries
+        self.sizes = sizes
+
+    @classmethod
+    def of(cls, state: dict[str, torch.Tensor], align: int = 1) -> "Layout":
+        entries, used = [], {}
+        for key in sorted(state):
+            t = state[key]
+            kind = kind_of(key) if t.is_floating_point() else OTHER
+            offset = used.get(kind, 0)
+            entry = Entry(key, kind, tuple(t.shape), t.dtype, offset)
+            used[kind] = offset + entry.numel
+            entries.append(entry)
+        sizes = {k: -(-n // align) * align for k, n in used.items() if k != OTHER}
+        return cls(entries, sizes)
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return tuple(k for k in KINDS if k in self.sizes)
+
+    def of_kind(self, kind: str) -> list[Entry]:
+        return [e for e in self.entries if e.kind == kind]
+
+    def check(self, state: dict[str, torch.Tensor]) -> None:
+        want = {e.key: (e.shape, e.dtype) for e in self.entries}
+        got = {k: (tuple(t.shape), t.dtype) for k, t in state.items()}
+        if want != got:
+            diff = sorted(set(want.items()) ^ set(got.items()))
+            raise ValueError(f"state does not match the observed layout: {diff[:4]}")
+
+    def flatten(self, state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Copies ``state`` into per-kind float32 vectors plus the ``other`` tensors."""
+        flats = {k: torch.zeros(n, dtype=torch.float32) for k, n in self.sizes.items()}
+        others = {}
+        for e in self.entries:
+            t = state[e.key].detach()
+            if e.kind == OTHER:
+                others[e.key] = t.to("cpu", copy=True)
+            else:
+                flats[e.kind][e.span].copy_(t.reshape(-1))
+        return flats, others
+
+    def unflatten(self, flats: dict[str, torch.Tensor], others: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = {}
+        for e in self.entries:
+            if e.kind == OTHER:
+                out[e.key] = others[e.key].clone()
+            else:
+                out[e.key] = flats[e.kind][e.span].reshape(e.shape).to(e.dtype, copy=True)
+        return out
+
+    def state_dict(self) -> dict:
+        return {
+            "entries": [(e.key, e.kind, list(e.shape), str(e.dtype).removeprefix("torch."), e.offset) for e in self.entries],
+            "sizes": dict(self.sizes),
+        }
+
+    @classmethod
+    def from_state_dict(cls, sd: dict) -> "Layout":
+        entries = [Entry(k, kind, tuple(shape), getattr(torch, dt), off) for k, kind, shape, dt, off in sd["entries"]]
+        return cls(entries, dict(sd["sizes"]))
+
+
+class History:
+    """The last ``capacity`` checkpoints, oldest first, as per-kind flat vectors."""
+
+    def __init__(self, capacity: int, align: int = 1):
+        if capacity < 1:
+            raise ValueError(f"history capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self.align = align
+        self.layout: Layout | None = None
+        self.iterations: deque[int] = deque(maxlen=capacity)
+        self.flats: deque[dict[str, torch.Tensor]] = deque(maxlen=capacity)
+        self.others: dict[str, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return len(self.iterations)
+
+    def append(self, iteration: int, state: dict[str, torch.Tensor]) -> None:
+        if self.layout is None:
+            self.layout = Layout.of(state, self.align)
+        self.layout.check(state)
+        if self.iterations and iteration <= self.iterations[-1]:
+            raise ValueError(f"checkpoint iteration {iteration} is not after the last one ({self.iterations[-1]})")
+        flats, self.others = self.layout.flatten(state)
+        self.iterations.append(int(iteration))
+        self.flats.append(flats)
+
+    def series(self, kind: str) -> list[torch.Tensor]:
+        return [f[kind] for f in self.flats]
+
+    def state_dict(self) -> dict:
+        return {
+            "layout": None if self.layout is None else self.layout.state_dict(),
+            "iterations": list(self.iterations),
+            "flats": [dict(f) for f in self.flats],
+            "others": dict(self.others),
+        }
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.layout = None if sd["layout"] is None else Layout.from_state_dict(sd["layout"])
+        self.iterations = deque(sd["iterations"], maxlen=self.capacity)
+        self.flats = deque(sd["flats"], maxlen=self.capacity)
+        self.others = dict(sd["others"])

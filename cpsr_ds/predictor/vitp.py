@@ -1,0 +1,80 @@
+"""The CPSR predictor: FDD + VITP behind the common interface (Sec. III-A, Fig. 4).
+
+Observed checkpoints feed a :class:`VITPTrainer` that the caller advances with
+:meth:`VITPPredictor.step`; :meth:`predict` runs the network over every chunk of
+the last W checkpoints, in batches, and assembles the state at the target
+iteration. Its validation error is measured on chunks the network never trained
+on.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cpsr_ds.predictor import fdd, samples
+from cpsr_ds.predictor.base import Predictor, ValidationResult
+from cpsr_ds.predictor.network import VITP, prepare
+from cpsr_ds.predictor.state import KINDS, MOMENTS
+from cpsr_ds.predictor.trainer import StepReport, VITPTrainer
+
+
+class VITPPredictor(Predictor):
+    name = "vitp"
+
+    def __init__(self, token_size: int = 1024, window: int = 5, low_bins: int = 1, mid_bins: int = 1,
+                 d_model: int = 64, heads: int = 4, layers: int = 2, batch_chunks: int = 256, lr: float = 1e-3,
+                 max_stride: int = 2, holdout_every: int = 10, min_train_steps: int = 100,
+                 predict_batch: int = 512, seed: int = 0, device: str = "cpu", history: int = 16, **options):
+        self.min_history = window + 1
+        self.align = token_size
+        super().__init__(history=history, **options)
+        self._options = dict(token_size=token_size, window=window, low_bins=low_bins, mid_bins=mid_bins,
+                             d_model=d_model, heads=heads, layers=layers, batch_chunks=batch_chunks, lr=lr,
+                             max_stride=max_stride, holdout_every=holdout_every, min_train_steps=min_train_steps,
+                             predict_batch=predict_batch, seed=seed, device=device)
+        self.bands = fdd.Bands(window, low_bins, mid_bins)
+        torch.manual_seed(seed)
+        model = VITP(token_size, self.bands, d_model=d_model, heads=heads, layers=layers, d_ff=2 * d_model)
+        kinds = tuple(k for k in KINDS if (self.moments if k in MOMENTS else self.params) == "predict")
+        self.trainer = VITPTrainer(model, self.history, kinds, token_size, batch_chunks=batch_chunks, lr=lr,
+                                   max_stride=max_stride, holdout_every=holdout_every, seed=seed, device=device)
+
+    @property
+    def options(self) -> dict:
+        return {**super().options, **self._options}
+
+    def step(self, budget_s: float | None = None, n_steps: int | None = None) -> StepReport:
+        """Train in a budget of seconds or steps (see :meth:`VITPTrainer.step`)."""
+        return self.trainer.step(budget_s=budget_s, n_steps=n_steps)
+
+    def ready(self) -> bool:
+        return super().ready() and self.trainer.steps >= self._options["min_train_steps"]
+
+    @torch.no_grad()
+    def _extrapolate(self, kind, iterations, series, target):
+        token, w, batch = self._options["token_size"], self.bands.window, self._options["predict_batch"]
+        inputs = tuple(range(len(series) - w, len(series)))
+        times = samples.time_features(torch.tensor([float(iterations[i]) for i in inputs]), target)
+        out = torch.empty_like(series[-1])
+        rows_out = samples.chunks(out, token)
+        self.trainer.model.eval()
+        for lo in range(0, rows_out.shape[0], batch):
+            rows = torch.arange(lo, min(lo + batch, rows_out.shape[0]))
+            y = samples.gather(series, inputs, rows, token).to(self.trainer.device)
+            rows_out[rows] = self.trainer.run(prepare(y, self.bands), times, kind).cpu()
+        return out
+
+    def validation_error(self) -> ValidationResult | None:
+        """Error of predicting the newest checkpoint of the held-out chunks from the W before it."""
+        if not self.trainer.trainable():
+            return None
+        _, relative, per_kind = self.trainer.validate()
+        it = self.history.iterations
+        return ValidationResult(it[-1], it[-1] - it[-2], relative, {k: e / n for k, (e, _, n) in per_kind.items()})
+
+    def state_dict(self, include_history: bool = True) -> dict:
+        return {**super().state_dict(include_history), "trainer": self.trainer.state_dict()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        super().load_state_dict(sd)
+        self.trainer.load_state_dict(sd["trainer"])
