@@ -98,4 +98,6 @@ def initialize(*args, **kwargs):
         engine, optimizer, dataloader, scheduler = deepspeed.initialize(*args, **kwargs)
     engine.cpsr = Runtime(engine, cfg)
     engine.cpsr.recovery = recover(engine, cfg.checkpoint.dir)
+    if engine.global_rank == 0:
+        logger.info(engine.cpsr.recovery.describe())
     return engine, optimizer, dataloader, scheduler

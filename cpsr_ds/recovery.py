@@ -9,14 +9,10 @@ bit-for-bit those of the failure-free run.
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass
 
 from cpsr_ds.checkpoint.journal import reached_iteration
-
-logger = logging.getLogger("cpsr_ds")
-
 
 @dataclass(frozen=True)
 class RecoveryReport:
@@ -57,5 +53,4 @@ def recover(engine, directory: str) -> RecoveryReport:
         if load_path is None:
             raise RuntimeError(f"cpsr recovery: {directory}/latest exists but DeepSpeed could not load it")
         report = RecoveryReport("recompute", reached, engine.global_steps, engine.global_steps)
-    logger.info(report.describe())
     return report

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Restart a training job after a failure, up to N times; stop on success.
+#
+#   launch/resilient.sh [--max-restarts N] -- deepspeed launch/train_gpt.py --deepspeed_config CONFIG ...
+#
+# The job itself finds where the failed attempt got to (cpsr_ds reads its progress
+# journal and checkpoints on start), so every attempt runs the same command.
+set -u
+
+max_restarts=3
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --max-restarts) max_restarts="$2"; shift 2 ;;
+    --max-restarts=*) max_restarts="${1#*=}"; shift ;;
+    --) shift; break ;;
+    *) break ;;
+  esac
+done
+if [ $# -eq 0 ]; then
+  echo "usage: $0 [--max-restarts N] -- COMMAND [ARGS...]" >&2
+  exit 2
+fi
+case "$max_restarts" in
+  ''|*[!0-9]*) echo "$0: --max-restarts must be a non-negative integer, got '$max_restarts'" >&2; exit 2 ;;
+esac
+
+attempt=0
+while true; do
+  "$@"
+  code=$?
+  if [ "$code" -eq 0 ]; then
+    [ "$attempt" -gt 0 ] && echo "[resilient] job finished after $attempt restart(s)"
+    exit 0
+  fi
+  if [ "$attempt" -ge "$max_restarts" ]; then
+    echo "[resilient] attempt $((attempt + 1)) failed with exit code $code; no restarts left ($max_restarts)" >&2
+    exit "$code"
+  fi
+  attempt=$((attempt + 1))
+  echo "[resilient] job failed with exit code $code; restart $attempt of $max_restarts"
+done
