@@ -26,13 +26,16 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional
 
 
-from cpsr_ds.checkpoint.fileformat import CheckpointError, check_digest, hash_file, new_hasher
+from cpsr_ds.checkpoint.fileformat import MAGIC, CheckpointError, check_digest, hash_file, new_hasher
 
 log = logging.getLogger(__name__)
 
 LATEST = "latest"
 COMMIT = "cpsr_commit.json"
 MANIFEST_RE = re.compile(r"^cpsr_manifest\.rank(\d{5})\.json$")
+TEMP_RE = re.compile(r"^\..+\.tmp(\d+)$")
+TRASH_PREFIX = ".trash-"
+DEEPSPEED_FILE_RE = re.compile(r".*(model_states|optim_states)\.pt$")
 
 
 def manifest_name(rank: int) -> str:
@@ -180,15 +183,30 @@ def apply_retention(ckpt_dir: str, keep_last: int, protected: Callable[[str], bo
     doomed = [c.tag for c in ours
               if c not in kept and c.tag != latest and not protected(c.tag)
               and (c.committed or c.started_ns < floor)]
+    _remove_leftovers(ckpt_dir)
     for tag in doomed:
         # Renaming first makes the removal atomic for readers and for a crash mid-delete.
-        trash = os.path.join(ckpt_dir, f".trash-{tag}-{os.getpid()}")
+        trash = os.path.join(ckpt_dir, f"{TRASH_PREFIX}{tag}-{os.getpid()}")
         try:
             os.replace(os.path.join(ckpt_dir, tag), trash)
             shutil.rmtree(trash, ignore_errors=True)
         except OSError as err:
             log.warning("retention: could not delete checkpoint %s: %s", tag, err)
     return doomed
+
+
+def _remove_leftovers(ckpt_dir: str) -> None:
+    """Trash and temporary files that processes killed mid-way left in ``ckpt_dir``."""
+    for name in os.listdir(ckpt_dir):
+        path = os.path.join(ckpt_dir, name)
+        temp = TEMP_RE.match(name)
+        if name.startswith(TRASH_PREFIX):
+            shutil.rmtree(path, ignore_errors=True)
+        elif temp and int(temp.group(1)) != os.getpid():
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
 
 
 # ---------------------------------------------------------------- listing and verification
@@ -221,18 +239,55 @@ def scan(ckpt_dir: str) -> list[Checkpoint]:
         tag_dir = os.path.join(ckpt_dir, name)
         if name.startswith(".") or not os.path.isdir(tag_dir):
             continue
-        found.append(_describe(tag_dir, name))
+        try:
+            ckpt = _describe(tag_dir, name)
+        except FileNotFoundError:
+            continue
+        if ckpt is not None:
+            found.append(ckpt)
     return sorted(found, key=lambda c: c.started_ns)
 
 
-def _describe(tag_dir: str, tag: str) -> Checkpoint:
+def _describe(tag_dir: str, tag: str) -> Optional[Checkpoint]:
+    """The checkpoint in ``tag_dir``, or None for a directory that holds none (the journal, say)."""
     manifests = read_manifests(tag_dir)
     commit = read_commit(tag_dir)
-    size = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(tag_dir) for f in fs)
+    size = sum(_size(os.path.join(r, f)) for r, _, fs in os.walk(tag_dir) for f in fs)
     if not manifests and commit is None:
-        return Checkpoint(tag, "deepspeed", os.stat(tag_dir).st_mtime_ns, tag_iteration(tag), size, committed=False)
+        if _unfinished_snapshot(tag_dir):
+            kind = "cpsr"
+        elif any(DEEPSPEED_FILE_RE.match(n) for n in os.listdir(tag_dir)):
+            kind = "deepspeed"
+        else:
+            return None
+        return Checkpoint(tag, kind, os.stat(tag_dir).st_mtime_ns, tag_iteration(tag), size, committed=False)
     meta = commit or next(iter(manifests.values()))
     return Checkpoint(tag, "cpsr", meta["started_ns"], meta.get("iteration"), size, committed=commit is not None)
+
+
+def _size(path: str) -> int:
+    # Writers rename and retention deletes while we look: a vanished file counts as empty.
+    try:
+        return os.path.getsize(path)
+    except FileNotFoundError:
+        return 0
+
+
+def _unfinished_snapshot(tag_dir: str) -> bool:
+    """A tag directory holding only our temporary files and snapshot files, or nothing: a persist cut short."""
+    for name in os.listdir(tag_dir):
+        path = os.path.join(tag_dir, name)
+        if TEMP_RE.match(name):
+            continue
+        try:
+            with open(path, "rb") as f:
+                if f.read(len(MAGIC)) != MAGIC:
+                    return False
+        except FileNotFoundError:
+            continue
+        except IsADirectoryError:
+            return False
+    return True
 
 
 def verify(ckpt_dir: str, ckpt: Checkpoint, read_data: bool = True) -> list[str]:
@@ -244,6 +299,8 @@ def verify(ckpt_dir: str, ckpt: Checkpoint, read_data: bool = True) -> list[str]
     tag_dir = os.path.join(ckpt_dir, ckpt.tag)
     commit = read_commit(tag_dir)
     manifests = read_manifests(tag_dir)
+    if commit is None and not manifests:
+        return [f"{ckpt.tag}: no manifest, snapshot files only (partial checkpoint)"]
     world = commit["world_size"] if commit else max(m["world_size"] for m in manifests.values())
     problems = [f"{ckpt.tag}: rank {r} manifest {manifest_name(r)} missing (partial checkpoint)"
                 for r in range(world) if r not in manifests]

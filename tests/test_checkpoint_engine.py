@@ -1,0 +1,262 @@
+"""The asynchronous checkpoint engine: round trips, buffer reuse, storage failures, kills mid-persist."""
+
+import errno
+import logging
+import os
+import random
+import signal
+import time
+
+import pytest
+import torch
+from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
+
+from cpsr_ds.checkpoint import store
+from cpsr_ds.checkpoint.checkfreq import CheckFreqEngine
+from cpsr_ds.checkpoint.factory import create_engine
+from cpsr_ds.checkpoint.fileformat import CheckpointError
+from cpsr_ds.config import CheckpointConfig
+from test_checkpoint_store import assert_same, nested_state
+
+MODEL = "mp_rank_00_model_states.pt"
+
+
+def optim(rank):
+    return f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+
+
+def config(d, **kw):
+    kw = {"dir": d, "retries": 2, "retry_backoff_s": 0.01, "chunk_mb": 1, "commit_timeout_s": 30.0, **kw}
+    return CheckpointConfig(**kw)
+
+
+@pytest.fixture
+def engines():
+    made = []
+
+    def make(d, rank=0, world_size=1, **kw):
+        eng = create_engine(config(d, **kw), rank, world_size)
+        made.append(eng)
+        return eng
+
+    yield make
+    for eng in made:
+        eng.cleanup()
+
+
+def checkpoint(eng, d, step, states, rank=0):
+    """What DeepSpeed's save_checkpoint and the next step do with a decoupled engine."""
+    tag = f"global_step{step}"
+    eng.create(CheckpointCommitInfo(tag=tag, save_dir=d, save_latest=True))
+    if rank == 0:
+        eng.save(states["model"], os.path.join(d, tag, MODEL))
+    eng.save(states["optim"], os.path.join(d, tag, optim(rank)))
+    info = eng.get_commit_info()
+    assert info.tag == tag and info.save_latest is False
+    eng.commit(info)
+    return tag
+
+
+def states(scale=1.0, n=50_000):
+    return {"model": nested_state(), "optim": {"fp32": torch.randn(n) * scale, "step": 7}}
+
+
+@pytest.mark.parametrize("strategy", ["checkfreq", "pccheck", "cpsr"])
+def test_round_trip_through_save_commit_load(tmp_path, engines, strategy):
+    d = str(tmp_path)
+    eng = engines(d, strategy=strategy)
+    assert eng.is_decoupled() and not eng.preserves_storage_sharing()
+    st = states()
+    tag = checkpoint(eng, d, 3, st)
+    assert eng.flush(30)
+    assert store.read_latest(d) == tag == store.select_checkpoint(d)
+    assert_same(eng.load(os.path.join(d, tag, MODEL), map_location=torch.device("cpu")), st["model"])
+    assert_same(eng.load(os.path.join(d, tag, optim(0))), st["optim"])
+
+
+def test_save_captures_state_at_save_time(tmp_path, engines):
+    d = str(tmp_path)
+    eng = engines(d)
+    st = states()
+    expected = st["optim"]["fp32"].clone()
+    tag = checkpoint(eng, d, 1, st)
+    st["optim"]["fp32"].add_(1.0)  # the optimizer step after commit
+    st["optim"]["step"] = 8
+    assert eng.flush(30)
+    got = eng.load(os.path.join(d, tag, optim(0)))
+    assert torch.equal(got["fp32"], expected) and got["step"] == 7
+
+
+def test_buffers_are_reused_for_same_shapes(tmp_path, engines):
+    d = str(tmp_path)
+    eng = engines(d, strategy="checkfreq")
+    assert isinstance(eng, CheckFreqEngine)
+    st = states()
+    checkpoint(eng, d, 1, st)
+    eng.flush(30)
+    (buffers,) = list(eng._free.queue)
+    first = {k: v.data_ptr() for k, v in buffers._arenas.items()}
+    for step in (2, 3):
+        checkpoint(eng, d, step, states())
+        eng.flush(30)
+    assert buffers.allocations == 2
+    assert {k: v.data_ptr() for k, v in buffers._arenas.items()} == first
+
+
+def test_latest_moves_only_when_every_rank_is_durable(tmp_path, engines):
+    d = str(tmp_path)
+    rank0, rank1 = engines(d, 0, 2), engines(d, 1, 2)
+    checkpoint(rank0, d, 1, states(), rank=0)
+    checkpoint(rank1, d, 1, states(), rank=1)
+    assert rank1.flush(30) and rank0.flush(30)
+    assert store.read_latest(d) == "global_step1"
+    checkpoint(rank0, d, 2, states(), rank=0)
+    rank1.create(CheckpointCommitInfo(tag="global_step2", save_dir=d, save_latest=True))
+    time.sleep(0.3)
+    assert store.read_latest(d) == "global_step1"
+    rank1.save(states()["optim"], os.path.join(d, "global_step2", optim(1)))
+    rank1.commit(rank1.get_commit_info())
+    assert rank1.flush(30) and rank0.flush(30)
+    assert store.read_latest(d) == "global_step2"
+
+
+def test_committed_checkpoints_beyond_keep_last_are_deleted(tmp_path, engines):
+    d = str(tmp_path)
+    eng = engines(d, keep_last=2)
+    for step in range(1, 5):
+        checkpoint(eng, d, step, states(n=100))
+    assert eng.flush(30)
+    assert sorted(os.listdir(d)) == ["global_step3", "global_step4", "latest"]
+
+
+def test_load_refuses_a_corrupt_or_unlisted_file(tmp_path, engines):
+    d = str(tmp_path)
+    eng = engines(d)
+    tag = checkpoint(eng, d, 1, states())
+    assert eng.flush(30)
+    path = os.path.join(d, tag, optim(0))
+    with open(path, "r+b") as f:
+        f.seek(-8, os.SEEK_END)
+        f.write(b"garbage!")
+    with pytest.raises(CheckpointError, match=optim(0) + ": checksum mismatch"):
+        eng.load(path)
+    torch.save({}, os.path.join(d, tag, "stray.pt"))
+    with pytest.raises(CheckpointError, match="stray.pt: listed in no rank manifest"):
+        eng.load(os.path.join(d, tag, "stray.pt"))
+
+
+def test_checkpoint_of_deepspeeds_torch_engine_loads(tmp_path, engines):
+    d = str(tmp_path)
+    torch_engine = create_engine(config(d, strategy="torch"), 0, 1)
+    assert isinstance(torch_engine, TorchCheckpointEngine)
+    st = states()
+    os.makedirs(os.path.join(d, "global_step5"))
+    torch_engine.save(st["model"], os.path.join(d, "global_step5", MODEL))
+    with open(os.path.join(d, "latest"), "w") as f:
+        f.write("global_step5")
+    assert store.select_checkpoint(d) == "global_step5"
+    assert_same(engines(d).load(os.path.join(d, "global_step5", MODEL)), st["model"])
+
+
+def test_profiled_interval_follows_measured_costs(tmp_path, engines):
+    d = str(tmp_path)
+    eng = engines(d, strategy="checkfreq", interval=17)
+    assert eng.interval(0.5) == 17
+    checkpoint(eng, d, 1, states())
+    eng.flush(30)
+    assert eng.stats.last_stall_s > 0 and eng.stats.last_persist_s > 0
+    assert eng.interval(1e-6) > 17
+    assert engines(d, strategy="cpsr", interval=17).interval(1e-6) == 17
+
+
+# ---------------------------------------------------------------- storage failures
+
+@pytest.fixture
+def failing_storage(monkeypatch):
+    """Make writes into one directory fail with a chosen errno, counting the attempts."""
+    real_write, real_open = os.write, os.open
+    state = {"dir": None, "errno": None, "attempts": 0}
+
+    def inside(path):
+        return state["errno"] is not None and os.path.abspath(path).startswith(state["dir"])
+
+    def write(fd, data):
+        if state["errno"] == errno.ENOSPC and inside(os.readlink(f"/proc/self/fd/{fd}")):
+            state["attempts"] += 1
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(fd, data)
+
+    def open_(path, flags, *args, **kw):
+        if state["errno"] == errno.EACCES and flags & os.O_WRONLY and inside(path):
+            state["attempts"] += 1
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
+        return real_open(path, flags, *args, **kw)
+
+    monkeypatch.setattr(os, "write", write)
+    monkeypatch.setattr(os, "open", open_)
+    return state
+
+
+@pytest.mark.parametrize("code,cause", [(errno.ENOSPC, "ENOSPC No space left on device"),
+                                        (errno.EACCES, "EACCES Permission denied")])
+def test_storage_failure_does_not_stop_training_and_keeps_latest(tmp_path, engines, failing_storage, caplog,
+                                                                 code, cause):
+    d = str(tmp_path)
+    eng = engines(d)
+    checkpoint(eng, d, 1, states())
+    assert eng.flush(30) and store.read_latest(d) == "global_step1"
+    failing_storage.update(dir=d, errno=code)
+    with caplog.at_level(logging.WARNING):
+        checkpoint(eng, d, 2, states())  # must not raise on the training side
+        assert eng.flush(30)
+    assert failing_storage["attempts"] == 3  # first try + 2 retries
+    assert "retrying" in caplog.text and cause in caplog.text and "giving up" in caplog.text
+    assert store.read_latest(d) == "global_step1" == store.select_checkpoint(d)
+    assert eng.stats.failed == 1
+    failing_storage.update(errno=None)
+    checkpoint(eng, d, 3, states())
+    assert eng.flush(30) and store.read_latest(d) == "global_step3"
+
+
+# ---------------------------------------------------------------- SIGKILL during persist
+
+def _persist_forever(d, seed):
+    """Child process: two ranks checkpointing as fast as they can, until killed."""
+    random.seed(seed)
+    rank0 = create_engine(config(d, keep_last=2, chunk_mb=1, max_in_flight=2), 0, 2)
+    rank1 = create_engine(config(d, keep_last=2, chunk_mb=1, max_in_flight=2), 1, 2)
+    step = int(time.time() * 1000) % 10**9  # later runs continue with larger tags
+    while True:
+        step += 1
+        st = states(n=random.choice([10_000, 300_000, 1_000_000]))
+        checkpoint(rank0, d, step, st, rank=0)
+        checkpoint(rank1, d, step, st, rank=1)
+
+
+def test_sigkill_at_random_points_never_leaves_latest_invalid(tmp_path):
+    d = str(tmp_path)
+    rng = random.Random(1234)
+    committed = set()
+    deadline = time.monotonic() + 20
+    kills = 0
+    while time.monotonic() < deadline and kills < 40:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                _persist_forever(d, kills)
+            finally:
+                os._exit(1)
+        time.sleep(rng.uniform(0.05, 0.6))
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        kills += 1
+        latest = store.read_latest(d)
+        if latest is None:
+            continue
+        found = {c.tag: c for c in store.list_checkpoints(d)}
+        assert latest in found, f"latest names {latest}, which is gone"
+        assert found[latest].valid, f"latest {latest} invalid after kill {kills}: {found[latest].problems}"
+        committed.add(latest)
+    assert kills >= 10
+    assert len(committed) >= 3, "kills should land after some commits, too"
