@@ -1,0 +1,277 @@
+"""Predictor package on synthetic checkpoint trajectories: FDD, samples, the simple
+extrapolators, VITP training and prediction, state dicts, memory."""
+
+import io
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from cpsr_ds.predictor import NotReady, kind_of, make_predictor
+from cpsr_ds.predictor import fdd, samples
+from cpsr_ds.predictor.simple import damping_gain, fit_damping, increment_gram, intervals
+
+# Checkpoints at variable intervals (30..70 iterations), the failure between two.
+ITERATIONS = [0, 40, 75, 140, 180, 230, 300, 335, 390, 450, 490, 540]
+TARGET = 570
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # The 2-core CI machine runs other suites alongside; one thread keeps step times stable.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def decay(t, n=4096, k=0.004, noise=0.0, seed=0):
+    """Parameters decaying exponentially toward a target (rate k per iteration), plus
+    independent noise per checkpoint; Adam-like moments that follow the gradient."""
+    gen = torch.Generator().manual_seed(seed)
+    x0, target = torch.randn(n, generator=gen), 0.1 * torch.randn(n, generator=gen)
+    factor = math.exp(-k * t)
+    x = target + (x0 - target) * factor
+    if noise:
+        x = x + noise * torch.randn(n, generator=torch.Generator().manual_seed(seed + 1 + t))
+    grad = k * (x0 - target) * factor
+    return {"param/w": x.reshape(64, -1), "exp_avg/w": grad.reshape(64, -1), "exp_avg_sq/w": grad.square().reshape(64, -1)}
+
+
+def fed(name, states=decay, iterations=ITERATIONS, **options):
+    p = make_predictor(name, **options)
+    for it in iterations:
+        p.observe(it, states(it))
+    return p
+
+
+def rel_error(pred, truth, last, key="param/w"):
+    return float((pred[key] - truth[key]).norm() / (last[key] - truth[key]).norm())
+
+
+# --- state layout -------------------------------------------------------------
+
+def test_kind_comes_from_the_key_prefix():
+    assert kind_of("param/h.0.attn.weight") == "param"
+    assert kind_of("exp_avg/h.0.attn.weight") == "exp_avg"
+    assert kind_of("exp_avg_sq/x") == "exp_avg_sq"
+    assert kind_of("step/x") == kind_of("param") == kind_of("weight") == "other"
+
+
+# --- FDD ----------------------------------------------------------------------
+
+def test_fdd_round_trip_with_nothing_dropped_is_exact():
+    y = torch.randn(3, 7, 50, dtype=torch.float64)
+    bands = fdd.Bands(7, low=1, mid=2)
+    low, mid, high = fdd.split(y, bands, dim=1)
+    torch.testing.assert_close(fdd.assemble(low, mid, high, window=7, dim=1), y, rtol=0, atol=1e-12)
+
+
+def test_mid_band_of_the_default_bands_is_forty_percent():
+    assert fdd.Bands(5).mid_volume == pytest.approx(0.4)
+    assert fdd.Bands(8, low=1, mid=2).mid_volume == pytest.approx(0.5)
+    with pytest.raises(ValueError):
+        fdd.Bands(4, low=2, mid=2)
+
+
+def test_dropping_high_bins_removes_injected_high_frequency_noise():
+    w = 8
+    i = torch.arange(w, dtype=torch.float64)[:, None]
+    phase = torch.rand(1, 100, dtype=torch.float64) * 6.28
+    clean = 0.5 + 0.3 * torch.sin(2 * math.pi * i / w + phase) + 0.2 * torch.cos(4 * math.pi * i / w)
+    noise = 0.2 * torch.cos(2 * math.pi * 3 * i / w + 2 * phase) + 0.1 * (-1.0) ** i
+    denoised = fdd.denoise(clean + noise, fdd.Bands(w, low=1, mid=2), dim=0)
+    torch.testing.assert_close(denoised, clean, rtol=0, atol=1e-12)
+
+
+# --- samples ------------------------------------------------------------------
+
+def test_windows_are_strided_with_a_target_within_one_stride():
+    wins = samples.windows(8, 3, max_stride=2)
+    assert {len(w.inputs) for w in wins} == {3}
+    for w in wins:
+        stride = w.inputs[1] - w.inputs[0]
+        assert stride in (1, 2) and list(w.inputs) == list(range(w.inputs[0], w.inputs[-1] + 1, stride))
+        assert w.inputs[-1] < w.target <= min(w.inputs[-1] + stride, 7)
+    # stride 1: starts 0..4, one target each; stride 2: starts 0..2, two targets unless past the end
+    assert len(wins) == 5 + (2 + 2 + 1)
+
+
+def test_gathered_samples_have_the_right_shapes_and_time_stamps():
+    token = 16
+    series = [torch.arange(64, dtype=torch.float32) + 1000 * c for c in range(6)]
+    window = samples.Window((1, 2, 4), 5)
+    rows = torch.tensor([3, 0])
+    batch = samples.gather(series, window.inputs, rows, token)
+    assert batch.shape == (2, 3, token)
+    torch.testing.assert_close(batch[0, 2], series[4][3 * token:4 * token])
+    times, target = window.times(ITERATIONS)
+    assert times.tolist() == [40.0, 75.0, 180.0] and target == 230
+    feats = samples.time_features(times, target)
+    mean = (180 - 40) / 2
+    assert feats.shape == (4, 2)
+    torch.testing.assert_close(feats[:, 0], torch.tensor([35, 35, 105, 50]) / mean)
+    torch.testing.assert_close(feats[:, 1], torch.tensor([-140, -105, 0, 50]) / mean)
+
+
+# --- simple extrapolators -----------------------------------------------------
+
+def linear_states(t):
+    a = torch.linspace(-1, 1, 300)
+    return {
+        "param/a": (a + 0.002 * t).reshape(20, 15),
+        "param/h": (a[:10] - 0.001 * t).to(torch.float16),
+        "exp_avg/a": (0.01 * a + 1e-5 * t).reshape(20, 15),
+        "exp_avg_sq/a": (0.55 - 0.001 * t + 0 * a).reshape(20, 15),
+        "step": torch.tensor(t),
+    }
+
+
+def test_linear_is_exact_on_a_linear_trajectory_and_keeps_keys_shapes_dtypes():
+    p = fed("linear", linear_states)
+    out = p.predict(TARGET)
+    truth = linear_states(TARGET)
+    assert {k: (v.shape, v.dtype) for k, v in out.items()} == {k: (v.shape, v.dtype) for k, v in truth.items()}
+    torch.testing.assert_close(out["param/a"], truth["param/a"], rtol=0, atol=1e-5)
+    torch.testing.assert_close(out["param/h"], truth["param/h"])
+    last = linear_states(ITERATIONS[-1])
+    for key in ("exp_avg/a", "exp_avg_sq/a", "step"):
+        torch.testing.assert_close(out[key], last[key], rtol=0, atol=0)
+    # float16 storage of param/h bounds the exactness of the held-out prediction
+    assert p.validation_error().relative < 1e-2
+
+
+def test_moments_predicted_on_request_and_exp_avg_sq_never_negative():
+    for name in ("linear", "damped", "ridge"):
+        out = fed(name, linear_states, moments="predict").predict(TARGET)
+        truth = linear_states(TARGET)
+        torch.testing.assert_close(out["exp_avg/a"], truth["exp_avg/a"], rtol=0, atol=1e-5)
+        # the linear trend of exp_avg_sq crosses zero before the target
+        assert float(truth["exp_avg_sq/a"].min()) < 0 and float(out["exp_avg_sq/a"].min()) == 0.0
+    kept = fed("linear", linear_states, params="keep").predict(TARGET)
+    torch.testing.assert_close(kept["param/a"], linear_states(ITERATIONS[-1])["param/a"], rtol=0, atol=0)
+
+
+def test_damping_gain_spans_linear_to_skip():
+    assert damping_gain(0.0, 50, 20) == pytest.approx(20 / 50)
+    assert damping_gain(0.01, 50, 50) == pytest.approx(math.exp(-0.5))
+    assert damping_gain(100.0, 50, 20) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_damped_fits_the_decay_rate_and_beats_linear():
+    k = 0.004
+    states = lambda t: decay(t, k=k, noise=1e-4)
+    damped = fed("damped", states)
+    assert damped.fitted_damping()["param/w"] == pytest.approx(k, rel=0.05)
+    truth, last = states(TARGET), states(ITERATIONS[-1])
+    err_damped = rel_error(damped.predict(TARGET), truth, last)
+    err_linear = rel_error(fed("linear", states).predict(TARGET), truth, last)
+    assert err_damped < 0.5 * err_linear < 0.5
+    assert damped.validation_error().relative < fed("linear", states).validation_error().relative
+
+
+def test_fit_damping_recovers_zero_and_heavy_damping():
+    its = ITERATIONS[:8]
+    steps = intervals(its)
+    straight = [torch.full((10,), 0.01 * t) for t in its]
+    assert fit_damping(increment_gram(straight), steps) == pytest.approx(0.0, abs=1e-6)
+    noise = [torch.randn(1000, generator=torch.Generator().manual_seed(t)) for t in its]
+    assert damping_gain(fit_damping(increment_gram(noise), steps), 50, 25) < 0.2
+
+
+def test_ridge_beats_skip_on_a_smooth_trajectory():
+    states = lambda t: decay(t, noise=1e-3)
+    ridge = fed("ridge", states)
+    truth, last = states(TARGET), states(ITERATIONS[-1])
+    assert rel_error(ridge.predict(TARGET), truth, last) < 0.3
+    assert ridge.validation_error().relative < 0.3
+    assert fed("skip", states).validation_error().relative == 1.0
+
+
+def test_misuse_is_refused():
+    p = make_predictor("damped")
+    with pytest.raises(NotReady):
+        p.predict(10)
+    p.observe(0, decay(0))
+    p.observe(10, decay(10))
+    assert not p.ready() and p.validation_error() is None
+    with pytest.raises(ValueError, match="not after"):
+        p.observe(10, decay(10))
+    with pytest.raises(ValueError, match="layout"):
+        p.observe(20, {"param/w": torch.zeros(3)})
+    p.observe(20, decay(20))
+    with pytest.raises(ValueError, match="before the last"):
+        p.predict(15)
+    with pytest.raises(ValueError, match="unknown predictor"):
+        make_predictor("oracle")
+    with pytest.raises(ValueError):
+        make_predictor("linear", moments="extrapolate")
+
+
+# --- VITP ---------------------------------------------------------------------
+
+VITP_SMALL = dict(token_size=256, batch_chunks=16, min_train_steps=20, d_model=32)
+
+
+def test_vitp_training_loss_decreases_and_its_prediction_beats_skip():
+    states = lambda t: decay(t, noise=1e-3)
+    p = fed("vitp", states, **VITP_SMALL)
+    assert not p.ready()
+    untrained_val_loss, untrained_relative, _ = p.trainer.validate()
+    assert untrained_relative == pytest.approx(1.0)  # a zero head starts as skip
+    for _ in range(4):
+        p.step(n_steps=40)
+    assert p.ready() and p.trainer.steps == 160
+    curve = p.trainer.curve
+    assert curve[-1].train_loss < 0.5 * curve[0].train_loss
+    assert max(c.val_loss for c in curve) < 0.1 * untrained_val_loss
+    assert [c.steps for c in curve] == [40, 80, 120, 160] and curve[-1].seconds > curve[0].seconds > 0
+    truth, last = states(TARGET), states(ITERATIONS[-1])
+    assert rel_error(p.predict(TARGET), truth, last) < 0.5
+    assert p.validation_error().relative < 0.5
+
+
+def test_vitp_step_respects_a_time_budget():
+    p = fed("vitp", decay, **VITP_SMALL)
+    report = p.step(budget_s=0.3)
+    assert report.steps >= 1 and report.seconds < 0.3 + 0.5
+    assert fed("vitp", decay, iterations=ITERATIONS[:4], **VITP_SMALL).step(n_steps=5).steps == 0
+
+
+@pytest.mark.parametrize("name", ["skip", "linear", "damped", "ridge", "vitp"])
+def test_state_dict_round_trip_gives_identical_predictions(name):
+    options = VITP_SMALL if name == "vitp" else {}
+    p = fed(name, lambda t: decay(t, noise=1e-3), moments="predict", **options)
+    if name == "vitp":
+        p.step(n_steps=25)
+    buf = io.BytesIO()
+    torch.save(p.state_dict(), buf)
+    buf.seek(0)
+    sd = torch.load(buf, weights_only=False)
+    q = make_predictor(name, **sd["options"])
+    q.load_state_dict(sd)
+    for key, value in p.predict(TARGET).items():
+        assert torch.equal(value, q.predict(TARGET)[key]), key
+        if key.startswith("exp_avg_sq/"):
+            assert float(value.min()) >= 0
+    if name == "vitp":
+        light = make_predictor(name, **sd["options"])
+        light.load_state_dict(p.state_dict(include_history=False))
+        for it in ITERATIONS[-light.history.capacity:]:
+            light.observe(it, decay(it, noise=1e-3))
+        assert torch.equal(light.predict(TARGET)["param/w"], p.predict(TARGET)["param/w"])
+        assert light.trainer.curve == p.trainer.curve
+
+
+def test_vitp_peak_memory_is_under_200_mb():
+    out = subprocess.run(
+        [sys.executable, "-m", "cpsr_ds.predictor.footprint", "--chunks", "4096", "--steps", "5", "--threads", "1"],
+        capture_output=True, text=True, check=True, timeout=120, cwd=Path(__file__).resolve().parents[1],
+    )
+    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    assert 0 < figures["train_peak_mib"] <= 200
+    assert figures["predict_working_peak_mib"] <= 200
