@@ -18,7 +18,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from cpsr_ds.checkpoint.journal import journal_path, read_journal  # noqa: E402
+from cpsr_ds.checkpoint.journal import journal_path, read_journal, read_validation  # noqa: E402
 
 
 def attempts(entries):
@@ -29,15 +29,6 @@ def attempts(entries):
             runs.append([])
         runs[-1].append(entry)
     return runs
-
-
-def read_validation(run_dir: str) -> dict[int, float]:
-    losses = {}
-    with open(os.path.join(run_dir, "validation.csv")) as f:
-        for line in f:
-            iteration, loss = line.strip().split(",")
-            losses[int(iteration)] = float(loss)
-    return losses
 
 
 def summarize(run_dir: str) -> str:

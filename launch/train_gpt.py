@@ -28,11 +28,9 @@ from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config  # noqa:
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import cpsr_ds  # noqa: E402
+from cpsr_ds.checkpoint.journal import append_validation  # noqa: E402
 from cpsr_ds.data.corpus import Batches, load_corpus  # noqa: E402
 from cpsr_ds.models.gpt import GPTConfig, gpt_pipeline  # noqa: E402
-
-VALIDATION_FILE = "validation.csv"
-
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -115,15 +113,13 @@ def main(argv=None) -> None:
     )
     validation = batches.validation()
     leader = engine.global_rank == 0
-    val_log = os.path.join(cpsr_cfg.checkpoint.dir, VALIDATION_FILE) if cpsr_cfg.enabled else None
 
     def report_validation(iteration: int) -> None:
         loss = evaluate(engine, validation)
         if leader:
             print(f"iteration {iteration:6d} | validation loss {loss:.4f}", flush=True)
-            if val_log:
-                with open(val_log, "a") as f:
-                    f.write(f"{iteration},{loss!r}\n")
+            if cpsr_cfg.enabled:
+                append_validation(cpsr_cfg.checkpoint.dir, iteration, loss)
 
     start = engine.global_steps
     if start == 0:

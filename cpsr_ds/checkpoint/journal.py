@@ -69,3 +69,21 @@ def reached_iteration(directory: str) -> int | None:
     """The last iteration every rank finished, or None for a job that never ran one."""
     reached = [max(e.iteration for e in entries) for entries in rank_journals(directory).values() if entries]
     return min(reached) if reached else None
+
+
+VALIDATION_FILE = "validation.csv"
+
+
+def append_validation(directory: str, iteration: int, loss: float) -> None:
+    """Log a validation loss; a recomputing run logs an iteration again, and the last entry wins."""
+    with open(os.path.join(directory, VALIDATION_FILE), "a") as f:
+        f.write(f"{iteration},{loss!r}\n")
+
+
+def read_validation(directory: str) -> dict[int, float]:
+    losses = {}
+    with open(os.path.join(directory, VALIDATION_FILE)) as f:
+        for line in f:
+            iteration, loss = line.split(",")
+            losses[int(iteration)] = float(loss)
+    return losses

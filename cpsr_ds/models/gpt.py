@@ -65,6 +65,7 @@ def transformer_config(cfg: GPTConfig, params_dtype: torch.dtype) -> Transformer
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
         num_attention_heads=cfg.num_attention_heads,
+        ffn_hidden_size=4 * cfg.hidden_size,
         init_method_std=cfg.init_method_std,
         hidden_dropout=0.0,
         attention_dropout=0.0,

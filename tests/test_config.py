@@ -1,0 +1,72 @@
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+from cpsr_ds import ConfigError, CPSRConfig
+from cpsr_ds.config import FaultConfig
+
+
+@pytest.mark.parametrize(
+    "block, message",
+    [
+        ({"bogus": 1}, r"cpsr\.bogus: unknown key \(allowed: enabled, checkpoint, faults\)"),
+        ({"checkpoint": {"intervall": 5}}, r"cpsr\.checkpoint\.intervall: unknown key \(allowed: dir, interval"),
+        ({"checkpoint": {"interval": 0}}, r"cpsr\.checkpoint\.interval: Input should be greater than 0 \(got 0\)"),
+        ({"checkpoint": {"interval": "50"}}, r"cpsr\.checkpoint\.interval: Input should be a valid integer"),
+        ({"checkpoint": {"strategy": "fast"}}, r"cpsr\.checkpoint\.strategy: Input should be 'torch', 'checkfreq', 'pccheck' or 'cpsr'"),
+        ({"faults": {"kill_rank": -1}}, r"cpsr\.faults\.kill_rank: Input should be greater than or equal to 0"),
+        ({"faults": {"poisson_rate_per_hour": -0.5}}, r"cpsr\.faults\.poisson_rate_per_hour: Input should be greater than or equal to 0"),
+        ({"enabled": "yes"}, r"cpsr\.enabled: Input should be a valid boolean"),
+        ({"faults": []}, r"cpsr\.faults: Input should be an object|cpsr\.faults: Input should be a valid dictionary"),
+        ([], r"cpsr: expected an object, got list"),
+    ],
+)
+def test_bad_input_names_the_key(block, message):
+    with pytest.raises(ValueError, match=message):
+        CPSRConfig.from_ds_config({"train_batch_size": 8, "cpsr": block})
+
+
+def test_every_error_is_reported_at_once():
+    with pytest.raises(ConfigError) as err:
+        CPSRConfig.from_ds_config({"cpsr": {"checkpoint": {"interval": -3}, "faults": {"seed": "x"}}})
+    assert "cpsr.checkpoint.interval" in str(err.value) and "cpsr.faults.seed" in str(err.value)
+
+
+def test_no_block_means_disabled_and_defaults_apply():
+    assert CPSRConfig.from_ds_config({"train_batch_size": 8}).enabled is False
+    cfg = CPSRConfig.from_ds_config({"cpsr": {"checkpoint": {"interval": 7}}})
+    assert cfg.enabled and cfg.checkpoint.interval == 7 and cfg.checkpoint.dir == "checkpoints"
+    assert cfg.faults == FaultConfig()
+
+
+def _key_paths(model, prefix=""):
+    for name, field in model.model_fields.items():
+        if isinstance(field.annotation, type) and hasattr(field.annotation, "model_fields"):
+            yield from _key_paths(field.annotation, f"{prefix}{name}.")
+        else:
+            yield prefix + name
+
+
+def test_readme_documents_every_key():
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    documented = set(re.findall(r"^\| `([a-z_.]+)` \|", readme, flags=re.M))
+    assert set(_key_paths(CPSRConfig)) == documented
+
+
+def test_launcher_rejects_a_bad_block_before_training(tmp_path):
+    config = {"train_micro_batch_size_per_gpu": 1, "cpsr": {"checkpoint": {"interval": 0}}}
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(config))
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "launch", "train_gpt.py"), "--deepspeed_config", str(path)],
+        capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONWARNINGS="ignore"),
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "cpsr.checkpoint.interval: Input should be greater than 0" in result.stderr
+    assert "iteration" not in result.stdout
