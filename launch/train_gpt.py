@@ -35,7 +35,7 @@ from cpsr_ds.models.gpt import GPTConfig, gpt_pipeline  # noqa: E402
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
-    p.add_argument("--train-iters", type=int, default=200)
+    p.add_argument("--train-iters", type=int, default=100)
     p.add_argument("--data", default=None, help="directory of text files (default: the Python standard library's sources)")
     p.add_argument("--eval-interval", type=int, default=50, help="iterations between validation evaluations")
     p.add_argument("--log-interval", type=int, default=10, help="iterations between log lines")
