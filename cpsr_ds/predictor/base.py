@@ -97,7 +97,8 @@ class Predictor(ABC):
         if target_iteration < last:
             raise ValueError(f"target iteration {target_iteration} is before the last checkpoint {last}")
         flats = self._predict_flats(list(self.history.iterations), list(self.history.flats), target_iteration)
-        return self.layout.unflatten(flats, self.history.others)
+        kept = set(self.layout.kinds) - set(self.predicted_kinds)
+        return self.layout.unflatten({k: v.clone() if k in kept else v for k, v in flats.items()}, self.history.others)
 
     def _predict_flats(self, iterations: list[int], flats: list[dict[str, torch.Tensor]], target: int) -> dict[str, torch.Tensor]:
         out = dict(flats[-1])

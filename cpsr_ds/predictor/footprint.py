@@ -3,7 +3,7 @@
 ``python -m cpsr_ds.predictor.footprint --chunks 8192`` fills a history with a
 synthetic shard of ``chunks`` x ``token_size`` parameters, then measures the peak
 resident memory above that baseline (Linux VmHWM, reset through
-/proc/self/clear_refs) of training steps and of a full prediction, and the mean
+/proc/self/clear_refs) of training steps (from the first, optimizer state included) and of a full prediction, and the mean
 time of a training step. The history is the checkpoints themselves and is not
 counted; the predicted state that ``predict`` returns is reported apart.
 Prints one JSON object.
@@ -12,6 +12,7 @@ Prints one JSON object.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
 import time
@@ -31,6 +32,8 @@ def _status_kib(field: str) -> int:
 
 def _reset_peak() -> int:
     gc.collect()
+    # Hand freed heap back to the OS, so memory cached by an earlier phase does not hide the next one's.
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     return _status_kib("VmRSS")
@@ -40,7 +43,7 @@ def _peak_mib_since(baseline_kib: int) -> float:
     return (_status_kib("VmHWM") - baseline_kib) / 1024
 
 
-def measure(chunks: int, token_size: int, checkpoints: int, steps: int, batch_chunks: int) -> dict:
+def _filled(chunks: int, token_size: int, checkpoints: int, batch_chunks: int) -> VITPPredictor:
     n = chunks * token_size
     gen = torch.Generator().manual_seed(0)
     start, drift = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
@@ -48,10 +51,20 @@ def measure(chunks: int, token_size: int, checkpoints: int, steps: int, batch_ch
     for i in range(checkpoints):
         t = 50 * i + 7 * (i % 3)
         predictor.observe(t, {"param/w": start + drift * (1 - torch.exp(torch.tensor(-t / 400.0)))})
-    del start, drift
-    predictor.step(n_steps=2)
+    return predictor
+
+
+def measure(chunks: int, token_size: int, checkpoints: int, steps: int, batch_chunks: int) -> dict:
+    # Run every code path once on a tiny shard first: the pages of torch's kernels
+    # that the first call faults in are shared library code, not predictor memory.
+    warm = _filled(4, token_size, checkpoints, batch_chunks)
+    warm.step(n_steps=1)
+    warm.predict(warm.history.iterations[-1] + 25)
+    del warm
+    predictor = _filled(chunks, token_size, checkpoints, batch_chunks)
 
     baseline = _reset_peak()
+    predictor.step(n_steps=1)
     t0 = time.perf_counter()
     predictor.step(n_steps=steps)
     step_s = (time.perf_counter() - t0) / steps

@@ -97,12 +97,14 @@ class Layout:
         return flats, others
 
     def unflatten(self, flats: dict[str, torch.Tensor], others: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The state from per-kind vectors; float32 tensors are views of ``flats``, so a
+        large predicted state is not held twice."""
         out = {}
         for e in self.entries:
             if e.kind == OTHER:
                 out[e.key] = others[e.key].clone()
             else:
-                out[e.key] = flats[e.kind][e.span].reshape(e.shape).to(e.dtype, copy=True)
+                out[e.key] = flats[e.kind][e.span].view(e.shape).to(e.dtype)
         return out
 
     def state_dict(self) -> dict:

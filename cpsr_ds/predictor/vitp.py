@@ -24,7 +24,7 @@ class VITPPredictor(Predictor):
     def __init__(self, token_size: int = 1024, window: int = 5, low_bins: int = 1, mid_bins: int = 1,
                  d_model: int = 64, heads: int = 4, layers: int = 2, batch_chunks: int = 256, lr: float = 1e-3,
                  max_stride: int = 2, holdout_every: int = 10, min_train_steps: int = 100,
-                 predict_batch: int = 512, seed: int = 0, device: str = "cpu", history: int = 16, **options):
+                 predict_batch: int = 256, seed: int = 0, device: str = "cpu", history: int = 16, **options):
         self.min_history = window + 1
         self.align = token_size
         super().__init__(history=history, **options)
@@ -33,8 +33,10 @@ class VITPPredictor(Predictor):
                              max_stride=max_stride, holdout_every=holdout_every, min_train_steps=min_train_steps,
                              predict_batch=predict_batch, seed=seed, device=device)
         self.bands = fdd.Bands(window, low_bins, mid_bins)
-        torch.manual_seed(seed)
-        model = VITP(token_size, self.bands, d_model=d_model, heads=heads, layers=layers, d_ff=2 * d_model)
+        # Seeded initialisation without touching the training job's global RNG stream.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = VITP(token_size, self.bands, d_model=d_model, heads=heads, layers=layers, d_ff=2 * d_model)
         kinds = tuple(k for k in KINDS if (self.moments if k in MOMENTS else self.params) == "predict")
         self.trainer = VITPTrainer(model, self.history, kinds, token_size, batch_chunks=batch_chunks, lr=lr,
                                    max_stride=max_stride, holdout_every=holdout_every, seed=seed, device=device)
