@@ -38,4 +38,4 @@ class ProfiledIntervalEngine(AsyncCheckpointEngine):
 
 class CheckFreqEngine(ProfiledIntervalEngine):
     def __init__(self, cfg: CheckpointConfig, rank: int, world_size: int):
-        super().__init__(cfg, rank, world_size, max_in_flight=1, chunk_bytes=None)
+        super().__init__(cfg, rank, world_size, max_in_flight=1, chunk_bytes=None, overlap=False)

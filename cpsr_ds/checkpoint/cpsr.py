@@ -1,4 +1,7 @@
-"""CPSR's checkpoint engine: chunked pipelined snapshot/persist, several in flight, fixed interval.
+"""CPSR's checkpoint engine: several checkpoints in flight, fixed interval, smallest stall.
+
+The snapshot runs alone (writers start once it is complete), so the training stall is
+the copy at full memory bandwidth; writes go out in ``chunk_mb`` pieces.
 
 The interval is ``checkpoint.interval`` (T_c); the planner chooses it, not the engine.
 """
@@ -11,4 +14,5 @@ from cpsr_ds.config import CheckpointConfig
 
 class CPSRCheckpointEngine(AsyncCheckpointEngine):
     def __init__(self, cfg: CheckpointConfig, rank: int, world_size: int):
-        super().__init__(cfg, rank, world_size, max_in_flight=cfg.max_in_flight, chunk_bytes=cfg.chunk_mb << 20)
+        super().__init__(cfg, rank, world_size, max_in_flight=cfg.max_in_flight, chunk_bytes=cfg.chunk_mb << 20,
+                         overlap=False)

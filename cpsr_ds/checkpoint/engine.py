@@ -46,10 +46,14 @@ class CheckpointStats:
 
 
 class AsyncCheckpointEngine(CheckpointEngine):
-    """Snapshot/persist engine; strategies differ in ``max_in_flight``, chunking and ``interval``."""
+    """Snapshot/persist engine; strategies differ in ``max_in_flight``, chunking, ``overlap`` and ``interval``.
+
+    ``overlap``: writers start on a chunk as soon as it is copied, before the snapshot is
+    complete (shorter persist, longer stall on hosts short of memory bandwidth).
+    """
 
     def __init__(self, cfg: CheckpointConfig, rank: int, world_size: int, max_in_flight: int,
-                 chunk_bytes: Optional[int]):
+                 chunk_bytes: Optional[int], overlap: bool):
         super().__init__(None)
         self.name = type(self).__name__
         self.cfg = cfg
@@ -73,7 +77,7 @@ class AsyncCheckpointEngine(CheckpointEngine):
         self._committer = (Committer(world_size, cfg.keep_last, cfg.commit_timeout_s, policy, self._in_flight,
                                      self._finish)
                            if rank == 0 else None)
-        self._writer = Writer(rank, world_size, cfg.checksum, policy, self._release, self._persisted)
+        self._writer = Writer(rank, world_size, cfg.checksum, policy, overlap, self._release, self._persisted)
         self._closed = False
         # A script that ends without cleanup() still gets its last checkpoint committed.
         ref = weakref.ref(self)

@@ -87,9 +87,10 @@ class Job:
 class Writer:
     """Writes the jobs of one rank in order: every file, then the rank's manifest."""
 
-    def __init__(self, rank: int, world_size: int, checksum: str, policy: RetryPolicy,
+    def __init__(self, rank: int, world_size: int, checksum: str, policy: RetryPolicy, overlap: bool,
                  release: Callable[[Job], None], persisted: Callable[[Job], None]):
         self.rank = rank
+        self.overlap = overlap
         self.world_size = world_size
         self.checksum = checksum
         self.policy = policy
@@ -114,7 +115,14 @@ class Writer:
         entries = {}
         start = time.perf_counter()
         snaps = []
-        for snap in iter(job.files.get, None):
+        files = iter(job.files.get, None)
+        if not self.overlap:
+            # Writing while the snapshot is copied competes for memory bandwidth and
+            # lengthens the training stall, so wait for the whole snapshot first.
+            files = list(files)
+            for snap in files:
+                snap.wait_quietly()
+        for snap in files:
             snaps.append(snap)
             if not job.ok:
                 continue
