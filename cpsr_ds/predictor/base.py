@@ -78,9 +78,12 @@ class Predictor(ABC):
             raise NotReady(f"{self.name}: nothing observed yet")
         return self.history.layout
 
+    def predicts(self, kind: str) -> bool:
+        return (self.moments if kind in MOMENTS else self.params) == "predict"
+
     @property
     def predicted_kinds(self) -> tuple[str, ...]:
-        return tuple(k for k in self.layout.kinds if (self.moments if k in MOMENTS else self.params) == "predict")
+        return tuple(k for k in self.layout.kinds if self.predicts(k))
 
     def observe(self, iteration: int, state: dict[str, torch.Tensor]) -> None:
         """Append a checkpoint (copied) to the bounded history."""

@@ -14,11 +14,17 @@ import torch
 from cpsr_ds.predictor import fdd, samples
 from cpsr_ds.predictor.base import Predictor, ValidationResult
 from cpsr_ds.predictor.network import VITP, prepare
-from cpsr_ds.predictor.state import KINDS, MOMENTS
+from cpsr_ds.predictor.state import KINDS
 from cpsr_ds.predictor.trainer import StepReport, VITPTrainer
 
 
 class VITPPredictor(Predictor):
+    """FDD + VITP. ``token_size`` values per chunk; a ``window`` of checkpoints split into
+    ``low_bins`` kept, ``mid_bins`` fed to the network, the rest dropped; network size
+    ``d_model``/``heads``/``layers``; trainer options ``batch_chunks``, ``lr``,
+    ``max_stride``, ``holdout_every``; ``ready()`` after ``min_train_steps`` steps;
+    ``predict`` runs ``predict_batch`` chunks at a time on ``device``."""
+
     name = "vitp"
 
     def __init__(self, token_size: int = 1024, window: int = 5, low_bins: int = 1, mid_bins: int = 1,
@@ -37,7 +43,7 @@ class VITPPredictor(Predictor):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = VITP(token_size, self.bands, d_model=d_model, heads=heads, layers=layers, d_ff=2 * d_model)
-        kinds = tuple(k for k in KINDS if (self.moments if k in MOMENTS else self.params) == "predict")
+        kinds = tuple(k for k in KINDS if self.predicts(k))
         self.trainer = VITPTrainer(model, self.history, kinds, token_size, batch_chunks=batch_chunks, lr=lr,
                                    max_stride=max_stride, holdout_every=holdout_every, seed=seed, device=device)
 
