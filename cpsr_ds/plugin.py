@@ -18,10 +18,12 @@ import sys
 from contextlib import contextmanager
 
 import deepspeed
+import deepspeed.runtime.engine as ds_engine
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.module import PipelineModule
 from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
 
+from cpsr_ds.checkpoint.factory import deepspeed_factory
 from cpsr_ds.checkpoint.journal import ProgressJournal
 from cpsr_ds.config import CPSRConfig
 from cpsr_ds.faults import FaultInjector
@@ -63,6 +65,14 @@ class CPSRPipelineEngine(PipelineEngine):
         self.cpsr.after_iteration(self, float(loss))
         return loss
 
+    def _exec_optimizer_step(self, lr_kwargs=None):
+        # DeepSpeed's PipelineEngine never commits a decoupled checkpoint engine. The
+        # snapshot of the last checkpoint must be complete before the optimizer
+        # overwrites the state it copies; this wait is the checkpoint's training stall.
+        if self.checkpoint_engine.is_decoupled():
+            self._commit_decoupled_checkpoint()
+        super()._exec_optimizer_step(lr_kwargs)
+
 
 def _ds_config(bound: inspect.BoundArguments) -> dict:
     """The config dict DeepSpeed will use, from ``config``, ``config_params`` or ``args``."""
@@ -76,14 +86,19 @@ def _ds_config(bound: inspect.BoundArguments) -> dict:
 
 
 @contextmanager
-def _engine_class(cls):
-    """``deepspeed.initialize`` looks the pipeline engine class up at call time."""
-    original = deepspeed.PipelineEngine
-    deepspeed.PipelineEngine = cls
+def _installed(cfg: CPSRConfig):
+    """Our engine class and checkpoint engine, for one ``deepspeed.initialize`` call.
+
+    ``deepspeed.initialize`` looks the pipeline engine class up at call time, and the
+    engine looks its checkpoint-engine factory up in its own module.
+    """
+    original = deepspeed.PipelineEngine, ds_engine.create_checkpoint_engine
+    deepspeed.PipelineEngine = CPSRPipelineEngine
+    ds_engine.create_checkpoint_engine = deepspeed_factory(cfg.checkpoint)
     try:
         yield
     finally:
-        deepspeed.PipelineEngine = original
+        deepspeed.PipelineEngine, ds_engine.create_checkpoint_engine = original
 
 
 def initialize(*args, **kwargs):
@@ -94,7 +109,7 @@ def initialize(*args, **kwargs):
         return deepspeed.initialize(*args, **kwargs)
     if not isinstance(bound.arguments.get("model"), PipelineModule):
         raise TypeError("cpsr_ds: the model must be a deepspeed.pipe.PipelineModule (num_stages=1 for no pipelining)")
-    with _engine_class(CPSRPipelineEngine):
+    with _installed(cfg):
         engine, optimizer, dataloader, scheduler = deepspeed.initialize(*args, **kwargs)
     engine.cpsr = Runtime(engine, cfg)
     engine.cpsr.recovery = recover(engine, cfg.checkpoint.dir)

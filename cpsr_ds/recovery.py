@@ -9,10 +9,10 @@ bit-for-bit those of the failure-free run.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from cpsr_ds.checkpoint.journal import reached_iteration
+from cpsr_ds.checkpoint.store import select_checkpoint
 
 @dataclass(frozen=True)
 class RecoveryReport:
@@ -39,18 +39,14 @@ class RecoveryReport:
         )
 
 
-def has_checkpoint(directory: str) -> bool:
-    return os.path.isfile(os.path.join(directory, "latest"))
-
-
 def recover(engine, directory: str) -> RecoveryReport:
     """Restore ``engine`` from ``directory`` if an earlier run left progress there."""
     reached = reached_iteration(directory)
-    if not has_checkpoint(directory):
-        report = RecoveryReport("fresh" if reached is None else "restart", reached, None, 0)
-    else:
-        load_path, _client_state = engine.load_checkpoint(directory)
-        if load_path is None:
-            raise RuntimeError(f"cpsr recovery: {directory}/latest exists but DeepSpeed could not load it")
-        report = RecoveryReport("recompute", reached, engine.global_steps, engine.global_steps)
-    return report
+    # Every rank verifies the same shared directory and so picks the same tag.
+    tag = select_checkpoint(directory)
+    if tag is None:
+        return RecoveryReport("fresh" if reached is None else "restart", reached, None, 0)
+    load_path, _client_state = engine.load_checkpoint(directory, tag=tag)
+    if load_path is None:
+        raise RuntimeError(f"cpsr recovery: DeepSpeed could not load checkpoint {tag} in {directory}")
+    return RecoveryReport("recompute", reached, engine.global_steps, engine.global_steps)

@@ -222,6 +222,19 @@ def test_retention_keeps_last_k_committed_and_spares_in_flight(tmp_path):
     assert sorted(os.listdir(d)) == ["global_step10", "global_step30", "global_step40", "global_step45", "latest"]
 
 
+def test_retention_never_touches_the_run_directory_s_other_folders(tmp_path):
+    d = str(tmp_path)
+    os.makedirs(os.path.join(d, "faults"))  # empty until a fault fires
+    os.makedirs(os.path.join(d, "journal"))
+    with open(os.path.join(d, "journal", "rank00000.csv"), "w") as f:
+        f.write("1,2.0,3.0\n")
+    for i in range(1, 4):
+        make_checkpoint(d, f"global_step{i * 10}", i * 100)
+    store.apply_retention(d, keep_last=1, protected=lambda tag: False)
+    assert sorted(os.listdir(d)) == ["faults", "global_step30", "journal", "latest"]
+    assert [c.tag for c in store.scan(d)] == ["global_step30"]
+
+
 def test_deepspeed_checkpoint_without_manifest_counts_when_latest_names_it(tmp_path):
     d = str(tmp_path)
     for tag in ("global_step1", "global_step2"):

@@ -274,20 +274,27 @@ def _size(path: str) -> int:
 
 
 def _unfinished_snapshot(tag_dir: str) -> bool:
-    """A tag directory holding only our temporary files and snapshot files, or nothing: a persist cut short."""
+    """A tag directory holding only our temporary and snapshot files, at least one: a persist cut short.
+
+    An empty directory is not one: the run directory holds other directories of ours
+    (journal, fault markers) that may be empty, and retention must never touch them.
+    """
+    seen = False
     for name in os.listdir(tag_dir):
         path = os.path.join(tag_dir, name)
         if TEMP_RE.match(name):
+            seen = True
             continue
         try:
             with open(path, "rb") as f:
                 if f.read(len(MAGIC)) != MAGIC:
                     return False
+            seen = True
         except FileNotFoundError:
             continue
         except IsADirectoryError:
             return False
-    return True
+    return seen
 
 
 def verify(ckpt_dir: str, ckpt: Checkpoint, read_data: bool = True) -> list[str]:
