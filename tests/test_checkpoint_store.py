@@ -169,7 +169,7 @@ def make_checkpoint(ckpt_dir, tag, started_ns, world_size=2, commit=True):
             "files": {name: {"size": size, "digest": digest}}})
     if commit:
         store.commit_checkpoint(ckpt_dir, tag, {"tag": tag, "world_size": world_size, "started_ns": started_ns,
-                                                "iteration": store.tag_iteration(tag)}, keep_last=10)
+                                                "iteration": store.tag_iteration(tag)})
 
 
 @pytest.fixture

@@ -18,7 +18,8 @@ import queue
 import threading
 import time
 import weakref
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -41,8 +42,11 @@ class CheckpointStats:
     persisted: int = 0
     failed: int = 0
     last_stall_s: Optional[float] = None
+    # From the first file write to durable (see persist.Job); on rank 0 until ``latest`` moved.
     last_persist_s: Optional[float] = None
     last_bytes: int = 0
+    # (tag, bytes, persist seconds) of the last persisted checkpoints, oldest first.
+    recent: deque = field(default_factory=lambda: deque(maxlen=64))
 
 
 class AsyncCheckpointEngine(CheckpointEngine):
@@ -210,17 +214,18 @@ class AsyncCheckpointEngine(CheckpointEngine):
         self._free.put(job.buffers)
 
     def _persisted(self, job: Job) -> None:
-        if job.ok:
-            self.stats.persisted += 1
-            self.stats.last_persist_s = job.write_s
-            self.stats.last_bytes = job.nbytes
         if self._committer is not None and job.ok:
             self._committer.submit(job)
         else:
             self._finish(job)
 
     def _finish(self, job: Job) -> None:
-        if not job.ok:
+        if job.ok:
+            self.stats.persisted += 1
+            self.stats.last_persist_s = job.persist_s
+            self.stats.last_bytes = job.nbytes
+            self.stats.recent.append((job.tag, job.nbytes, job.persist_s))
+        else:
             self.stats.failed += 1
         job.finished.set()
         with self._lock:

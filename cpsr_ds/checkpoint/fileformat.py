@@ -1,9 +1,10 @@
 """Snapshot file format: a picklable skeleton plus the tensor bytes, checksummed on read.
 
 A file is ``MAGIC``, the header length (8 bytes, little endian), the pickled header
-``(skeleton, specs)``, zero padding to ``ALIGN``, then the tensor bytes, each tensor at
-an ``ALIGN``-aligned offset of the data region. The data region is written straight
-from a host arena and read straight into one, without an intermediate copy. Files
+``(skeleton, specs)``, zero padding to ``PAGE``, then the tensor bytes, each tensor at
+an ``ALIGN``-aligned offset of the data region. The whole file is one page-aligned host
+buffer, written from it with direct I/O and read straight into one, without an
+intermediate copy. Files
 without ``MAGIC`` are read with ``torch.load`` (checkpoints of DeepSpeed's own engine).
 """
 
@@ -19,8 +20,10 @@ from typing import Any, Optional
 import torch
 import xxhash
 
-MAGIC = b"CPSRSNP1"
+MAGIC = b"CPSRSNP2"
 ALIGN = 64
+# Direct I/O needs page-aligned file offsets, so the data region starts on a page.
+PAGE = 4096
 _READ_CHUNK = 64 << 20
 
 
@@ -40,14 +43,14 @@ def new_hasher(algorithm: str):
     return getattr(xxhash, algorithm)()
 
 
-def align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
+def align(n: int, to: int = ALIGN) -> int:
+    return -(-n // to) * to
 
 
 def file_prefix(header: bytes) -> bytes:
     """Everything in a snapshot file before the data region."""
     head = MAGIC + struct.pack("<Q", len(header)) + header
-    return head + bytes(align(len(head)) - len(head))
+    return head + bytes(align(len(head), PAGE) - len(head))
 
 
 class TensorRef:
@@ -136,12 +139,12 @@ def read_snapshot(path: str, expect: Optional[dict] = None, algorithm: str = "xx
         hasher = new_hasher(algorithm)
         hasher.update(head)
         (hlen,) = struct.unpack("<Q", head[8:16])
-        rest = f.read(align(16 + hlen) - 16)
+        rest = f.read(align(16 + hlen, PAGE) - 16)
         hasher.update(rest)
         if len(rest) < hlen:
             raise CheckpointError(f"{path}: truncated header")
         skeleton, specs = pickle.loads(rest[:hlen])
-        data = torch.empty(size - align(16 + hlen), dtype=torch.uint8)
+        data = torch.empty(size - align(16 + hlen, PAGE), dtype=torch.uint8)
         buf = data.numpy()
         pos = 0
         while pos < len(buf):

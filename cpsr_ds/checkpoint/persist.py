@@ -18,7 +18,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Optional
 
 from cpsr_ds.checkpoint import store
 from cpsr_ds.checkpoint.snapshot import HostBuffers, SnapshotFile
@@ -70,7 +70,16 @@ class Job:
     finished: threading.Event = field(default_factory=threading.Event)
     ok: bool = True
     nbytes: int = 0
-    write_s: float = 0.0
+    # perf_counter() when the first file write began and when the checkpoint became
+    # durable: this rank's manifest on storage, or on rank 0 ``latest`` moved.
+    write_start: Optional[float] = None
+    durable: Optional[float] = None
+
+    @property
+    def persist_s(self) -> Optional[float]:
+        if self.write_start is None or self.durable is None:
+            return None
+        return self.durable - self.write_start
 
     @property
     def tag_dir(self) -> str:
@@ -113,7 +122,6 @@ class Writer:
 
     def _persist(self, job: Job) -> None:
         entries = {}
-        start = time.perf_counter()
         snaps = []
         files = iter(job.files.get, None)
         if not self.overlap:
@@ -126,6 +134,8 @@ class Writer:
             snaps.append(snap)
             if not job.ok:
                 continue
+            if job.write_start is None:
+                job.write_start = time.perf_counter()
             try:
                 entries[snap.rel] = self._write_file(job, snap)
                 job.nbytes += entries[snap.rel]["size"]
@@ -148,7 +158,7 @@ class Writer:
                 job.ok = False
                 log.error("checkpoint %s: giving up writing the rank %d manifest: %s",
                           job.tag, self.rank, describe_error(err))
-        job.write_s = time.perf_counter() - start
+        job.durable = time.perf_counter()
         self._persisted(job)
 
     def _write_file(self, job: Job, snap: SnapshotFile) -> dict:
@@ -156,7 +166,7 @@ class Writer:
 
         def attempt():
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            return store.write_atomic(path, snap.chunks(), self.checksum)
+            return store.write_atomic(path, snap.chunks(), self.checksum, direct=True)
 
         size, digest = with_retries(attempt, self.policy, f"checkpoint {job.tag}: writing {snap.rel}")
         return {"size": size, "digest": digest}
@@ -232,13 +242,19 @@ class Committer:
         record = {"tag": job.tag, "world_size": self.world_size, "started_ns": job.started_ns,
                   "iteration": store.tag_iteration(job.tag), "committed_time": time.time()}
         try:
-            moved = with_retries(lambda: store.commit_checkpoint(job.ckpt_dir, job.tag, record, self.keep_last,
-                                                                 self._in_flight),
+            moved = with_retries(lambda: store.commit_checkpoint(job.ckpt_dir, job.tag, record),
                                  self.policy, f"checkpoint {job.tag}: commit")
         except OSError as err:
             job.ok = False
             log.error("checkpoint %s: giving up the commit: %s", job.tag, describe_error(err))
             return True
+        job.durable = time.perf_counter()
         log.info("checkpoint %s committed%s", job.tag, ", latest moved to it" if moved else "")
+        # Deleting old checkpoints takes long (file systems mounted with discard trim
+        # synchronously), so it comes after the commit and does not delay it.
+        try:
+            store.apply_retention(job.ckpt_dir, self.keep_last, self._in_flight)
+        except OSError as err:
+            log.warning("checkpoint %s: retention failed: %s", job.tag, describe_error(err))
         return True
 

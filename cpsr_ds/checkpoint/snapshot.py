@@ -1,12 +1,13 @@
 """Snapshot: copy the tensors DeepSpeed hands to ``save()`` into reusable host buffers.
 
 ``flatten`` splits a state dict into a picklable skeleton (plain python objects,
-captured at once) and its tensors. Each file's tensors get one byte arena, allocated
-on first use and reused by later checkpoints of the same shapes; with CUDA it is
-pinned and filled through a side stream. The copy runs on a copier thread, so
-``save()`` returns at once; the training side blocks only in ``wait`` before the
-optimizer step would overwrite what is still being copied. Writers read an arena
-chunk by chunk as soon as each chunk is copied (``SnapshotFile.chunks``).
+captured at once) and its tensors. Each file gets one page-aligned byte arena holding
+the whole file (header, then tensor bytes), allocated on first use and reused by
+later checkpoints of the same shapes; with CUDA it is pinned and filled through a
+side stream. The copy runs on a copier thread, so ``save()`` returns at once; the
+training side blocks only in ``wait`` before the optimizer step would overwrite what
+is still being copied. Writers write the arena to storage as it is, chunk by chunk,
+each chunk as soon as it is copied (``SnapshotFile.chunks``).
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
+import numpy as np
 import torch
 
-from cpsr_ds.checkpoint.fileformat import TensorSpec, file_prefix, flatten, layout
+from cpsr_ds.checkpoint.fileformat import PAGE, TensorSpec, file_prefix, flatten, layout
 
 
 @dataclass(frozen=True)
@@ -33,15 +35,15 @@ class Piece:
     ready: int
 
 
-def plan(specs: list[TensorSpec], total: int, chunk_bytes: Optional[int]) -> list[Piece]:
-    """Copy pieces in arena order, cut at every ``chunk_bytes`` boundary of the arena."""
+def plan(specs: list[TensorSpec], total: int, chunk_bytes: Optional[int], base: int = 0) -> list[Piece]:
+    """Copy pieces in data order, cut at every ``chunk_bytes`` boundary of the file (data starts at ``base``)."""
     cuts = []
     for i, s in enumerate(specs):
         start = 0
         while start < s.nbytes:
             end = s.nbytes
             if chunk_bytes:
-                end = min(end, ((s.offset + start) // chunk_bytes + 1) * chunk_bytes - s.offset)
+                end = min(end, ((base + s.offset + start) // chunk_bytes + 1) * chunk_bytes - base - s.offset)
             cuts.append((i, start, end, s.offset + start))
             start = end
     starts = [c[3] for c in cuts[1:]] + [total]
@@ -58,9 +60,12 @@ class HostBuffers:
         self._used: set[str] = set()
 
     def get(self, key: str, nbytes: int) -> torch.Tensor:
+        """``nbytes`` starting on a page boundary, as direct I/O requires."""
         arena = self._arenas.get(key)
         if arena is None or arena.numel() < nbytes:
-            arena = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+            raw = torch.empty(nbytes + PAGE, dtype=torch.uint8, pin_memory=self.pin)
+            start = -raw.data_ptr() % PAGE
+            arena = raw[start:start + nbytes]
             self._arenas[key] = arena
             self.allocations += 1
         self._used.add(key)
@@ -73,15 +78,17 @@ class HostBuffers:
 
 
 class SnapshotFile:
-    """One file being copied into its arena; writers stream it with ``chunks``."""
+    """One file being copied into its arena (``prefix`` first, then the tensors); writers stream it with ``chunks``."""
 
     def __init__(self, rel: str, prefix: bytes, arena: torch.Tensor, tensors: list[torch.Tensor],
                  pieces: list[Piece], chunk_bytes: Optional[int]):
         self.rel = rel
-        self.prefix = prefix
-        self.arena = arena
-        self.nbytes = len(prefix) + arena.numel()
-        self.chunk_bytes = chunk_bytes or max(arena.numel(), 1)
+        self.file = arena
+        self.nbytes = arena.numel()
+        self.base = len(prefix)
+        arena[:self.base].numpy()[:] = np.frombuffer(prefix, dtype=np.uint8)
+        self.arena = arena[self.base:]
+        self.chunk_bytes = chunk_bytes or self.nbytes
         self._tensors = tensors
         self._pieces = pieces
         self._ready = 0
@@ -138,12 +145,11 @@ class SnapshotFile:
             return self._error
 
     def chunks(self) -> Iterator:
-        """The file's bytes in order, each arena chunk yielded as soon as it is copied."""
-        yield self.prefix
-        data = self.arena.numpy()
-        for start in range(0, len(data), self.chunk_bytes):
-            end = min(start + self.chunk_bytes, len(data))
-            self.wait(end)
+        """The file's bytes in order, each chunk of the arena yielded as soon as it is copied."""
+        data = self.file.numpy()
+        for start in range(0, self.nbytes, self.chunk_bytes):
+            end = min(start + self.chunk_bytes, self.nbytes)
+            self.wait(end - self.base)
             yield data[start:end]
 
 
@@ -183,5 +189,5 @@ def snapshot_file(rel: str, state: Any, buffers: HostBuffers, chunk_bytes: Optio
     skeleton, tensors = flatten(state)
     specs, total = layout(tensors)
     prefix = file_prefix(pickle.dumps((skeleton, specs), protocol=pickle.HIGHEST_PROTOCOL))
-    arena = buffers.get(rel, total)
-    return SnapshotFile(rel, prefix, arena, tensors, plan(specs, total, chunk_bytes), chunk_bytes)
+    arena = buffers.get(rel, len(prefix) + total)
+    return SnapshotFile(rel, prefix, arena, tensors, plan(specs, total, chunk_bytes, len(prefix)), chunk_bytes)

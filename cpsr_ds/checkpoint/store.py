@@ -17,16 +17,20 @@ is durable. Hence ``latest`` never names a checkpoint that is incomplete on any 
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import logging
 import os
 import re
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional
 
+import numpy as np
 
-from cpsr_ds.checkpoint.fileformat import MAGIC, CheckpointError, check_digest, hash_file, new_hasher
+from cpsr_ds.checkpoint.fileformat import MAGIC, PAGE, CheckpointError, check_digest, hash_file, new_hasher
 
 log = logging.getLogger(__name__)
 
@@ -64,25 +68,34 @@ def temp_name(path: str) -> str:
     return os.path.join(d, f".{name}.tmp{os.getpid()}")
 
 
-def write_atomic(path: str, chunks: Iterable, algorithm: Optional[str] = None) -> tuple[int, Optional[str]]:
+def write_atomic(path: str, chunks: Iterable, algorithm: Optional[str] = None,
+                 direct: bool = False) -> tuple[int, Optional[str]]:
     """Write ``chunks`` (bytes-like) to ``path`` durably and atomically.
 
     Returns (size, hex digest or None). On any error the temporary file is removed and
-    the error propagates; ``path`` is then untouched.
+    the error propagates; ``path`` is then untouched. ``direct``: bypass the page cache
+    (O_DIRECT) for chunks that start on a page and span whole pages, as host arenas do;
+    the rest of the file, and file systems without direct I/O, go through it.
     """
     tmp = temp_name(path)
     hasher = new_hasher(algorithm) if algorithm else None
     size = 0
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd, direct = _open_for_writing(tmp, direct)
+    # Hashing on its own thread (xxhash releases the GIL) runs while the disk writes.
+    hashing = ThreadPoolExecutor(1, thread_name_prefix="cpsr-hash") if hasher is not None else None
+    hashed = []
     try:
         for chunk in chunks:
-            view = memoryview(chunk).cast("B")
-            if hasher is not None:
-                hasher.update(view)
-            while view:
-                n = os.write(fd, view)
-                view = view[n:]
-                size += n
+            data = np.frombuffer(chunk, dtype=np.uint8)
+            if hashing is not None:
+                hashed.append(hashing.submit(hasher.update, data))
+            if direct:
+                direct = _write_direct(fd, data)
+            else:
+                _write_all(fd, data)
+            size += len(data)
+        for done in hashed:
+            done.result()
         os.fsync(fd)
         os.close(fd)
         fd = -1
@@ -96,7 +109,46 @@ def write_atomic(path: str, chunks: Iterable, algorithm: Optional[str] = None) -
         except OSError:
             pass
         raise
+    finally:
+        if hashing is not None:
+            hashing.shutdown()
     return size, hasher.hexdigest() if hasher else None
+
+
+def _open_for_writing(path: str, direct: bool) -> tuple[int, bool]:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    if direct:
+        try:
+            return os.open(path, flags | os.O_DIRECT, 0o644), True
+        except OSError as err:
+            if err.errno != errno.EINVAL:
+                raise
+    return os.open(path, flags, 0o644), False
+
+
+def _write_all(fd: int, data: np.ndarray) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _write_direct(fd: int, data: np.ndarray) -> bool:
+    """Append ``data`` to ``fd``, its whole pages directly; False once the file went buffered."""
+    whole = len(data) - len(data) % PAGE if data.ctypes.data % PAGE == 0 else 0
+    start = os.lseek(fd, 0, os.SEEK_CUR)
+    try:
+        _write_all(fd, data[:whole])
+        done = whole
+    except OSError as err:
+        if err.errno != errno.EINVAL:
+            raise
+        done = os.lseek(fd, 0, os.SEEK_CUR) - start
+    if done == len(data):
+        return True
+    # A partial page (the file's end) cannot go directly, so the file goes buffered from here.
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+    _write_all(fd, data[done:])
+    return False
 
 
 def write_json_atomic(path: str, obj: Any) -> None:
@@ -150,12 +202,11 @@ def read_commit(tag_dir: str) -> Optional[dict]:
         return None
 
 
-def commit_checkpoint(ckpt_dir: str, tag: str, record: dict, keep_last: int,
-                      protected: Callable[[str], bool] = lambda tag: False) -> bool:
-    """Make ``tag`` committed, move ``latest`` to it if it is the newest, apply retention.
+def commit_checkpoint(ckpt_dir: str, tag: str, record: dict) -> bool:
+    """Make ``tag`` committed and move ``latest`` to it if it is the newest; returns whether it moved.
 
-    ``record`` carries ``started_ns``, the order of checkpoints. Returns whether
-    ``latest`` moved. ``protected`` tags (still in flight) are never deleted.
+    ``record`` carries ``started_ns``, the order of checkpoints. Retention is the
+    caller's next step (``apply_retention``).
     """
     write_json_atomic(os.path.join(ckpt_dir, tag, COMMIT), record)
     current = read_latest(ckpt_dir)
@@ -163,7 +214,6 @@ def commit_checkpoint(ckpt_dir: str, tag: str, record: dict, keep_last: int,
     moved = current_rec is None or current_rec["started_ns"] < record["started_ns"]
     if moved:
         write_atomic(os.path.join(ckpt_dir, LATEST), [tag.encode()])
-    apply_retention(ckpt_dir, keep_last, protected)
     return moved
 
 
