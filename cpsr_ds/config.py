@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 BLOCK = "cpsr"
+VITP_MIN_HISTORY = 6  # its FFT window of 5 checkpoints plus one held out
 
 
 class ConfigError(ValueError):
@@ -32,7 +33,7 @@ class CheckpointConfig(_Strict):
         "one checkpoint in flight, interval from overhead_budget; pccheck = max_in_flight checkpoints in flight, chunked "
         "pipelined copy and write, interval from overhead_budget; cpsr = asynchronous, fixed interval.",
     )
-    keep_last: int = Field(3, gt=0, description="Committed checkpoints kept on storage (count); older ones are deleted after a newer one commits.")
+    keep_last: int = Field(4, gt=0, description="Committed checkpoints kept on storage (count); older ones are deleted after a newer one commits.")
     max_in_flight: int = Field(2, gt=0, description="Checkpoints being persisted at once (count), each holding one set of host buffers; checkfreq always uses 1.")
     retries: int = Field(3, ge=0, description="Retries of a failed file or manifest write (count) before the checkpoint is given up.")
     retry_backoff_s: float = Field(1.0, ge=0.0, description="Wait before the first retry in seconds; doubles on each further retry.")
@@ -49,10 +50,42 @@ class FaultConfig(_Strict):
     seed: int = Field(0, ge=0, description="Seed of the Poisson failure times and of the rank they hit.")
 
 
+class PredictorConfig(_Strict):
+    name: Literal["skip", "linear", "damped", "ridge", "vitp"] = Field("damped", description="Predictor of the state at the failure point.")
+    history: int = Field(4, ge=2, description="Checkpoints the predictor learns from (count); checkpoint.keep_last must be at least this.")
+    params: Literal["predict", "keep"] = Field("predict", description="Parameters: extrapolated, or kept from the last checkpoint.")
+    moments: Literal["predict", "keep"] = Field("keep", description="Adam's exp_avg and exp_avg_sq: extrapolated, or kept from the last checkpoint.")
+    train_budget_s: float = Field(0.5, ge=0.0, description="vitp: seconds of predictor training after each checkpoint.")
+
+
+class RecoveryConfig(_Strict):
+    mode: Literal["auto", "predict", "recompute"] = Field(
+        "auto",
+        description="auto: predict (PB-R) when its estimated cost is below recomputing (RB-R), else recompute; "
+        "predict: PB-R whenever the predictor is ready; recompute: always RB-R.",
+    )
+    max_relative_error: float = Field(
+        1.0, gt=0.0, description="auto: PB-R only if the predictor's held-out error, relative to restarting from the previous checkpoint, is below this."
+    )
+
+
 class CPSRConfig(_Strict):
     enabled: bool = Field(True, description="false: cpsr_ds.initialize is exactly deepspeed.initialize.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     faults: FaultConfig = Field(default_factory=FaultConfig)
+    predictor: PredictorConfig = Field(default_factory=PredictorConfig)
+    recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)
+
+    @model_validator(mode="after")
+    def _history_is_retained(self) -> "CPSRConfig":
+        if self.enabled and self.checkpoint.keep_last < self.predictor.history:
+            raise ValueError(
+                f"checkpoint.keep_last ({self.checkpoint.keep_last}) must be at least predictor.history "
+                f"({self.predictor.history}): the predictor learns from the retained checkpoints"
+            )
+        if self.predictor.name == "vitp" and self.predictor.history < VITP_MIN_HISTORY:
+            raise ValueError(f"predictor.history ({self.predictor.history}) must be at least {VITP_MIN_HISTORY} for vitp")
+        return self
 
     @classmethod
     def from_ds_config(cls, ds_config: dict[str, Any]) -> "CPSRConfig":
@@ -78,6 +111,8 @@ def _describe(err: ValidationError) -> str:
         if e["type"] == "extra_forbidden":
             allowed = ", ".join(_model_at(e["loc"][:-1]).model_fields)
             lines.append(f"{path}: unknown key (allowed: {allowed})")
+        elif e["type"] == "value_error":  # a rule across keys: its message names them
+            lines.append(f"{path}: {e['ctx']['error']}")
         else:
             lines.append(f"{path}: {e['msg']} (got {e.get('input')!r})")
     return "invalid DeepSpeed config block: " + "; ".join(lines)

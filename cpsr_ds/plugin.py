@@ -27,7 +27,7 @@ from cpsr_ds.checkpoint.factory import deepspeed_factory
 from cpsr_ds.checkpoint.journal import ProgressJournal
 from cpsr_ds.config import CPSRConfig
 from cpsr_ds.faults import FaultInjector
-from cpsr_ds.recovery import RecoveryReport, recover
+from cpsr_ds.recovery import PREDICTOR_STATE, engine_state, new_predictor, recover
 
 logger = logging.getLogger("cpsr_ds")
 if not logger.handlers:
@@ -47,14 +47,26 @@ class Runtime:
         rank, world = engine.global_rank, engine.world_size
         self.journal = ProgressJournal(self.directory, rank)
         self.faults = FaultInjector(cfg.faults, self.directory, rank, world)
-        self.recovery: RecoveryReport | None = None
+        self.predictor = new_predictor(cfg)
+        self.recovery = recover(engine, cfg, self.predictor)
+        if not hasattr(self.predictor, "step"):
+            # Simple predictors fit at recovery time; only a network learns during the run.
+            self.predictor = None
 
     def after_iteration(self, engine: PipelineEngine, loss: float) -> None:
         iteration = engine.global_steps
         self.journal.append(iteration, loss)
         if iteration % self.cfg.checkpoint.interval == 0:
-            engine.save_checkpoint(self.directory)
+            engine.save_checkpoint(self.directory, client_state=self._train_predictor(engine, iteration))
         self.faults.check(iteration)
+
+    def _train_predictor(self, engine: PipelineEngine, iteration: int) -> dict:
+        """Feed the checkpoint to a learning predictor, train it a little; its weights go with the checkpoint."""
+        if self.predictor is None:
+            return {}
+        self.predictor.observe(iteration, engine_state(engine))
+        self.predictor.step(budget_s=self.cfg.predictor.train_budget_s)
+        return {PREDICTOR_STATE: self.predictor.state_dict(include_history=False)}
 
 
 class CPSRPipelineEngine(PipelineEngine):
@@ -112,7 +124,6 @@ def initialize(*args, **kwargs):
     with _installed(cfg):
         engine, optimizer, dataloader, scheduler = deepspeed.initialize(*args, **kwargs)
     engine.cpsr = Runtime(engine, cfg)
-    engine.cpsr.recovery = recover(engine, cfg.checkpoint.dir)
     if engine.global_rank == 0:
         logger.info(engine.cpsr.recovery.describe())
     return engine, optimizer, dataloader, scheduler

@@ -1,29 +1,59 @@
 """Recovery on restart: find the failure point, choose how to recover, resume there.
 
 The progress journal says the failed job reached iteration f; the last committed
-checkpoint is c <= f. Recompute-based recovery (RB-R, the paper's Section IV-A)
-restores c and lets the training loop recompute c..f, paying d = f - c
-iterations; since batch i is a function of i, the recomputed iterations are
-bit-for-bit those of the failure-free run.
+checkpoint is c <= f, d = f - c iterations were lost. Two ways back (Section IV):
+
+- RB-R, recompute-based: restore c and let the training loop recompute c..f. Costs
+  d iterations; since batch i is a function of i, the recomputed iterations are
+  bit-for-bit those of the failure-free run.
+- PB-R, predicting-based: restore the last checkpoints, let the predictor
+  (Section III-A) predict parameters and Adam's moments at f, write them into the
+  engine and resume at batch f. Costs the lag T_p the prediction error causes
+  (Eq. 13-14), which training heals by itself.
+
+"Controlled": the choice is made by a cost estimate and logged with its numbers.
+The predictor's held-out error ``r`` (predicting the newest retained checkpoint from
+the older ones, relative to not predicting at all) calibrates it: a prediction no
+better than restarting at c without recomputing costs about d, so the estimate is
+T_p = r * d. PB-R runs when T_p < d, i.e. r < ``max_relative_error`` (1 by default),
+and falls back to RB-R when the predictor is not ready.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+from deepspeed.utils import (
+    safe_get_full_fp32_param,
+    safe_get_full_optimizer_state,
+    safe_set_full_fp32_param,
+    safe_set_full_optimizer_state,
+)
+
 from cpsr_ds.checkpoint.journal import reached_iteration
-from cpsr_ds.checkpoint.store import select_checkpoint
+from cpsr_ds.checkpoint.store import list_checkpoints, select_checkpoint
+from cpsr_ds.config import CPSRConfig
+from cpsr_ds.predictor import NotReady, make_predictor
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+PREDICTOR_STATE = "cpsr_predictor"  # key of the predictor's weights in DeepSpeed's client state
+
 
 @dataclass(frozen=True)
 class RecoveryReport:
-    method: str  # "fresh" (nothing to recover), "restart" (no checkpoint yet) or "recompute"
+    method: str  # "fresh", "restart" (no checkpoint yet), "recompute" (RB-R) or "predict" (PB-R)
     reached: int | None  # f: the last iteration every rank finished before the failure
     checkpoint: int | None  # c: the iteration of the restored checkpoint
     resume_iteration: int  # the next batch index the training loop must feed
+    reason: str = ""
+    predictor: str | None = None
+    relative_error: float | None = None  # r: the predictor's held-out error
+    estimated_cost: float | None = None  # T_p estimate, iterations
 
     @property
     def lost_iterations(self) -> int:
-        """Iterations the job must redo: f - c (f for a restart from scratch)."""
+        """d = f - c (f for a restart from scratch)."""
         if self.reached is None:
             return 0
         return self.reached - (self.checkpoint or 0)
@@ -33,20 +63,166 @@ class RecoveryReport:
             return "cpsr recovery: no earlier progress, starting at iteration 0"
         if self.method == "restart":
             return f"cpsr recovery: job reached iteration {self.reached} but no checkpoint was committed; restarting from iteration 0"
-        return (
-            f"cpsr recovery: job reached iteration {self.reached}, last checkpoint {self.checkpoint}; "
-            f"recompute (RB-R): {self.lost_iterations} iterations to redo, {self.checkpoint} saved against a restart from scratch"
+        head = f"cpsr recovery: job reached iteration {self.reached}, last checkpoint {self.checkpoint}; "
+        if self.method == "predict":
+            return head + (
+                f"predict (PB-R) with {self.predictor}: resuming at iteration {self.resume_iteration}, "
+                f"estimated cost {self.estimated_cost:.1f} iterations against {self.lost_iterations} to recompute ({self.reason})"
+            )
+        return head + (
+            f"recompute (RB-R): {self.lost_iterations} iterations to redo, {self.checkpoint} saved against a restart "
+            f"from scratch" + (f" ({self.reason})" if self.reason else "")
         )
 
 
-def recover(engine, directory: str) -> RecoveryReport:
-    """Restore ``engine`` from ``directory`` if an earlier run left progress there."""
+# ---------------------------------------------------------------- engine state
+
+
+def _base_optimizer(engine):
+    return getattr(engine.optimizer, "optimizer", engine.optimizer)
+
+
+def _partitioned(engine) -> bool:
+    """ZeRO-1/2 and bf16 keep fp32 masters and moments in partitions behind ``_hp_mapping``."""
+    return any(hasattr(p, "_hp_mapping") for p in engine.module.parameters())
+
+
+def _link_partitions(engine) -> None:
+    """(Re)link each parameter's view of the ZeRO optimizer's moments.
+
+    load_checkpoint rebuilds the parameters' fragment mappings without their moment
+    views but leaves the optimizer's "linked" flag set, so the flag is cleared first.
+    """
+    optimizer = engine.optimizer
+    if hasattr(optimizer, "_lazy_init_hp_params_optimizer_state"):
+        optimizer._hp_optimizer_states_linked = False
+        optimizer._lazy_init_hp_params_optimizer_state()
+
+
+def engine_state(engine) -> dict[str, torch.Tensor]:
+    """This stage's full fp32 parameters and Adam moments, keyed ``kind/name``.
+
+    Under ZeRO the values are gathered over the data-parallel group (every rank of it
+    must call this, in the same order).
+    """
+    state = {}
+    partitioned = _partitioned(engine)
+    if partitioned:
+        _link_partitions(engine)
+    opt_state = _base_optimizer(engine).state
+    for name, p in engine.module.named_parameters():
+        if partitioned:
+            state[f"param/{name}"] = safe_get_full_fp32_param(p).detach().float().cpu()
+            for kind in MOMENTS:
+                state[f"{kind}/{name}"] = safe_get_full_optimizer_state(p, kind).detach().float().cpu()
+        else:
+            state[f"param/{name}"] = p.detach().float().cpu().clone()
+            for kind in MOMENTS:
+                state[f"{kind}/{name}"] = opt_state[p][kind].detach().float().cpu().clone()
+    return state
+
+
+def load_engine_state(engine, state: dict[str, torch.Tensor]) -> None:
+    """Write ``state`` (as from :func:`engine_state`) into the engine: masters, moments, model weights."""
+    partitioned = _partitioned(engine)
+    if partitioned:
+        _link_partitions(engine)
+    opt_state = _base_optimizer(engine).state
+    with torch.no_grad():
+        for name, p in engine.module.named_parameters():
+            if partitioned:
+                safe_set_full_fp32_param(p, state[f"param/{name}"].to(p.device))
+                for kind in MOMENTS:
+                    safe_set_full_optimizer_state(p, state[f"{kind}/{name}"].to(p.device), kind)
+            else:
+                p.copy_(state[f"param/{name}"])
+                for kind in MOMENTS:
+                    opt_state[p][kind].copy_(state[f"{kind}/{name}"])
+    if partitioned:
+        # The low-precision (or, for fp32 ZeRO, the module's own) weights the forward
+        # pass uses are refreshed from the fp32 partitions.
+        engine.optimizer.update_lp_params()
+
+
+def advance_counters(engine, iterations: int) -> None:
+    """Move the step counters as if ``iterations`` optimizer steps had run."""
+    engine.global_steps += iterations
+    engine.global_samples += iterations * engine.train_batch_size()
+    for st in _base_optimizer(engine).state.values():
+        if "step" in st:
+            st["step"] += iterations
+    if engine.lr_scheduler is not None:
+        for _ in range(iterations):
+            engine.lr_scheduler.step()
+
+
+# ---------------------------------------------------------------- the decision
+
+
+def _load(engine, directory: str, tag: str) -> dict:
+    load_path, client_state = engine.load_checkpoint(directory, tag=tag)
+    if load_path is None:
+        raise RuntimeError(f"cpsr recovery: DeepSpeed could not load checkpoint {tag} in {directory}")
+    return client_state or {}
+
+
+def new_predictor(cfg: CPSRConfig):
+    p = cfg.predictor
+    return make_predictor(p.name, history=p.history, params=p.params, moments=p.moments)
+
+
+def recover(engine, cfg: CPSRConfig, predictor) -> RecoveryReport:
+    """Restore ``engine`` from ``cfg.checkpoint.dir`` if an earlier run left progress there.
+
+    ``predictor`` (fresh, from :func:`new_predictor`) is given the retained history
+    and, if the checkpoint carries them, its trained weights.
+    """
+    directory = cfg.checkpoint.dir
     reached = reached_iteration(directory)
     # Every rank verifies the same shared directory and so picks the same tag.
     tag = select_checkpoint(directory)
     if tag is None:
         return RecoveryReport("fresh" if reached is None else "restart", reached, None, 0)
-    load_path, _client_state = engine.load_checkpoint(directory, tag=tag)
-    if load_path is None:
-        raise RuntimeError(f"cpsr recovery: DeepSpeed could not load checkpoint {tag} in {directory}")
-    return RecoveryReport("recompute", reached, engine.global_steps, engine.global_steps)
+    if reached is None or cfg.recovery.mode == "recompute":
+        _load(engine, directory, tag)
+        c = engine.global_steps
+        reason = "recovery.mode is recompute" if reached is not None and reached > c else ""
+        return RecoveryReport("recompute", reached, c, c, reason=reason)
+
+    # The predictor learns from the retained checkpoints up to c; c is loaded last,
+    # so the engine holds c, the state RB-R falls back to.
+    verified = [ck for ck in list_checkpoints(directory) if ck.valid]
+    newest = next(i for i, ck in enumerate(verified) if ck.tag == tag)
+    history = []
+    for ck in verified[max(0, newest + 1 - cfg.predictor.history): newest + 1]:
+        client_state = _load(engine, directory, ck.tag)
+        history.append((engine.global_steps, engine_state(engine)))
+    if PREDICTOR_STATE in client_state:
+        predictor.load_state_dict(client_state[PREDICTOR_STATE])
+    for iteration, state in history:
+        predictor.observe(iteration, state)
+    c = engine.global_steps
+    if reached <= c:
+        return RecoveryReport("recompute", reached, c, c)
+    return _decide(engine, cfg, predictor, reached, c)
+
+
+def _decide(engine, cfg: CPSRConfig, predictor, f: int, c: int) -> RecoveryReport:
+    d = f - c
+    held_out = predictor.validation_error() if predictor.ready() else None
+    if held_out is None:
+        return RecoveryReport("recompute", f, c, c, reason=f"predictor {predictor.name} not ready", predictor=predictor.name)
+    r = held_out.relative
+    estimate = r * d
+    if cfg.recovery.mode == "auto" and r >= cfg.recovery.max_relative_error:
+        return RecoveryReport("recompute", f, c, c, reason=f"held-out error r = {r:.3f} >= {cfg.recovery.max_relative_error}: "
+                              f"estimated PB-R cost {estimate:.1f} >= recompute cost {d}",
+                              predictor=predictor.name, relative_error=r, estimated_cost=estimate)
+    try:
+        predicted = predictor.predict(f)
+    except NotReady as err:
+        return RecoveryReport("recompute", f, c, c, reason=str(err), predictor=predictor.name)
+    load_engine_state(engine, predicted)
+    advance_counters(engine, d)
+    return RecoveryReport("predict", f, c, f, reason=f"held-out error r = {r:.3f}", predictor=predictor.name,
+                          relative_error=r, estimated_cost=estimate)

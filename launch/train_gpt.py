@@ -16,6 +16,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -85,7 +86,17 @@ def evaluate(engine, validation) -> float:
     return float(engine.eval_batch(iter(validation), num_micro_batches=len(validation)))
 
 
-def main(argv=None) -> None:
+@dataclass
+class Job:
+    args: argparse.Namespace
+    cpsr_cfg: cpsr_ds.CPSRConfig
+    gpt_cfg: GPTConfig
+    engine: deepspeed.runtime.pipe.engine.PipelineEngine
+    batches: Batches
+
+
+def setup(argv=None) -> Job:
+    """Parse arguments, build the model and the engine (recovering if needed), and the data."""
     args = parse_args(argv)
     config = build_config(args)
     # Fail on a bad "cpsr" block before any process group or model exists.
@@ -111,7 +122,13 @@ def main(argv=None) -> None:
         seed=args.seed,
         valid_sequences=args.valid_sequences,
     )
-    validation = batches.validation()
+    return Job(args, cpsr_cfg, gpt_cfg, engine, batches)
+
+
+def train(job: Job) -> None:
+    """Train from wherever recovery put the engine to ``--train-iters``."""
+    args, engine, cpsr_cfg = job.args, job.engine, job.cpsr_cfg
+    validation = job.batches.validation()
     leader = engine.global_rank == 0
 
     def report_validation(iteration: int) -> None:
@@ -126,7 +143,7 @@ def main(argv=None) -> None:
         report_validation(0)
     tick, tick_iter = time.perf_counter(), start
     for iteration in range(start, args.train_iters):
-        loss = engine.train_batch(iter(batches.micro_batches(iteration)))
+        loss = engine.train_batch(iter(job.batches.micro_batches(iteration)))
         done = iteration + 1
         if leader and (done % args.log_interval == 0 or done == args.train_iters):
             now = time.perf_counter()
@@ -137,6 +154,10 @@ def main(argv=None) -> None:
             report_validation(done)
     if leader and cpsr_cfg.enabled:
         print(json.dumps({"final_iteration": engine.global_steps, "recovery": engine.cpsr.recovery.method}), flush=True)
+
+
+def main(argv=None) -> None:
+    train(setup(argv))
 
 
 if __name__ == "__main__":

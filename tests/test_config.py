@@ -14,7 +14,14 @@ from cpsr_ds.config import FaultConfig
 @pytest.mark.parametrize(
     "block, message",
     [
-        ({"bogus": 1}, r"cpsr\.bogus: unknown key \(allowed: enabled, checkpoint, faults\)"),
+        ({"bogus": 1}, r"cpsr\.bogus: unknown key \(allowed: enabled, checkpoint, faults, predictor, recovery\)"),
+        ({"predictor": {"name": "lstm"}}, r"cpsr\.predictor\.name: Input should be 'skip', 'linear', 'damped', 'ridge' or 'vitp'"),
+        ({"recovery": {"mode": "guess"}}, r"cpsr\.recovery\.mode: Input should be 'auto', 'predict' or 'recompute'"),
+        ({"recovery": {"max_relative_error": 0}}, r"cpsr\.recovery\.max_relative_error: Input should be greater than 0"),
+        ({"checkpoint": {"keep_last": 3}, "predictor": {"history": 5}},
+         r"cpsr: checkpoint\.keep_last \(3\) must be at least predictor\.history \(5\)"),
+        ({"checkpoint": {"keep_last": 8}, "predictor": {"name": "vitp", "history": 4}},
+         r"cpsr: predictor\.history \(4\) must be at least 6 for vitp"),
         ({"checkpoint": {"intervall": 5}}, r"cpsr\.checkpoint\.intervall: unknown key \(allowed: dir, interval"),
         ({"checkpoint": {"interval": 0}}, r"cpsr\.checkpoint\.interval: Input should be greater than 0 \(got 0\)"),
         ({"checkpoint": {"interval": "50"}}, r"cpsr\.checkpoint\.interval: Input should be a valid integer"),

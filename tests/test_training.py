@@ -37,9 +37,9 @@ def test_pipeline_run_learns_and_journals_every_iteration(reference):
         assert sorted(losses_by_iteration(reference, rank)) == list(range(1, ITERS + 1))
     # The loss is broadcast to both stages: both journals hold the same numbers.
     assert losses_by_iteration(reference, 0) == losses_by_iteration(reference, 1)
-    # The asynchronous engine kept the last keep_last = 3 checkpoints, all complete and verified.
+    # The asynchronous engine kept the last keep_last = 4 checkpoints, all complete and verified.
     checkpoints = list_checkpoints(str(reference))
-    assert [(c.tag, c.valid) for c in checkpoints] == [(f"global_step{i}", True) for i in (20, 30, 40)]
+    assert [(c.tag, c.valid) for c in checkpoints] == [(f"global_step{i}", True) for i in (10, 20, 30, 40)]
     assert read_latest(str(reference)) == "global_step40"
 
 
