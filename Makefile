@@ -18,7 +18,7 @@ export PYTHONUNBUFFERED := 1
 $(STAMP): setup.py
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e '.[test,plot]' $(TORCH)
+	$(PY) -m pip install -q -e '.[test,bench]' $(TORCH)
 	touch $@
 
 demo: $(STAMP)

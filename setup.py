@@ -17,5 +17,5 @@ setup(
         "xxhash",
         "tqdm",
     ],
-    extras_require={"test": ["pytest"], "plot": ["matplotlib"]},
+    extras_require={"test": ["pytest", "scipy"], "bench": ["scipy", "matplotlib"]},
 )

@@ -65,9 +65,10 @@ class RecoveryReport:
             return f"cpsr recovery: job reached iteration {self.reached} but no checkpoint was committed; restarting from iteration 0"
         head = f"cpsr recovery: job reached iteration {self.reached}, last checkpoint {self.checkpoint}; "
         if self.method == "predict":
+            cost = "" if self.estimated_cost is None else f"estimated cost {self.estimated_cost:.1f} iterations against "
             return head + (
                 f"predict (PB-R) with {self.predictor}: resuming at iteration {self.resume_iteration}, "
-                f"estimated cost {self.estimated_cost:.1f} iterations against {self.lost_iterations} to recompute ({self.reason})"
+                f"{cost}{self.lost_iterations} to recompute ({self.reason})"
             )
         return head + (
             f"recompute (RB-R): {self.lost_iterations} iterations to redo, {self.checkpoint} saved against a restart "
@@ -197,7 +198,8 @@ def recover(engine, cfg: CPSRConfig, predictor) -> RecoveryReport:
     for ck in verified[max(0, newest + 1 - cfg.predictor.history): newest + 1]:
         client_state = _load(engine, directory, ck.tag)
         history.append((engine.global_steps, engine_state(engine)))
-    if PREDICTOR_STATE in client_state:
+    # Only a predictor of the same kind can use the trained weights the checkpoint carries.
+    if client_state.get(PREDICTOR_STATE, {}).get("name") == predictor.name:
         predictor.load_state_dict(client_state[PREDICTOR_STATE])
     for iteration, state in history:
         predictor.observe(iteration, state)
@@ -209,20 +211,25 @@ def recover(engine, cfg: CPSRConfig, predictor) -> RecoveryReport:
 
 def _decide(engine, cfg: CPSRConfig, predictor, f: int, c: int) -> RecoveryReport:
     d = f - c
-    held_out = predictor.validation_error() if predictor.ready() else None
-    if held_out is None:
+    if not predictor.ready():
         return RecoveryReport("recompute", f, c, c, reason=f"predictor {predictor.name} not ready", predictor=predictor.name)
-    r = held_out.relative
-    estimate = r * d
-    if cfg.recovery.mode == "auto" and r >= cfg.recovery.max_relative_error:
-        return RecoveryReport("recompute", f, c, c, reason=f"held-out error r = {r:.3f} >= {cfg.recovery.max_relative_error}: "
-                              f"estimated PB-R cost {estimate:.1f} >= recompute cost {d}",
-                              predictor=predictor.name, relative_error=r, estimated_cost=estimate)
+    held_out = predictor.validation_error()
+    r = None if held_out is None else held_out.relative
+    estimate = None if r is None else r * d
+    if cfg.recovery.mode == "auto":
+        if r is None:
+            return RecoveryReport("recompute", f, c, c, predictor=predictor.name,
+                                  reason=f"predictor {predictor.name} has no held-out checkpoint to estimate its cost")
+        if r >= cfg.recovery.max_relative_error:
+            return RecoveryReport("recompute", f, c, c, predictor=predictor.name, relative_error=r, estimated_cost=estimate,
+                                  reason=f"held-out error r = {r:.3f} >= {cfg.recovery.max_relative_error}: "
+                                  f"estimated PB-R cost {estimate:.1f} >= recompute cost {d}")
     try:
         predicted = predictor.predict(f)
     except NotReady as err:
         return RecoveryReport("recompute", f, c, c, reason=str(err), predictor=predictor.name)
     load_engine_state(engine, predicted)
     advance_counters(engine, d)
-    return RecoveryReport("predict", f, c, f, reason=f"held-out error r = {r:.3f}", predictor=predictor.name,
-                          relative_error=r, estimated_cost=estimate)
+    reason = "recovery.mode is predict" if r is None else f"held-out error r = {r:.3f}"
+    return RecoveryReport("predict", f, c, f, reason=reason, predictor=predictor.name, relative_error=r,
+                          estimated_cost=estimate)

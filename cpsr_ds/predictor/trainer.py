@@ -169,7 +169,8 @@ class VITPTrainer:
     def load_state_dict(self, sd: dict) -> None:
         self.model.load_state_dict(sd["model"])
         self.optimizer.load_state_dict(sd["optimizer"])
-        self.generator.set_state(sd["generator"])
+        # A loaded tensor may be a view into a larger buffer; the generator needs its own bytes.
+        self.generator.set_state(sd["generator"].clone())
         self.steps = sd["steps"]
         self.seconds = sd["seconds"]
         self.curve = [LossPoint(**p) for p in sd["curve"]]

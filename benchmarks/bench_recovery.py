@@ -1,0 +1,361 @@
+"""Recovery cost of every method, by DESIGN.md's protocol: the lag behind the reference.
+
+    python benchmarks/bench_recovery.py [--quick] [--json PATH] [--plot PATH] [--data DIR]
+        [--num-layers L --hidden-size H --num-attention-heads A --seq-length S] [--seeds N] ...
+
+For each seed a failure-free reference run trains the GPT through ``cpsr_ds.initialize``
+(single process, DeepSpeed pipeline engine with one stage, the product's checkpoint
+engine, a checkpoint every ``gcd(T_c)`` iterations, all retained, the ``vitp``
+predictor learning during the run), and evaluates a fixed validation set every few
+iterations. Then, for each failure at 25/50/75 % of training and each d in
+{T_c/2, T_c - 1}: a run directory holds the reference's checkpoints at multiples of
+T_c up to c and a journal that reached f = c + d, exactly what a killed job leaves.
+For every method the product's recovery runs on it (``Runtime`` -> ``recovery.recover``:
+checkpoint engine load, predictor, state written into the DeepSpeed engine), training
+resumes with batches from f on, and the validation loss is measured after restoring,
+through the transient and over the late window k in [2d, 4d].
+
+Methods: ``recompute`` (RB-R; its cost is d by construction: verified once per seed by
+comparing the recomputed losses with the reference's), each predictor forced to PB-R,
+and ``default`` (the config's defaults, ``recovery.mode: auto``: the controlled choice;
+when it picks a predictor its run is that predictor's run, which is deterministic, and
+when it picks RB-R its cost is d).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import deepspeed  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import cpsr_ds  # noqa: E402
+from cpsr_ds.checkpoint.journal import ProgressJournal, journal_path, read_journal  # noqa: E402
+from cpsr_ds.checkpoint.store import list_checkpoints  # noqa: E402
+from cpsr_ds.config import CPSRConfig, PredictorConfig  # noqa: E402
+from cpsr_ds.data.corpus import Batches, load_corpus  # noqa: E402
+from cpsr_ds.models.gpt import GPTConfig, gpt_pipeline  # noqa: E402
+from cpsr_ds.plugin import Runtime  # noqa: E402
+from lag import fit_curve, late_lag, mean_ci95, transient  # noqa: E402
+
+PREDICTORS = ("skip", "linear", "damped", "ridge", "vitp")
+NEVER = 10**9  # a checkpoint interval that never comes: recovered runs write no checkpoints
+
+
+@dataclass
+class Case:
+    seed: int
+    method: str
+    Tc: int
+    c: int
+    d: int
+    lag_iters: float  # the protocol's estimate, the primary figure
+    reduction: float  # 1 - lag_iters / d
+    lag_paired_iters: float  # paired with the reference's deviation at the same iteration (lag.lag_at)
+    reduction_paired: float
+    gap_after_restore: float  # validation loss right after restoring minus the reference's at f
+    transient_iters: int
+    final_loss_excess: float  # (recovered - reference) / reference at f + 4d
+    decision: str = ""
+    curve: dict = field(default_factory=dict)  # k -> validation loss
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="T_c = 50 only (within 15 minutes on 2 cores)")
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--plot", help="write the validation curves around each failure here (PNG)")
+    p.add_argument("--data", help="corpus directory (default: the Python standard library's sources)")
+    p.add_argument("--out-dir", default=os.path.join(ROOT, "runs", "bench_recovery"))
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--intervals", type=int, nargs="+", help="T_c values (default: 50 100; --quick: 50)")
+    p.add_argument("--train-iters", type=int, help="reference length (default: 16 x the largest T_c)")
+    p.add_argument("--vitp-budget", type=float, default=3.0, help="vitp: seconds of predictor training after each checkpoint")
+    p.add_argument("--eval-every", type=int, default=10, help="reference evaluation interval, iterations")
+    p.add_argument("--valid-sequences", type=int, default=128)
+    p.add_argument("--methods", nargs="+", default=list(PREDICTORS))
+    p.add_argument("--config", default=os.path.join(ROOT, "configs", "gpt_tiny_cpu.json"),
+                   help="DeepSpeed config: optimizer, schedule, batch (the pipeline is one stage, one process)")
+    model = p.add_argument_group("model (defaults: a GPT small enough for many runs on 2 cores)")
+    model.add_argument("--num-layers", type=int, default=2)
+    model.add_argument("--hidden-size", type=int, default=64)
+    model.add_argument("--num-attention-heads", type=int, default=4)
+    model.add_argument("--seq-length", type=int, default=64)
+    model.add_argument("--micro-batch", type=int, default=8)
+    args = p.parse_args(argv)
+    args.intervals = args.intervals or ([50] if args.quick else [50, 100])
+    args.train_iters = args.train_iters or 16 * max(args.intervals)
+    return args
+
+
+def ds_config(args, run_dir: str, interval: int, cpsr: dict) -> dict:
+    with open(args.config) as f:
+        config = json.load(f)
+    config.pop("gpt", None)
+    config.update(train_micro_batch_size_per_gpu=args.micro_batch, gradient_accumulation_steps=1)
+    config["pipeline"] = {"stages": 1}
+    config["cpsr"] = {"checkpoint": {"dir": run_dir, "interval": interval, "keep_last": 10**6}, **cpsr}
+    return config
+
+
+class Seed:
+    """One seed's reference run and the engine every recovery of that seed is written into."""
+
+    def __init__(self, args, seed: int, corpus):
+        self.args, self.seed = args, seed
+        self.ref_dir = os.path.join(args.out_dir, f"seed{seed}", "reference")
+        shutil.rmtree(os.path.dirname(self.ref_dir), ignore_errors=True)
+        base = math.gcd(*args.intervals)
+        gpt = GPTConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                        num_attention_heads=args.num_attention_heads, seq_length=args.seq_length)
+        torch.manual_seed(seed)
+        model = gpt_pipeline(gpt, num_stages=1, seed=seed)
+        config = ds_config(args, self.ref_dir, base, {"predictor": {"name": "vitp", "history": 8, "train_budget_s": args.vitp_budget}})
+        self.engine, *_ = cpsr_ds.initialize(model=model, model_parameters=model.parameters(), config=config)
+        self.batches = Batches(*corpus, seq_length=args.seq_length, micro_batch=args.micro_batch, grad_accum=1,
+                               seed=seed, valid_sequences=args.valid_sequences)
+        self.validation = self.batches.validation()
+        self.reference: dict[int, float] = {}
+
+    def evaluate(self) -> float:
+        return float(self.engine.eval_batch(iter(self.validation), num_micro_batches=len(self.validation)))
+
+    def train(self, start: int, stop: int, evaluate_at=()) -> dict[int, float]:
+        """Train batches ``start``..``stop - 1``; validation loss after each iteration in ``evaluate_at``."""
+        losses = {start: self.evaluate()} if start in evaluate_at else {}
+        for iteration in range(start, stop):
+            self.engine.train_batch(iter(self.batches.micro_batches(iteration)))
+            if iteration + 1 in evaluate_at:
+                losses[iteration + 1] = self.evaluate()
+        return losses
+
+    def run_reference(self, failures) -> None:
+        """Train the reference; evaluate it regularly and wherever a recovered run will be compared with it."""
+        n, every = self.args.train_iters, self.args.eval_every
+        at = set(range(0, n + 1, every)) | {c + d + k for _, c, d in failures for k in evaluation_points(d)}
+        self.reference = self.train(0, n, evaluate_at=at)
+        self.engine.checkpoint_engine.flush()
+        self.ref_losses = {e.iteration: e.loss for e in read_journal(journal_path(self.ref_dir, 0))}
+
+    def failure_dir(self, Tc: int, c: int, f: int, name: str) -> str:
+        """What a job killed after iteration f leaves: checkpoints at multiples of T_c up to c, a journal to f."""
+        run_dir = os.path.join(os.path.dirname(self.ref_dir), name)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        os.makedirs(run_dir)
+        for ck in list_checkpoints(self.ref_dir, read_data=False):
+            if ck.valid and ck.iteration % Tc == 0 and ck.iteration <= c:
+                shutil.copytree(os.path.join(self.ref_dir, ck.tag), os.path.join(run_dir, ck.tag), copy_function=os.link)
+        journal = ProgressJournal(run_dir, rank=0)
+        for iteration in range(1, f + 1):
+            journal.append(iteration, self.ref_losses[iteration])
+        journal.close()
+        return run_dir
+
+    def recover(self, run_dir: str, Tc: int, cpsr: dict):
+        """The product's recovery on ``run_dir``, into this seed's engine, as ``cpsr_ds.initialize`` runs it."""
+        block = ds_config(self.args, run_dir, NEVER, cpsr)["cpsr"]
+        block["checkpoint"]["keep_last"] = max(block.get("predictor", {}).get("history", 4), 8)
+        self.engine.cpsr.journal.close()
+        self.engine.cpsr = Runtime(self.engine, CPSRConfig.parse_block(block))
+        return self.engine.cpsr.recovery
+
+
+def evaluation_points(d: int) -> list[int]:
+    """k after the restart: right after restoring, through the transient, and 6 over the late window."""
+    early = [0, max(1, d // 4), max(2, d // 2), d, (3 * d) // 2]
+    late = [int(round(2 * d + j * 2 * d / 5)) for j in range(6)]
+    return sorted(set(early + late))
+
+
+def verify_recompute(seed: Seed, Tc: int, c: int, d: int) -> bool:
+    """RB-R is the reference from c on: recompute c..f + 2 and compare the journaled losses."""
+    f = c + d
+    run_dir = seed.failure_dir(Tc, c, f, "verify")
+    report = seed.recover(run_dir, Tc, {"recovery": {"mode": "recompute"}})
+    assert report.method == "recompute" and report.resume_iteration == c, report
+    seed.train(c, f + 2)
+    got = {e.iteration: e.loss for e in read_journal(journal_path(run_dir, 0)) if e.iteration > c}
+    got = {i: got[i] for i in range(c + 1, f + 3)}
+    return all(abs(got[i] - seed.ref_losses[i]) <= 1e-6 * abs(seed.ref_losses[i]) for i in got)
+
+
+def recomputed(seed: int, Tc: int, c: int, d: int, decision: str) -> Case:
+    """RB-R's cost is d by construction (the recomputed run is the reference)."""
+    return Case(seed, "recompute", Tc, c, d, float(d), 0.0, float(d), 0.0, 0.0, 0, 0.0, decision)
+
+
+def measure(seed: Seed, fit, method: str, cpsr: dict, Tc: int, c: int, d: int, margin: float) -> Case:
+    f = c + d
+    run_dir = seed.failure_dir(Tc, c, f, f"{method}-Tc{Tc}-c{c}-d{d}")
+    report = seed.recover(run_dir, Tc, cpsr)
+    if report.method != "predict":
+        return Case(**{**asdict(recomputed(seed.seed, Tc, c, d, report.describe())), "method": method})
+    points = evaluation_points(d)
+    curve = seed.train(f, f + 4 * d, evaluate_at={f + k for k in points})
+    curve = {i - f: loss for i, loss in curve.items()}
+    ref = seed.reference
+    lag = late_lag(fit, f, d, curve, margin)
+    paired = late_lag(fit, f, d, curve, margin, reference=ref)
+    return Case(seed.seed, method, Tc, c, d, lag, 1.0 - lag / d, paired, 1.0 - paired / d, curve[0] - ref[f],
+                transient(fit, f, d, curve, paired, margin, reference=ref),
+                (curve[4 * d] - ref[f + 4 * d]) / ref[f + 4 * d], report.describe(), curve)
+
+
+def failures(args) -> list[tuple[int, int, int]]:
+    """(T_c, c, d): failures at 25/50/75 % of training, d in {T_c/2, T_c - 1}."""
+    return [(Tc, int(round(share * args.train_iters / Tc)) * Tc, d)
+            for Tc in args.intervals for share in (0.25, 0.5, 0.75) for d in (Tc // 2, Tc - 1)]
+
+
+def run(args) -> dict:
+    corpus = load_corpus(args.data)
+    cases: list[Case] = []
+    verified = []
+    references = {}
+    for s in range(args.seeds):
+        t0 = time.time()
+        seed = Seed(args, 1000 + s, corpus)
+        seed.run_reference(failures(args))
+        references[seed.seed] = seed.reference
+        its, losses = zip(*sorted(seed.reference.items()))
+        print(f"seed {seed.seed}: reference {args.train_iters} iterations in {time.time() - t0:.0f} s, "
+              f"validation {losses[0]:.3f} -> {losses[-1]:.3f}", flush=True)
+        Tc, c, d = failures(args)[0]
+        verified.append((seed.seed, verify_recompute(seed, Tc, c, d)))
+        for Tc, c, d in failures(args):
+            margin = 2 * Tc
+            fit = fit_curve(its, losses, lo=max(args.eval_every, c - 2 * Tc), hi=c + 5 * d + Tc)
+
+            def forced(method: str) -> Case:
+                cpsr = {"predictor": {"name": method, "history": 8}, "recovery": {"mode": "predict"}}
+                return measure(seed, fit, method, cpsr, Tc, c, d, margin)
+
+            by_method = {method: forced(method) for method in args.methods}
+            here = [recomputed(seed.seed, Tc, c, d, "RB-R"), *by_method.values(),
+                    controlled_default(seed, by_method, forced, Tc, c, d)]
+            print_cases(here)
+            cases += here
+    return summarize(args, cases, verified, references)
+
+
+def controlled_default(seed: Seed, by_method: dict, forced, Tc: int, c: int, d: int) -> Case:
+    """The default config's controlled choice on the same failure; its run is the chosen predictor's run."""
+    run_dir = seed.failure_dir(Tc, c, c + d, f"default-Tc{Tc}-c{c}-d{d}")
+    report = seed.recover(run_dir, Tc, {})
+    chosen = (by_method.get(report.predictor) or forced(report.predictor)) if report.method == "predict" \
+        else recomputed(seed.seed, Tc, c, d, "")
+    return Case(**{**asdict(chosen), "method": "default", "decision": report.describe()})
+
+
+def print_cases(cases) -> None:
+    for case in cases:
+        print(f"  seed {case.seed} Tc {case.Tc:4d} c {case.c:5d} d {case.d:3d} {case.method:10s} lag {case.lag_iters:6.1f} "
+              f"(paired {case.lag_paired_iters:6.1f}) gap {case.gap_after_restore:+.4f} "
+              f"transient {case.transient_iters:4d} final {case.final_loss_excess:+.3%}"
+              + ("" if case.curve else f" | {case.decision}"), flush=True)
+
+
+def reduction_summary(cases, field: str) -> tuple[float, list[float], float]:
+    """Mean reduction, its 95 % interval, and the interval's half-width (in units of d: the mean lag/d's too)."""
+    mean, lo, hi = mean_ci95([getattr(c, field) for c in cases])
+    return mean, [lo, hi], (hi - lo) / 2 if math.isfinite(hi) else math.inf
+
+
+def summarize(args, cases, verified, references) -> dict:
+    methods = ["recompute", *args.methods, "default"]
+    out = {"mean_reduction": {}, "ci95_reduction": {}, "ci95_half_width_over_d": {},
+           "mean_reduction_paired": {}, "ci95_reduction_paired": {}, "ci95_half_width_over_d_paired": {}}
+    print()
+    print(f"{'method':10s} | {'mean reduction [95% CI]':>30s} {'half/d':>7s} | {'paired: mean [95% CI]':>30s} "
+          f"{'half/d':>7s} | {'worst final loss':>16s} {'lag > d + CI':>12s} {'cases':>5s}")
+    for method in methods:
+        rows = [c for c in cases if c.method == method]
+        mean, ci, half = reduction_summary(rows, "reduction")
+        pmean, pci, phalf = reduction_summary(rows, "reduction_paired")
+        for key, value in zip(out, (mean, ci, half, pmean, pci, phalf)):
+            out[key][method] = value
+        worse = sum(c.lag_iters > c.d * (1 + half) for c in rows)
+        print(f"{method:10s} | {mean:8.1%} [{ci[0]:7.1%}, {ci[1]:7.1%}] {half:7.1%} | {pmean:8.1%} [{pci[0]:7.1%}, "
+              f"{pci[1]:7.1%}] {phalf:7.1%} | {max(c.final_loss_excess for c in rows):+16.3%} {worse:12d} {len(rows):5d}")
+    print(f"\nrecompute verified equal to the reference (rel. 1e-6) on seeds: {verified}")
+    return {
+        "cases": [{k: v for k, v in asdict(c).items() if k != "curve"} for c in cases],
+        **out,
+        "default_method": "default",
+        "default_predictor": PredictorConfig().name,
+        "recompute_verified": verified,
+        "settings": {k: v for k, v in vars(args).items() if k not in ("json", "plot")},
+        "curves": [{"seed": c.seed, "method": c.method, "Tc": c.Tc, "c": c.c, "d": c.d, "curve": c.curve}
+                   for c in cases if c.curve and c.method != "default"],
+        "references": {str(s): ref for s, ref in references.items()},
+    }
+
+
+def plot(result: dict, path: str) -> None:
+    """Validation loss around each failure of the first seed, every method against the reference (Fig. 8)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    first = min(int(s) for s in result["references"])
+    reference = {int(i): v for i, v in result["references"][str(first)].items()}
+    failures = sorted({(c["Tc"], c["c"], c["d"]) for c in result["curves"] if c["seed"] == first})
+    cols = 2
+    rows = math.ceil(len(failures) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 3.6 * rows), squeeze=False)
+    for ax, (Tc, c, d) in zip(axes.flat, failures):
+        f = c + d
+        span = [i for i in sorted(reference) if c - Tc <= i <= f + 4 * d]
+        ax.axvspan(f + 2 * d, f + 4 * d, color="0.93", label="late window")
+        ax.plot(span, [reference[i] for i in span], "k-", lw=2, label="reference")
+        for curve in result["curves"]:
+            if curve["seed"] == first and (curve["Tc"], curve["c"], curve["d"]) == (Tc, c, d):
+                ks = sorted(int(k) for k in curve["curve"])
+                ax.plot([f + k for k in ks], [curve["curve"][k] if k in curve["curve"] else curve["curve"][str(k)] for k in ks],
+                        "o-", ms=3, label=curve["method"])
+        ax.axvline(c, color="grey", ls=":", lw=1)
+        ax.axvline(f, color="red", ls="--", lw=1)
+        ax.set_title(f"T_c={Tc}, c={c}, d={d} (failure at {f})")
+        ax.set_xlabel("iteration")
+        ax.set_ylabel("validation loss")
+    for ax in list(axes.flat)[len(failures):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29533"), RANK="0",
+                      WORLD_SIZE="1", LOCAL_RANK="0")
+    deepspeed.init_distributed(dist_backend="gloo")
+    start = time.time()
+    result = run(args)
+    result["seconds"] = time.time() - start
+    print(f"\nbench_recovery: {result['seconds']:.0f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    if args.plot:
+        plot(result, args.plot)
+
+
+if __name__ == "__main__":
+    main()
