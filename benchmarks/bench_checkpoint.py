@@ -1,10 +1,30 @@
 """Checkpoint cost: training stall per checkpoint and persist throughput of every strategy.
 
 Measured in one run on the same directory, beside the physical floors: a raw host copy
-of the same bytes (the floor of the stall) and the disk's sequential write speed with
-fsync (the ceiling of persist throughput). The stall is the time from ``create`` to
-the return of ``commit`` (what the training loop waits for); each checkpoint is
-persisted completely before the next one, so stalls do not include persist backlog.
+of the same bytes (the floor of the stall when nothing overlaps it) and the disk's
+sequential write speed with fsync (the ceiling of persist throughput).
+
+The stall is measured in a training loop, as DeepSpeed runs one: a checkpoint is
+requested at an iteration boundary (``create``, ``save`` per file, and for
+non-decoupled engines ``commit``), and a decoupled engine is committed before the next
+optimizer step. Stall per checkpoint = wall time from the request to the end of the
+next iteration, minus the median wall time of a checkpoint-free iteration; so the
+slowdown of compute by copy and writer threads counts too. ``blocked`` is the part
+spent inside the engine's calls. ``total`` adds everything the checkpointing phase
+cost beyond its checkpoint-free time (persist interference in later iterations
+included), per checkpoint. Two states are measured:
+
+* ``gpt_tiny``: the real tiny GPT (``configs/gpt_tiny_cpu.json``, one stage) in a
+  single-process DeepSpeed engine, checkpointed by ``engine.save_checkpoint`` with
+  each strategy installed as ``cpsr_ds.initialize`` installs it; compute is its own
+  ``train_batch``.
+* ``synthetic_1g``: 1 GiB of mixed-precision model and optimizer state in DeepSpeed's
+  two files, driven through the same engine classes; compute is matmuls on separate
+  tensors, the optimizer step an in-place update of every state tensor.
+
+Persist throughput = checkpoint bytes / time from its first write until it is durable
+(files and manifest fsynced, ``latest`` moved); for ``torch`` and ``ds_decoupled``,
+which do not fsync, the time of writing plus an fsync of their files.
 
     python benchmarks/bench_checkpoint.py [--quick] [--json PATH] [--dir DIR]
 """
@@ -12,150 +32,428 @@ persisted completely before the next one, so stalls do not include persist backl
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 
-import torch
-from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+for _key, _value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29517", "RANK": "0", "LOCAL_RANK": "0",
+                     "WORLD_SIZE": "1", "CROSS_RANK": "0", "CROSS_SIZE": "1"}.items():
+    os.environ.setdefault(_key, _value)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from cpsr_ds.checkpoint.factory import create_engine
-from cpsr_ds.config import CheckpointConfig
+import deepspeed  # noqa: E402
+import deepspeed.runtime.engine as ds_engine  # noqa: E402
+import torch  # noqa: E402
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo  # noqa: E402
+from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config  # noqa: E402
 
-STRATEGIES = ("torch", "checkfreq", "pccheck", "cpsr")
+import cpsr_ds  # noqa: E402
+import cpsr_ds.plugin  # noqa: E402
+from cpsr_ds.checkpoint.factory import create_engine  # noqa: E402
+from cpsr_ds.checkpoint.fileformat import PAGE, flatten  # noqa: E402
+from cpsr_ds.config import CheckpointConfig  # noqa: E402
+from cpsr_ds.models.gpt import GPTConfig, gpt_pipeline  # noqa: E402
+
+STRATEGIES = ("torch", "checkfreq", "pccheck", "cpsr", "ds_decoupled")
+OURS = ("checkfreq", "pccheck", "cpsr")
 GB = 1e9
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# DeepSpeed's own decoupled engine: a writer subprocess fed through a queue, one writer for world size 1.
+DECOUPLED = {"writer": {"decoupled": True, "type": "python", "data_parallel": "replica"}}
+MODEL_FILE = "mp_rank_00_model_states.pt"
+OPTIM_FILE = "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
 
 
-def synthetic_state(total_bytes: int) -> dict:
-    """Model weights, fp32 master weights and two Adam moments in the proportions of mixed precision."""
-    n = total_bytes // 14  # bf16 weights (2 B) + fp32 master, exp_avg, exp_avg_sq (12 B) per parameter
-    return {"model": {"module": {"w": torch.randn(n // 2, dtype=torch.bfloat16), "v": torch.randn(n - n // 2,
-                                                                                                  dtype=torch.bfloat16)}},
-            "optim": {"fp32": torch.randn(n), "state": {"exp_avg": torch.randn(n), "exp_avg_sq": torch.rand(n)},
-                      "step": 1}}
+# ---------------------------------------------------------------- floors
+
+def tensors_of(state) -> list[torch.Tensor]:
+    return flatten(state)[1]
 
 
-def state_bytes(state: dict) -> int:
-    from cpsr_ds.checkpoint.fileformat import flatten
-    return sum(t.numel() * t.element_size() for t in flatten(state)[1])
+def state_bytes(state) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors_of(state))
 
 
-def measure_engine(strategy: str, state: dict, root: str, repeats: int) -> tuple[list[float], list[float]]:
-    """(stall seconds, persist seconds) per checkpoint."""
-    d = os.path.join(root, strategy)
-    cfg = CheckpointConfig(dir=d, strategy=strategy, keep_last=2, max_in_flight=2)
-    eng = create_engine(cfg, 0, 1)
-    stalls, persists = [], []
-    try:
-        for i in range(repeats):
-            tag = f"global_step{i}"
-            os.makedirs(os.path.join(d, tag), exist_ok=True)
-            t0 = time.perf_counter()
-            info = CheckpointCommitInfo(tag=tag, save_dir=d, save_latest=True)
-            eng.create(info)
-            eng.save(state["model"], os.path.join(d, tag, "mp_rank_00_model_states.pt"))
-            eng.save(state["optim"], os.path.join(d, tag, "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"))
-            eng.commit(info)
-            stalls.append(time.perf_counter() - t0)
-            if strategy == "torch":
-                _sync_dir_files(os.path.join(d, tag))
-            else:
-                eng.flush()
-            persists.append(time.perf_counter() - t0)
-            if strategy == "torch" and i >= 2:
-                shutil.rmtree(os.path.join(d, f"global_step{i - 2}"), ignore_errors=True)
-    finally:
-        if strategy != "torch":
-            eng.cleanup()
-        shutil.rmtree(d, ignore_errors=True)
-    return stalls, persists
-
-
-def _sync_dir_files(path: str) -> None:
-    # DeepSpeed's engine does not fsync; durability costs the same for everyone, so add it.
-    for name in os.listdir(path):
-        fd = os.open(os.path.join(path, name), os.O_RDONLY)
-        os.fsync(fd)
-        os.close(fd)
-
-
-# DeepSpeed 0.19.8 cannot build DecoupledCheckpointEngine without a model-parallel unit:
-# create_data_parallel_writer_config reads UniversalParallelInfo.dp_rank, which does not exist.
-DS_DECOUPLED_UNAVAILABLE = "DecoupledCheckpointEngine does not build in DeepSpeed 0.19.8 without an mpu " \
-                           "(AttributeError: 'UniversalParallelInfo' object has no attribute 'dp_rank')"
-
-
-def raw_copy(state: dict, repeats: int) -> list[float]:
-    from cpsr_ds.checkpoint.fileformat import flatten
-    tensors = flatten(state)[1]
-    dst = [torch.empty_like(t, pin_memory=torch.cuda.is_available(), device="cpu") for t in tensors]
+def raw_copy_s(state, repeats: int) -> float:
+    """Median time of copying the state's tensors into preallocated host buffers (the first, faulting, excluded)."""
+    tensors = tensors_of(state)
+    dst = [torch.empty_like(t, device="cpu", pin_memory=torch.cuda.is_available()) for t in tensors]
     times = []
-    for _ in range(repeats):
+    for _ in range(repeats + 1):
         t0 = time.perf_counter()
         for a, b in zip(dst, tensors):
             a.copy_(b)
         times.append(time.perf_counter() - t0)
-    return times
+    return statistics.median(times[1:])
 
 
-def disk_write_gbps(root: str, nbytes: int) -> float:
-    buf = memoryview(bytearray(os.urandom(1 << 20)) * 64)
-    path = os.path.join(root, "disk-probe")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+def disk_gbps(root: str, nbytes: int, repeats: int = 3) -> dict:
+    """Sequential write of ``nbytes`` plus fsync on ``root``: through the page cache and with O_DIRECT."""
+    nbytes = max(nbytes, 64 << 20) // PAGE * PAGE
+    chunk = 64 << 20
+    raw = torch.randint(0, 255, (chunk + PAGE,), dtype=torch.uint8)
+    start = -raw.data_ptr() % PAGE
+    buf = memoryview(raw[start:start + chunk].numpy())
+    out = {}
+    for mode, flag in (("buffered", 0), ("direct", os.O_DIRECT)):
+        speeds = []
+        for _ in range(repeats + 1):
+            path = os.path.join(root, "disk-probe")
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flag, 0o644)
+            t0 = time.perf_counter()
+            written = 0
+            while written < nbytes:
+                written += os.write(fd, buf[:min(chunk, nbytes - written)])
+            os.fsync(fd)
+            speeds.append(written / (time.perf_counter() - t0) / GB)
+            os.close(fd)
+            os.unlink(path)
+        out[mode] = statistics.median(speeds[1:])
+    return out
+
+
+def fsync_files(tag_dir: str) -> float:
+    """fsync every file of a checkpoint DeepSpeed's engines wrote (they do not); returns the seconds taken."""
     t0 = time.perf_counter()
-    written = 0
-    while written < nbytes:
-        written += os.write(fd, buf[:min(len(buf), nbytes - written)])
-    os.fsync(fd)
-    elapsed = time.perf_counter() - t0
-    os.close(fd)
-    os.unlink(path)
-    return written / elapsed / GB
+    for name in os.listdir(tag_dir):
+        fd = os.open(os.path.join(tag_dir, name), os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+    return time.perf_counter() - t0
+
+
+def last_write_s(tag_dir: str, wall_start: float) -> float:
+    """Seconds from ``wall_start`` (time.time()) to the last modification of a file in ``tag_dir``."""
+    names = os.listdir(tag_dir)
+    if not names:
+        raise RuntimeError(f"DeepSpeed's decoupled writer left {os.path.basename(tag_dir)} empty after commit()")
+    return max(os.stat(os.path.join(tag_dir, n)).st_mtime_ns for n in names) / 1e9 - wall_start
+
+
+# ---------------------------------------------------------------- the training-loop protocol
+
+class Protocol:
+    """One strategy in a training loop: warm-up checkpoints, baseline, ``repeats`` checkpoints, baseline.
+
+    Subclasses give ``iteration()`` (one training iteration; a decoupled engine is
+    committed before its optimizer step), ``request(tag)`` (a checkpoint as
+    DeepSpeed's ``save_checkpoint`` takes it) and ``engine`` (the checkpoint engine).
+    """
+
+    def __init__(self, strategy: str, engine, ckpt_dir: str, repeats: int, warmup: int, baseline: int):
+        self.strategy = strategy
+        self.engine = engine
+        self.dir = ckpt_dir
+        self.repeats = repeats
+        self.warmup = warmup
+        self.baseline = baseline
+        self.blocked = 0.0
+        self.save_s = 0.0
+        commit = engine.commit
+
+        def timed_commit(info):
+            t0 = time.perf_counter()
+            try:
+                return commit(info)
+            finally:
+                self.blocked += time.perf_counter() - t0
+
+        engine.commit = timed_commit
+
+    def run(self) -> dict:
+        step = 0
+        for _ in range(self.warmup):
+            step += 1
+            self.checkpoint(f"global_step{step}")
+            self.iteration()
+            self.after_window(f"global_step{step}", time.time(), step)
+            self.flush()
+        base = [self._time_iteration() for _ in range(self.baseline)]
+        stalls, blocked, persists, untimed = [], [], [], 0.0
+        phase_t0 = time.perf_counter()
+        for _ in range(self.repeats):
+            step += 2
+            self.iteration()
+            tag = f"global_step{step}"
+            wall0, t0 = time.time(), time.perf_counter()
+            self.blocked = 0.0
+            self.checkpoint(tag)
+            self.iteration()
+            stalls.append(time.perf_counter() - t0)
+            blocked.append(self.blocked)
+            t1 = time.perf_counter()
+            persists.append(self.after_window(tag, wall0, step))
+            untimed += time.perf_counter() - t1
+        self.flush()
+        phase_s = time.perf_counter() - phase_t0 - untimed
+        base += [self._time_iteration() for _ in range(self.baseline)]
+        it = statistics.median(base)
+        if self.strategy in OURS:
+            recent = {tag: s for tag, _, s in self.engine.stats.recent}
+            persists = [recent[tag] for tag in persists if recent.get(tag) is not None]
+        return {"iteration_s": it, "stall_s": statistics.median(s - it for s in stalls),
+                "blocked_s": statistics.median(blocked),
+                "total_s": (phase_s - 2 * self.repeats * it) / self.repeats,
+                "persist_s": statistics.median(persists) if persists else None}
+
+    def checkpoint(self, tag: str) -> None:
+        t0 = time.perf_counter()
+        self.request(tag)
+        self.save_s = time.perf_counter() - t0
+        self.blocked += self.save_s
+
+    def _time_iteration(self) -> float:
+        t0 = time.perf_counter()
+        self.iteration()
+        return time.perf_counter() - t0
+
+    def after_window(self, tag: str, wall0: float, step: int):
+        """Untimed bookkeeping after a checkpoint's window: its persist time, or its tag when the engine reports it."""
+        if self.strategy in OURS:
+            return tag
+        tag_dir = os.path.join(self.dir, tag)
+        if self.strategy == "torch":
+            persist = self.save_s + fsync_files(tag_dir)
+        else:
+            persist = last_write_s(tag_dir, wall0) + fsync_files(tag_dir)
+        # Two checkpoints kept, as by the asynchronous engines (keep_last = 2).
+        shutil.rmtree(os.path.join(self.dir, f"global_step{step - 4}"), ignore_errors=True)
+        return persist
+
+    def flush(self) -> None:
+        if self.strategy in OURS:
+            self.engine.flush()
+
+
+class SyntheticProtocol(Protocol):
+    """A DeepSpeed-like state in two files, the checkpoint engine driven as DeepSpeed drives it."""
+
+    def __init__(self, strategy: str, engine, files: dict, compute, ckpt_dir: str, **kw):
+        super().__init__(strategy, engine, ckpt_dir, **kw)
+        self.files = files
+        self.compute = compute
+        self.state = tensors_of(files)
+
+    def iteration(self) -> None:
+        self.compute()
+        # DeepSpeedEngine._commit_decoupled_checkpoint, before the optimizer step.
+        if self.engine.is_decoupled():
+            info = self.engine.get_commit_info()
+            if info is not None:
+                self.engine.commit(info)
+        for t in self.state:
+            t.mul_(1.0)
+
+    def request(self, tag: str) -> None:
+        info = CheckpointCommitInfo(tag=tag, save_dir=self.dir, save_latest=True)
+        tag_dir = os.path.join(self.dir, tag)
+        self.engine.makedirs(tag_dir, exist_ok=True)
+        self.engine.create(info)
+        for name, sd in self.files.items():
+            self.engine.save(sd, os.path.join(tag_dir, name))
+        if not self.engine.is_decoupled():
+            self.engine.commit(info)
+
+
+class GPTProtocol(Protocol):
+    """The tiny GPT in a DeepSpeed pipeline engine, checkpointed by ``save_checkpoint``."""
+
+    def __init__(self, strategy: str, ds, gpt: GPTConfig, ckpt_dir: str, **kw):
+        super().__init__(strategy, ds.checkpoint_engine, ckpt_dir, **kw)
+        self.ds = ds
+        gen = torch.Generator().manual_seed(0)
+        shape = (ds.train_micro_batch_size_per_gpu(), gpt.seq_length)
+        self.batches = [(torch.randint(0, gpt.vocab_size, shape, generator=gen),
+                         torch.randint(0, gpt.vocab_size, shape, generator=gen))
+                        for _ in range(ds.gradient_accumulation_steps())]
+
+    def iteration(self) -> None:
+        # cpsr_ds's pipeline engine commits a decoupled checkpoint engine before its optimizer step.
+        self.ds.train_batch(iter(self.batches))
+
+    def request(self, tag: str) -> None:
+        self.ds.save_checkpoint(self.dir, tag)
+
+
+# ---------------------------------------------------------------- states and engines
+
+def synthetic_files(total_bytes: int) -> dict:
+    """Mixed-precision state in DeepSpeed's two files: bf16 weights; fp32 master weights and Adam moments."""
+    n = total_bytes // 14
+    half = n // 2
+    return {
+        MODEL_FILE: {"module": {"layers.0.weight": torch.randn(half, dtype=torch.bfloat16),
+                                "layers.1.weight": torch.randn(n - half, dtype=torch.bfloat16)},
+                     "global_steps": 1, "ds_version": deepspeed.__version__},
+        OPTIM_FILE: {"optimizer_state_dict": {"fp32_flat_groups": [torch.randn(n)],
+                                              "state": {0: {"exp_avg": torch.randn(n), "exp_avg_sq": torch.rand(n),
+                                                            "step": 1}},
+                                              "param_groups": [{"lr": 1e-4, "betas": (0.9, 0.95)}]},
+                     "ds_version": deepspeed.__version__},
+    }
+
+
+def matmul_compute(target_s: float):
+    """A compute phase of about ``target_s`` seconds: matmuls on tensors of their own."""
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    for _ in range(3):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        one = time.perf_counter() - t0
+    count = max(1, round(target_s / one))
+
+    def compute():
+        for _ in range(count):
+            torch.mm(a, b)
+
+    return compute
+
+
+def decoupled_engine(ckpt_dir: str):
+    """DeepSpeed's DecoupledCheckpointEngine, built by DeepSpeed for a one-process engine with a decoupled writer."""
+    model = torch.nn.Linear(8, 8)
+    config = {"train_batch_size": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+              "checkpoint": DECOUPLED}
+    ds, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return ds.checkpoint_engine
+
+
+def synthetic_engine(strategy: str, ckpt_dir: str):
+    if strategy == "ds_decoupled":
+        return decoupled_engine(ckpt_dir)
+    return create_engine(CheckpointConfig(dir=ckpt_dir, strategy=strategy, keep_last=2), 0, 1)
+
+
+@contextlib.contextmanager
+def deepspeed_factory_for(strategy: str):
+    """ds_decoupled: DeepSpeed's own checkpoint-engine factory (its config asks for the decoupled writer)."""
+    if strategy != "ds_decoupled":
+        yield
+        return
+    ours, ds_own = cpsr_ds.plugin.deepspeed_factory, ds_engine.create_checkpoint_engine
+    cpsr_ds.plugin.deepspeed_factory = lambda cfg: ds_own
+    try:
+        yield
+    finally:
+        cpsr_ds.plugin.deepspeed_factory = ours
+
+
+def gpt_engine(strategy: str, ckpt_dir: str):
+    config = load_ds_config(os.path.join(ROOT, "configs", "gpt_tiny_cpu.json"))
+    gpt = GPTConfig.model_validate(config.pop("gpt"))
+    config.pop("pipeline", None)
+    # The interval is never reached: the benchmark calls save_checkpoint itself.
+    config["cpsr"] = {"checkpoint": {"dir": ckpt_dir, "strategy": "torch" if strategy == "ds_decoupled" else strategy,
+                                     "interval": 10**9}}
+    if strategy == "ds_decoupled":
+        config["checkpoint"] = DECOUPLED
+    model = gpt_pipeline(gpt, num_stages=1, seed=0)
+    with deepspeed_factory_for(strategy):
+        ds, _, _, _ = cpsr_ds.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return ds, gpt
+
+
+def gpt_state_bytes(ds) -> int:
+    return state_bytes({"m": ds.module.state_dict(), "o": ds.optimizer.state_dict()})
+
+
+def close(engine) -> None:
+    engine.cleanup()
+
+
+# ---------------------------------------------------------------- main
+
+def measure(label: str, root: str, repeats: int, compute_s: float) -> dict:
+    """Every strategy on one state; the floors for its size."""
+    row = {"strategies": {}}
+    files = synthetic_files(2**30) if label == "synthetic_1g" else None
+    compute = matmul_compute(compute_s) if files else None
+    for strategy in STRATEGIES:
+        d = os.path.join(root, label, strategy)
+        os.makedirs(d)
+        kw = dict(repeats=repeats, warmup=2, baseline=5)
+        if files is not None:
+            engine = synthetic_engine(strategy, d)
+            proto = SyntheticProtocol(strategy, engine, files, compute, d, **kw)
+            row["bytes"] = state_bytes(files)
+        else:
+            ds, gpt = gpt_engine(strategy, d)
+            engine = ds.checkpoint_engine
+            proto = GPTProtocol(strategy, ds, gpt, d, **kw)
+            row["bytes"] = gpt_state_bytes(ds)
+        try:
+            result = proto.run()
+        except RuntimeError as err:
+            result = {"stall_s": None, "persist_s": None, "error": str(err)}
+        finally:
+            close(engine)
+            shutil.rmtree(d, ignore_errors=True)
+        row["strategies"][strategy] = result
+        if result["stall_s"] is None:
+            print(f"  {label} {strategy}: n/a ({result['error']})", flush=True)
+            continue
+        result["persist_gbps"] = row["bytes"] / result["persist_s"] / GB if result["persist_s"] else None
+        row["strategies"][strategy] = result
+        print(f"  {label} {strategy}: stall {result['stall_s'] * 1e3:.1f} ms", flush=True)
+    state = files if files is not None else {"m": ds.module.state_dict(), "o": ds.optimizer.state_dict()}
+    row["raw_copy_s"] = raw_copy_s(state, repeats)
+    row["disk"] = disk_gbps(root, row["bytes"])
+    row["disk_gbps"] = max(row["disk"].values())
+    row["compute_s"] = compute_s if files is not None else None
+    return row
+
+
+def print_table(label: str, row: dict) -> None:
+    disk = row["disk"]
+    it = statistics.median(r["iteration_s"] for r in row["strategies"].values() if r["stall_s"] is not None)
+    what = f"matmul compute ~{row['compute_s']:.2f} s + in-place update" if row["compute_s"] else "train_batch"
+    print(f"\n{label}: {row['bytes'] / 2**20:.1f} MiB; iteration {it * 1e3:.0f} ms ({what}); "
+          f"raw host copy {row['raw_copy_s'] * 1e3:.1f} ms; disk with fsync {disk['buffered']:.2f} GB/s buffered, "
+          f"{disk['direct']:.2f} GB/s O_DIRECT")
+    print("stall = (request + next iteration) - median checkpoint-free iteration, median of checkpoints; "
+          "blocked = inside the engine's calls; total = whole phase beyond checkpoint-free time, per checkpoint")
+    print(f"{'strategy':<13} {'stall ms':>9} {'x raw copy':>10} {'blocked ms':>10} {'total ms':>9} "
+          f"{'persist GB/s':>12} {'x disk':>7}")
+    for strategy, r in row["strategies"].items():
+        if r["stall_s"] is None:
+            print(f"{strategy:<13} {'n/a':>9}  {r['error']}")
+            continue
+        gbps = r["persist_gbps"]
+        tail = f"{gbps:>12.2f} {gbps / row['disk_gbps']:>7.2f}" if gbps else f"{'-':>12} {'-':>7}"
+        print(f"{strategy:<13} {r['stall_s'] * 1e3:>9.1f} {r['stall_s'] / row['raw_copy_s']:>10.2f} "
+              f"{r['blocked_s'] * 1e3:>10.1f} {r['total_s'] * 1e3:>9.1f} {tail}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="10 repeats, finishes within minutes on 2 cores")
+    ap.add_argument("--quick", action="store_true", help="10 checkpoints per strategy, ~0.5 s iterations")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--dir", help="directory on the storage to measure (default: a temporary one)")
     args = ap.parse_args()
-    repeats = 10 if args.quick else 20
+    repeats, compute_s = (10, 0.45) if args.quick else (20, 0.8)
+    deepspeed.init_distributed(dist_backend="gloo")
     root = tempfile.mkdtemp(prefix="cpsr-bench-", dir=args.dir)
-    results = {"sizes": {}}
+    sizes = {}
     try:
-        for label, size in (("small", 10 * 2**20), ("large", 2**30)):
-            state = synthetic_state(size)
-            nbytes = state_bytes(state)
-            row = {"bytes": nbytes, "stall_s": {}, "persist_gbps": {}}
-            for strategy in STRATEGIES:
-                stalls, persists = measure_engine(strategy, state, root, repeats)
-                row["stall_s"][strategy] = statistics.median(stalls)
-                row["persist_gbps"][strategy] = nbytes / statistics.median(persists) / GB
-            row["stall_s"]["ds_decoupled"] = None
-            row["raw_copy_s"] = statistics.median(raw_copy(state, repeats))
-            row["disk_gbps"] = disk_write_gbps(root, max(nbytes, 256 * 2**20))
-            results["sizes"][label] = row
-            del state
+        for label in ("gpt_tiny", "synthetic_1g"):
+            sizes[label] = measure(label, root, repeats, compute_s)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    large = results["sizes"]["large"]
-    results.update(stall_s=large["stall_s"], raw_copy_s=large["raw_copy_s"], persist_gbps=large["persist_gbps"],
-                   disk_gbps=large["disk_gbps"], repeats=repeats, notes={"ds_decoupled": DS_DECOUPLED_UNAVAILABLE},
-                   device="cuda" if torch.cuda.is_available() else "cpu")
-    for label, row in results["sizes"].items():
-        print(f"\n{label}: {row['bytes'] / 2**20:.0f} MiB   raw host copy {row['raw_copy_s'] * 1e3:.1f} ms   "
-              f"disk {row['disk_gbps']:.2f} GB/s")
-        print(f"{'strategy':<14} {'stall ms':>10} {'x raw copy':>11} {'persist GB/s':>13} {'x disk':>7}")
-        for strategy, stall in row["stall_s"].items():
-            if stall is None:
-                print(f"{strategy:<14} {'n/a':>10}   ({DS_DECOUPLED_UNAVAILABLE})")
-                continue
-            gbps = row["persist_gbps"].get(strategy)
-            tail = f"{gbps:>13.2f} {gbps / row['disk_gbps']:>7.2f}" if gbps is not None else f"{'-':>13} {'-':>7}"
-            print(f"{strategy:<14} {stall * 1e3:>10.1f} {stall / row['raw_copy_s']:>11.2f} {tail}")
+    for label, row in sizes.items():
+        print_table(label, row)
+    large = sizes["synthetic_1g"]
+    results = {"stall_s": {s: r["stall_s"] for s, r in large["strategies"].items()},
+               "blocked_s": {s: r.get("blocked_s") for s, r in large["strategies"].items()},
+               "raw_copy_s": large["raw_copy_s"],
+               "persist_gbps": {s: r.get("persist_gbps") for s, r in large["strategies"].items()},
+               "disk_gbps": large["disk_gbps"], "repeats": repeats,
+               "device": "cuda" if torch.cuda.is_available() else "cpu", "sizes": sizes}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

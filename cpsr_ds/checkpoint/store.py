@@ -22,9 +22,10 @@ import fcntl
 import json
 import logging
 import os
+import queue
 import re
 import shutil
-from concurrent.futures import ThreadPoolExecutor
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional
 
@@ -78,24 +79,20 @@ def write_atomic(path: str, chunks: Iterable, algorithm: Optional[str] = None,
     the rest of the file, and file systems without direct I/O, go through it.
     """
     tmp = temp_name(path)
-    hasher = new_hasher(algorithm) if algorithm else None
+    hashing = _Hashing(algorithm) if algorithm else None
     size = 0
     fd, direct = _open_for_writing(tmp, direct)
-    # Hashing on its own thread (xxhash releases the GIL) runs while the disk writes.
-    hashing = ThreadPoolExecutor(1, thread_name_prefix="cpsr-hash") if hasher is not None else None
-    hashed = []
     try:
         for chunk in chunks:
             data = np.frombuffer(chunk, dtype=np.uint8)
             if hashing is not None:
-                hashed.append(hashing.submit(hasher.update, data))
+                hashing.put(data)
             if direct:
                 direct = _write_direct(fd, data)
             else:
                 _write_all(fd, data)
             size += len(data)
-        for done in hashed:
-            done.result()
+        digest = hashing.digest() if hashing is not None else None
         os.fsync(fd)
         os.close(fd)
         fd = -1
@@ -111,8 +108,46 @@ def write_atomic(path: str, chunks: Iterable, algorithm: Optional[str] = None,
         raise
     finally:
         if hashing is not None:
-            hashing.shutdown()
-    return size, hasher.hexdigest() if hasher else None
+            hashing.stop()
+    return size, digest
+
+
+class _Hashing:
+    """Hashes chunks in order on a thread of its own (xxhash releases the GIL), while the disk writes.
+
+    A plain thread, not an executor: checkpoints are still written from ``atexit``,
+    where executors refuse new work.
+    """
+
+    def __init__(self, algorithm: str):
+        self._hasher = new_hasher(algorithm)
+        self._queue: queue.Queue = queue.Queue()
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, name="cpsr-hash", daemon=True)
+        self._thread.start()
+
+    def put(self, data) -> None:
+        self._queue.put(data)
+
+    def digest(self) -> str:
+        self.stop()
+        if self._error is not None:
+            raise self._error
+        return self._hasher.hexdigest()
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+
+    def _run(self) -> None:
+        # Not iter(get, None): that compares numpy arrays to None element-wise.
+        while (data := self._queue.get()) is not None:
+            if self._error is None:
+                try:
+                    self._hasher.update(data)
+                except BaseException as err:
+                    self._error = err
 
 
 def _open_for_writing(path: str, direct: bool) -> tuple[int, bool]:
