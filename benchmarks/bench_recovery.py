@@ -42,7 +42,6 @@ import deepspeed  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import cpsr_ds  # noqa: E402
 from cpsr_ds.checkpoint.journal import ProgressJournal, journal_path, read_journal  # noqa: E402
@@ -51,7 +50,7 @@ from cpsr_ds.config import CPSRConfig, PredictorConfig  # noqa: E402
 from cpsr_ds.data.corpus import Batches, load_corpus  # noqa: E402
 from cpsr_ds.models.gpt import GPTConfig, gpt_pipeline  # noqa: E402
 from cpsr_ds.plugin import Runtime  # noqa: E402
-from lag import fit_curve, late_lag, mean_ci95, transient  # noqa: E402
+from cpsr_ds.lag import fit_curve, late_lag, mean_ci95, transient  # noqa: E402
 
 PREDICTORS = ("skip", "linear", "damped", "ridge", "vitp")
 NEVER = 10**9  # a checkpoint interval that never comes: recovered runs write no checkpoints

@@ -27,7 +27,7 @@ from cpsr_ds.checkpoint.factory import deepspeed_factory
 from cpsr_ds.checkpoint.journal import ProgressJournal
 from cpsr_ds.config import CPSRConfig
 from cpsr_ds.faults import FaultInjector
-from cpsr_ds.recovery import PREDICTOR_STATE, engine_state, new_predictor, recover
+from cpsr_ds.recovery import PREDICTOR_STATE, append_report, engine_state, new_predictor, recover
 
 logger = logging.getLogger("cpsr_ds")
 if not logger.handlers:
@@ -126,4 +126,5 @@ def initialize(*args, **kwargs):
     engine.cpsr = Runtime(engine, cfg)
     if engine.global_rank == 0:
         logger.info(engine.cpsr.recovery.describe())
+        append_report(cfg.checkpoint.dir, engine.cpsr.recovery)
     return engine, optimizer, dataloader, scheduler

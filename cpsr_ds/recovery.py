@@ -21,7 +21,9 @@ and falls back to RB-R when the predictor is not ready.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import os
+from dataclasses import asdict, dataclass
 
 import torch
 from deepspeed.utils import (
@@ -37,6 +39,7 @@ from cpsr_ds.config import CPSRConfig
 from cpsr_ds.predictor import NotReady, make_predictor
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+REPORTS = "recovery.jsonl"  # one line per start of the job, in the run directory
 PREDICTOR_STATE = "cpsr_predictor"  # key of the predictor's weights in DeepSpeed's client state
 
 
@@ -74,6 +77,18 @@ class RecoveryReport:
             f"recompute (RB-R): {self.lost_iterations} iterations to redo, {self.checkpoint} saved against a restart "
             f"from scratch" + (f" ({self.reason})" if self.reason else "")
         )
+
+
+def append_report(directory: str, report: RecoveryReport) -> None:
+    with open(os.path.join(directory, REPORTS), "a") as f:
+        f.write(json.dumps({**asdict(report), "description": report.describe()}) + "\n")
+
+
+def read_reports(directory: str) -> list[RecoveryReport]:
+    """Every start's recovery decision, oldest first."""
+    with open(os.path.join(directory, REPORTS)) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [RecoveryReport(**{k: v for k, v in row.items() if k != "description"}) for row in rows]
 
 
 # ---------------------------------------------------------------- engine state

@@ -1,10 +1,14 @@
 """The demo: train the tiny GPT, kill a rank mid-run, restart, recover, and say what it cost.
 
-    python launch/demo.py [--config configs/gpt_tiny_cpu.json] [--train-iters 100] [--kill-at 70]
+    python launch/demo.py [--config configs/gpt_tiny_cpu.json] [--train-iters 150] [--kill-at 73]
 
-Runs ``launch/resilient.sh -- deepspeed launch/train_gpt.py ...`` on 2 processes in
-a fresh run directory, then reads the run's journal, fault markers and validation
-log to report the failure, the recovery decision and the time it cost.
+Runs the tiny GPT twice on 2 processes: once failure-free (the reference), once under
+``launch/resilient.sh`` with rank 1 SIGKILLed after ``--kill-at``. The restarted job
+recovers as configured (by default: predicting the state at the failure point, PB-R,
+when the predictor's held-out error says it is cheaper than recomputing). The demo
+then reads both runs' journals and validation logs and reports the recovery decision
+and its cost: the lag behind the reference, against the d iterations recomputing
+would have cost.
 """
 
 from __future__ import annotations
@@ -19,6 +23,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from cpsr_ds.checkpoint.journal import journal_path, read_journal, read_validation  # noqa: E402
+from cpsr_ds.lag import fit_curve, late_lag  # noqa: E402
+from cpsr_ds.recovery import read_reports  # noqa: E402
+
+INTERVAL = 10  # T_c of the demo: frequent enough for the predictor to have a history by the failure
+EVAL_INTERVAL = 5
 
 
 def attempts(entries):
@@ -31,24 +40,38 @@ def attempts(entries):
     return runs
 
 
-def summarize(run_dir: str) -> str:
+def run(command: list[str], env: dict) -> None:
+    print("$ " + " ".join(command), flush=True)
+    code = subprocess.call(command, env=env, cwd=ROOT)
+    if code != 0:
+        sys.exit(f"demo: the job failed for good (exit code {code}); see the output above")
+
+
+def summarize(run_dir: str, reference_dir: str) -> str:
     runs = attempts(read_journal(journal_path(run_dir, 0)))
     lines = [f"attempts: {len(runs)}"]
-    for failed, restarted in zip(runs, runs[1:]):
-        f = failed[-1].iteration
-        c = restarted[0].iteration - 1
-        back = next(e for e in restarted if e.iteration == f)
-        redo_s = back.wall_time - restarted[0].wall_time
-        down_s = restarted[0].wall_time - failed[-1].wall_time
-        lines += [
-            f"failure after iteration {f}; restored the checkpoint of iteration {c}",
-            f"recompute (RB-R): redid {f - c} iterations in {redo_s:.1f} s; "
-            f"restart downtime {down_s:.1f} s; back at iteration {f} {back.wall_time - failed[-1].wall_time:.1f} s after the failure",
-            f"a restart from scratch would have redone {f} iterations; the checkpoint saved {c}",
-        ]
-    val = read_validation(run_dir)
-    first, last = min(val), max(val)
-    lines.append(f"validation loss: {val[first]:.4f} at iteration {first} -> {val[last]:.4f} at iteration {last}")
+    reference = read_validation(reference_dir)
+    recovered = read_validation(run_dir)
+    last = max(recovered)
+    for failed, restarted, report in zip(runs, runs[1:], read_reports(run_dir)[1:]):
+        f, c, d = report.reached, report.checkpoint, report.lost_iterations
+        lines.append(f"failure after iteration {f}; {report.describe().removeprefix('cpsr recovery: ')}")
+        back = next((e for e in restarted if e.iteration >= f), restarted[-1])
+        lines.append(f"restart downtime {restarted[0].wall_time - failed[-1].wall_time:.1f} s; "
+                     f"training back past iteration {f} {back.wall_time - failed[-1].wall_time:.1f} s after the failure")
+        if report.method == "predict":
+            its = sorted(reference)
+            fit = fit_curve(its, [reference[i] for i in its], lo=max(EVAL_INTERVAL, c - 4 * INTERVAL), hi=last)
+            points = {i - f: loss for i, loss in recovered.items() if i >= f}
+            lag = late_lag(fit, f, d, points, margin=2 * INTERVAL, reference=reference)
+            lines.append(f"predicting-based recovery: {lag:.1f} iterations behind the failure-free run once the "
+                         f"transient has passed (k in [{2 * d}, {4 * d}]), against {d} to recompute: "
+                         f"saved {d - lag:.1f} iterations ({1 - lag / d:.0%})")
+        else:
+            lines.append(f"recompute-based recovery: redid iterations {c + 1}..{f} ({d} iterations); "
+                         f"a restart from scratch would have redone {f}")
+    lines.append(f"validation loss at iteration {last}: {recovered[last]:.4f} "
+                 f"(failure-free run: {reference[last]:.4f}); at iteration 0: {recovered[0]:.4f}")
     return "\n".join(lines)
 
 
@@ -56,28 +79,25 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=os.path.join(ROOT, "configs", "gpt_tiny_cpu.json"))
     p.add_argument("--run-dir", default=os.path.join(ROOT, "runs", "demo"))
-    p.add_argument("--train-iters", type=int, default=100)
-    p.add_argument("--kill-at", type=int, default=70, help="iteration after which rank 1 is SIGKILLed")
+    p.add_argument("--train-iters", type=int, default=150)
+    p.add_argument("--kill-at", type=int, default=73, help="iteration after which rank 1 is SIGKILLed")
     args = p.parse_args()
 
-    shutil.rmtree(args.run_dir, ignore_errors=True)
+    reference_dir = args.run_dir + "-reference"
+    for d in (args.run_dir, reference_dir):
+        shutil.rmtree(d, ignore_errors=True)
     deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-    command = [
-        os.path.join(ROOT, "launch", "resilient.sh"), "--max-restarts", "2", "--",
-        deepspeed, "--num_gpus", "2", os.path.join(ROOT, "launch", "train_gpt.py"),
-        "--deepspeed_config", args.config,
-        "--train-iters", str(args.train_iters),
-        "--eval-interval", "25",
-        "--checkpoint-dir", args.run_dir,
-        "--kill-rank", "1", "--kill-at-iteration", str(args.kill_at),
-    ]  # fmt: skip
+    train = [deepspeed, "--num_gpus", "2", os.path.join(ROOT, "launch", "train_gpt.py"),
+             "--deepspeed_config", args.config, "--train-iters", str(args.train_iters),
+             "--eval-interval", str(EVAL_INTERVAL), "--checkpoint-interval", str(INTERVAL)]  # fmt: skip
     env = dict(os.environ, DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"), PYTHONWARNINGS="ignore")
-    print("$ " + " ".join(command), flush=True)
-    code = subprocess.call(command, env=env, cwd=ROOT)
-    if code != 0:
-        sys.exit(f"demo: the job failed for good (exit code {code}); see the output above")
+    print("=== 1/2: the failure-free reference run ===", flush=True)
+    run([*train, "--checkpoint-dir", reference_dir], env)
+    print("\n=== 2/2: the same run, rank 1 killed after iteration %d, restarted by launch/resilient.sh ===" % args.kill_at)
+    run([os.path.join(ROOT, "launch", "resilient.sh"), "--max-restarts", "2", "--", *train,
+                     "--checkpoint-dir", args.run_dir, "--kill-rank", "1", "--kill-at-iteration", str(args.kill_at)], env)
     print("\n=== what happened ===")
-    print(summarize(args.run_dir))
+    print(summarize(args.run_dir, reference_dir))
 
 
 if __name__ == "__main__":
