@@ -46,13 +46,14 @@ sys.path.insert(0, ROOT)
 import cpsr_ds  # noqa: E402
 from cpsr_ds.checkpoint.journal import ProgressJournal, journal_path, read_journal  # noqa: E402
 from cpsr_ds.checkpoint.store import list_checkpoints  # noqa: E402
+from cpsr_ds import predictor  # noqa: E402
 from cpsr_ds.config import CPSRConfig, PredictorConfig  # noqa: E402
 from cpsr_ds.data.corpus import Batches, load_corpus  # noqa: E402
 from cpsr_ds.models.gpt import GPTConfig, gpt_pipeline  # noqa: E402
 from cpsr_ds.plugin import Runtime  # noqa: E402
 from cpsr_ds.lag import fit_curve, late_lag, mean_ci95, transient  # noqa: E402
 
-PREDICTORS = ("skip", "linear", "damped", "ridge", "vitp")
+PREDICTORS = tuple(predictor.PREDICTORS)
 NEVER = 10**9  # a checkpoint interval that never comes: recovered runs write no checkpoints
 
 
@@ -69,8 +70,9 @@ class Case:
     reduction_paired: float
     gap_after_restore: float  # validation loss right after restoring minus the reference's at f
     transient_iters: int
-    final_loss_excess: float  # (recovered - reference) / reference at f + 4d
+    window_end_excess: float  # (recovered - reference) / reference validation loss at f + 4d
     decision: str = ""
+    final_loss_excess: float | None = None  # the same at the end of training (the default's runs go on to it)
     curve: dict = field(default_factory=dict)  # k -> validation loss
 
 
@@ -83,8 +85,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out-dir", default=os.path.join(ROOT, "runs", "bench_recovery"))
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--intervals", type=int, nargs="+", help="T_c values (default: 50 100; --quick: 50)")
-    p.add_argument("--train-iters", type=int, help="reference length (default: 16 x the largest T_c)")
-    p.add_argument("--vitp-budget", type=float, default=3.0, help="vitp: seconds of predictor training after each checkpoint")
+    p.add_argument("--train-iters", type=int, help="reference length (default: 20 x the largest T_c, so that the "
+                   "failure at 75 %% has 4d iterations after it)")
+    p.add_argument("--vitp-budget", type=float, default=2.0, help="vitp: seconds of predictor training after each checkpoint")
     p.add_argument("--eval-every", type=int, default=10, help="reference evaluation interval, iterations")
     p.add_argument("--valid-sequences", type=int, default=128)
     p.add_argument("--methods", nargs="+", default=list(PREDICTORS))
@@ -98,7 +101,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     model.add_argument("--micro-batch", type=int, default=8)
     args = p.parse_args(argv)
     args.intervals = args.intervals or ([50] if args.quick else [50, 100])
-    args.train_iters = args.train_iters or 16 * max(args.intervals)
+    args.train_iters = args.train_iters or 20 * max(args.intervals)
     return args
 
 
@@ -175,9 +178,9 @@ class Seed:
 
 
 def evaluation_points(d: int) -> list[int]:
-    """k after the restart: right after restoring, through the transient, and 6 over the late window."""
-    early = [0, max(1, d // 4), max(2, d // 2), d, (3 * d) // 2]
-    late = [int(round(2 * d + j * 2 * d / 5)) for j in range(6)]
+    """k after the restart: right after restoring, through the transient, and 5 over the late window."""
+    early = [0, max(1, d // 2), d]
+    late = [int(round(2 * d + j * 2 * d / 4)) for j in range(5)]
     return sorted(set(early + late))
 
 
@@ -193,26 +196,29 @@ def verify_recompute(seed: Seed, Tc: int, c: int, d: int) -> bool:
     return all(abs(got[i] - seed.ref_losses[i]) <= 1e-6 * abs(seed.ref_losses[i]) for i in got)
 
 
-def recomputed(seed: int, Tc: int, c: int, d: int, decision: str) -> Case:
+def recomputed(seed: int, method: str, Tc: int, c: int, d: int, decision: str) -> Case:
     """RB-R's cost is d by construction (the recomputed run is the reference)."""
-    return Case(seed, "recompute", Tc, c, d, float(d), 0.0, float(d), 0.0, 0.0, 0, 0.0, decision)
+    return Case(seed, method, Tc, c, d, float(d), 0.0, float(d), 0.0, 0.0, 0, 0.0, decision, 0.0)
 
 
-def measure(seed: Seed, fit, method: str, cpsr: dict, Tc: int, c: int, d: int, margin: float) -> Case:
+def measure(seed: Seed, fit, method: str, cpsr: dict, Tc: int, c: int, d: int, margin: float,
+            to_end: bool = False) -> Case:
+    """Recover a failure at f = c + d as ``cpsr`` configures, train to f + 4d (``to_end``: to the end)."""
     f = c + d
     run_dir = seed.failure_dir(Tc, c, f, f"{method}-Tc{Tc}-c{c}-d{d}")
     report = seed.recover(run_dir, Tc, cpsr)
     if report.method != "predict":
-        return Case(**{**asdict(recomputed(seed.seed, Tc, c, d, report.describe())), "method": method})
-    points = evaluation_points(d)
-    curve = seed.train(f, f + 4 * d, evaluate_at={f + k for k in points})
+        return recomputed(seed.seed, method, Tc, c, d, report.describe())
+    end = seed.args.train_iters
+    curve = seed.train(f, end if to_end else f + 4 * d, evaluate_at={f + k for k in evaluation_points(d)} | {end})
     curve = {i - f: loss for i, loss in curve.items()}
     ref = seed.reference
     lag = late_lag(fit, f, d, curve, margin)
     paired = late_lag(fit, f, d, curve, margin, reference=ref)
+    excess = lambda i: (curve[i - f] - ref[i]) / ref[i]  # noqa: E731
     return Case(seed.seed, method, Tc, c, d, lag, 1.0 - lag / d, paired, 1.0 - paired / d, curve[0] - ref[f],
-                transient(fit, f, d, curve, paired, margin, reference=ref),
-                (curve[4 * d] - ref[f + 4 * d]) / ref[f + 4 * d], report.describe(), curve)
+                transient(fit, f, d, curve, paired, margin, reference=ref), excess(f + 4 * d), report.describe(),
+                excess(end) if to_end else None, curve)
 
 
 def failures(args) -> list[tuple[int, int, int]]:
@@ -239,33 +245,29 @@ def run(args) -> dict:
         for Tc, c, d in failures(args):
             margin = 2 * Tc
             fit = fit_curve(its, losses, lo=max(args.eval_every, c - 2 * Tc), hi=c + 5 * d + Tc)
-
-            def forced(method: str) -> Case:
-                cpsr = {"predictor": {"name": method, "history": 8}, "recovery": {"mode": "predict"}}
-                return measure(seed, fit, method, cpsr, Tc, c, d, margin)
-
-            by_method = {method: forced(method) for method in args.methods}
-            here = [recomputed(seed.seed, Tc, c, d, "RB-R"), *by_method.values(),
-                    controlled_default(seed, by_method, forced, Tc, c, d)]
+            # The product's defaults, recovery.mode auto: the controlled choice, followed to the end of training.
+            default = measure(seed, fit, "default", {}, Tc, c, d, margin, to_end=True)
+            here = [recomputed(seed.seed, "recompute", Tc, c, d, "RB-R")]
+            for method in args.methods:
+                if f"predict (PB-R) with {method}:" in default.decision:
+                    # Same predictor, same history, same failure: the very state the default run restored.
+                    here.append(Case(**{**asdict(default), "method": method, "final_loss_excess": None}))
+                    continue
+                cpsr = {"predictor": {"name": method, **({"history": 8} if method == "vitp" else {})},
+                        "recovery": {"mode": "predict"}}
+                here.append(measure(seed, fit, method, cpsr, Tc, c, d, margin))
+            here.append(default)
             print_cases(here)
             cases += here
     return summarize(args, cases, verified, references)
-
-
-def controlled_default(seed: Seed, by_method: dict, forced, Tc: int, c: int, d: int) -> Case:
-    """The default config's controlled choice on the same failure; its run is the chosen predictor's run."""
-    run_dir = seed.failure_dir(Tc, c, c + d, f"default-Tc{Tc}-c{c}-d{d}")
-    report = seed.recover(run_dir, Tc, {})
-    chosen = (by_method.get(report.predictor) or forced(report.predictor)) if report.method == "predict" \
-        else recomputed(seed.seed, Tc, c, d, "")
-    return Case(**{**asdict(chosen), "method": "default", "decision": report.describe()})
 
 
 def print_cases(cases) -> None:
     for case in cases:
         print(f"  seed {case.seed} Tc {case.Tc:4d} c {case.c:5d} d {case.d:3d} {case.method:10s} lag {case.lag_iters:6.1f} "
               f"(paired {case.lag_paired_iters:6.1f}) gap {case.gap_after_restore:+.4f} "
-              f"transient {case.transient_iters:4d} final {case.final_loss_excess:+.3%}"
+              f"transient {case.transient_iters:4d} at f+4d {case.window_end_excess:+.3%}"
+              + ("" if case.final_loss_excess is None else f" at the end {case.final_loss_excess:+.3%}")
               + ("" if case.curve else f" | {case.decision}"), flush=True)
 
 
@@ -275,13 +277,18 @@ def reduction_summary(cases, field: str) -> tuple[float, list[float], float]:
     return mean, [lo, hi], (hi - lo) / 2 if math.isfinite(hi) else math.inf
 
 
+def end_excess(rows) -> str:
+    finals = [c.final_loss_excess for c in rows if c.final_loss_excess is not None]
+    return f"{max(finals):+.3%}" if finals else "-"
+
+
 def summarize(args, cases, verified, references) -> dict:
     methods = ["recompute", *args.methods, "default"]
     out = {"mean_reduction": {}, "ci95_reduction": {}, "ci95_half_width_over_d": {},
            "mean_reduction_paired": {}, "ci95_reduction_paired": {}, "ci95_half_width_over_d_paired": {}}
     print()
     print(f"{'method':10s} | {'mean reduction [95% CI]':>30s} {'half/d':>7s} | {'paired: mean [95% CI]':>30s} "
-          f"{'half/d':>7s} | {'worst final loss':>16s} {'lag > d + CI':>12s} {'cases':>5s}")
+          f"{'half/d':>7s} | {'worst loss excess at f+4d / end':>31s} {'lag > d + CI':>12s} {'cases':>5s}")
     for method in methods:
         rows = [c for c in cases if c.method == method]
         mean, ci, half = reduction_summary(rows, "reduction")
@@ -290,7 +297,8 @@ def summarize(args, cases, verified, references) -> dict:
             out[key][method] = value
         worse = sum(c.lag_iters > c.d * (1 + half) for c in rows)
         print(f"{method:10s} | {mean:8.1%} [{ci[0]:7.1%}, {ci[1]:7.1%}] {half:7.1%} | {pmean:8.1%} [{pci[0]:7.1%}, "
-              f"{pci[1]:7.1%}] {phalf:7.1%} | {max(c.final_loss_excess for c in rows):+16.3%} {worse:12d} {len(rows):5d}")
+              f"{pci[1]:7.1%}] {phalf:7.1%} | {max(c.window_end_excess for c in rows):+15.3%} / {end_excess(rows):>13s} "
+              f"{worse:12d} {len(rows):5d}")
     print(f"\nrecompute verified equal to the reference (rel. 1e-6) on seeds: {verified}")
     return {
         "cases": [{k: v for k, v in asdict(c).items() if k != "curve"} for c in cases],

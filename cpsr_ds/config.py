@@ -51,7 +51,7 @@ class FaultConfig(_Strict):
 
 
 class PredictorConfig(_Strict):
-    name: Literal["skip", "linear", "damped", "ridge", "vitp"] = Field("damped", description="Predictor of the state at the failure point.")
+    name: Literal["skip", "linear", "trend", "damped", "ridge", "vitp"] = Field("trend", description="Predictor of the state at the failure point.")
     history: int = Field(4, ge=2, description="Checkpoints the predictor learns from (count); checkpoint.keep_last must be at least this.")
     params: Literal["predict", "keep"] = Field("predict", description="Parameters: extrapolated, or kept from the last checkpoint.")
     moments: Literal["predict", "keep"] = Field("keep", description="Adam's exp_avg and exp_avg_sq: extrapolated, or kept from the last checkpoint.")

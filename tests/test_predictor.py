@@ -156,6 +156,20 @@ def test_moments_predicted_on_request_and_exp_avg_sq_never_negative():
     torch.testing.assert_close(kept["param/a"], linear_states(ITERATIONS[-1])["param/a"], rtol=0, atol=0)
 
 
+def test_trend_is_exact_on_a_linear_trajectory_and_averages_out_checkpoint_noise():
+    out = fed("trend", linear_states).predict(TARGET)
+    torch.testing.assert_close(out["param/a"], linear_states(TARGET)["param/a"], rtol=0, atol=1e-5)
+
+    def drifting(t, gen=torch.Generator()):
+        gen.manual_seed(t)
+        return {"param/w": 0.001 * t + 0.02 * torch.randn(4096, generator=gen)}
+
+    truth, last = {"param/w": torch.full((4096,), 0.001 * TARGET)}, drifting(ITERATIONS[-1])
+    err_trend = rel_error(fed("trend", drifting, span=4).predict(TARGET), truth, last)
+    err_linear = rel_error(fed("linear", drifting).predict(TARGET), truth, last)
+    assert err_trend < 0.8 * err_linear
+
+
 def test_damping_gain_spans_linear_to_skip():
     assert damping_gain(0.0, 50, 20) == pytest.approx(20 / 50)
     assert damping_gain(0.01, 50, 50) == pytest.approx(math.exp(-0.5))
@@ -242,7 +256,7 @@ def test_vitp_step_respects_a_time_budget():
     assert fed("vitp", decay, iterations=ITERATIONS[:4], **VITP_SMALL).step(n_steps=5).steps == 0
 
 
-@pytest.mark.parametrize("name", ["skip", "linear", "damped", "ridge", "vitp"])
+@pytest.mark.parametrize("name", ["skip", "linear", "trend", "damped", "ridge", "vitp"])
 def test_state_dict_round_trip_gives_identical_predictions(name):
     options = VITP_SMALL if name == "vitp" else {}
     p = fed(name, lambda t: decay(t, noise=1e-3), moments="predict", **options)

@@ -3,18 +3,18 @@ point from its checkpoint history, for predicting-based recovery.
 
 ``make_predictor(name, **options)`` builds one of :data:`PREDICTORS`: ``vitp`` (FDD +
 VITP, the paper's predictor) or one of the simple extrapolations ``skip``,
-``linear``, ``damped``, ``ridge``, all behind :class:`Predictor`. Pure torch and
+``linear``, ``trend``, ``damped``, ``ridge``, all behind :class:`Predictor`. Pure torch and
 numpy: no DeepSpeed here.
 """
 
 from cpsr_ds.predictor.base import NotReady, Predictor, ValidationResult
-from cpsr_ds.predictor.simple import DampedPredictor, LinearPredictor, RidgePredictor, SkipPredictor
+from cpsr_ds.predictor.simple import DampedPredictor, LinearPredictor, RidgePredictor, SkipPredictor, TrendPredictor
 from cpsr_ds.predictor.state import KINDS, MOMENTS, kind_of
 from cpsr_ds.predictor.trainer import LossPoint, StepReport, VITPTrainer
 from cpsr_ds.predictor.vitp import VITPPredictor
 
 PREDICTORS: dict[str, type[Predictor]] = {
-    cls.name: cls for cls in (SkipPredictor, LinearPredictor, DampedPredictor, RidgePredictor, VITPPredictor)
+    cls.name: cls for cls in (SkipPredictor, LinearPredictor, TrendPredictor, DampedPredictor, RidgePredictor, VITPPredictor)
 }
 
 
@@ -29,6 +29,6 @@ def make_predictor(name: str, **options) -> Predictor:
 
 __all__ = [
     "KINDS", "MOMENTS", "PREDICTORS", "DampedPredictor", "LinearPredictor", "LossPoint", "NotReady", "Predictor",
-    "RidgePredictor", "SkipPredictor", "StepReport", "ValidationResult", "VITPPredictor", "VITPTrainer",
+    "RidgePredictor", "SkipPredictor", "StepReport", "TrendPredictor", "ValidationResult", "VITPPredictor", "VITPTrainer",
     "kind_of", "make_predictor",
 ]

@@ -6,6 +6,9 @@ f = t_{n-1} + d (the failure point):
 
 - ``skip``:   x_hat = x_{n-1}
 - ``linear``: x_hat = x_{n-1} + (d / I_{n-2}) D_{n-2}
+- ``trend``:  x_hat = x_{n-1} + d s, s the least-squares slope of x over the last
+  ``span`` checkpoints: the drift shared by consecutive checkpoints, with less of the
+  checkpoint-to-checkpoint noise than a single increment carries.
 - ``damped``: x_hat = x_{n-1} + g(kappa; I_{n-2}, d) D_{n-2}, where the velocity is
   taken to decay as exp(-kappa t); kappa is fitted per tensor by least squares
   over the history, predicting every D_j from D_{j-1}. kappa = 0 is ``linear``,
@@ -113,6 +116,29 @@ class LinearPredictor(Predictor):
     def _extrapolate(self, kind, iterations, series, target):
         gain = (target - iterations[-1]) / (iterations[-1] - iterations[-2])
         return series[-1] + gain * (series[-1] - series[-2])
+
+
+class TrendPredictor(Predictor):
+    """Extrapolation along the least-squares slope of the last ``span`` checkpoints."""
+
+    name = "trend"
+    min_history = 2
+
+    def __init__(self, span: int = 4, **options):
+        if span < 2:
+            raise ValueError(f"trend needs a span of at least 2 checkpoints, got {span}")
+        super().__init__(**options)
+        self.span = span
+
+    @property
+    def options(self) -> dict:
+        return {**super().options, "span": self.span}
+
+    def _extrapolate(self, kind, iterations, series, target):
+        t = torch.tensor(iterations[-self.span:], dtype=torch.float64)
+        w = (t - t.mean()) / (t - t.mean()).square().sum()
+        slope = sum(float(wi) * x for wi, x in zip(w, series[-self.span:]))
+        return series[-1] + (target - iterations[-1]) * slope
 
 
 class _PerTensor(Predictor):
