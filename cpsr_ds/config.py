@@ -65,7 +65,9 @@ class RecoveryConfig(_Strict):
         "predict: PB-R whenever the predictor is ready; recompute: always RB-R.",
     )
     max_relative_error: float = Field(
-        1.0, gt=0.0, description="auto: PB-R only if the predictor's held-out error, relative to restarting from the previous checkpoint, is below this."
+        1.5, gt=0.0,
+        description="auto: PB-R only if the predictor's held-out error, relative to not predicting, is below this: "
+        "a guard against diverging predictions.",
     )
 
 
