@@ -30,16 +30,6 @@ INTERVAL = 10  # T_c of the demo: frequent enough for the predictor to have a hi
 EVAL_INTERVAL = 5
 
 
-def attempts(entries):
-    """Split one rank's journal into the runs that wrote it (iterations restart lower)."""
-    runs = [[]]
-    for entry in entries:
-        if runs[-1] and entry.iteration <= runs[-1][-1].iteration:
-            runs.append([])
-        runs[-1].append(entry)
-    return runs
-
-
 def run(command: list[str], env: dict) -> None:
     print("$ " + " ".join(command), flush=True)
     code = subprocess.call(command, env=env, cwd=ROOT)
@@ -48,17 +38,21 @@ def run(command: list[str], env: dict) -> None:
 
 
 def summarize(run_dir: str, reference_dir: str) -> str:
-    runs = attempts(read_journal(journal_path(run_dir, 0)))
-    lines = [f"attempts: {len(runs)}"]
+    entries = read_journal(journal_path(run_dir, 0))
+    restarts = [r for r in read_reports(run_dir) if r.reached is not None]
+    lines = [f"attempts: {len(restarts) + 1}"]
     reference = read_validation(reference_dir)
     recovered = read_validation(run_dir)
     last = max(recovered)
-    for failed, restarted, report in zip(runs, runs[1:], read_reports(run_dir)[1:]):
+    for report in restarts:
         f, c, d = report.reached, report.checkpoint, report.lost_iterations
         lines.append(f"failure after iteration {f}; {report.describe().removeprefix('cpsr recovery: ')}")
-        back = next((e for e in restarted if e.iteration >= f), restarted[-1])
-        lines.append(f"restart downtime {restarted[0].wall_time - failed[-1].wall_time:.1f} s; "
-                     f"training back past iteration {f} {back.wall_time - failed[-1].wall_time:.1f} s after the failure")
+        # The restarted job's first journal entry follows the failed job's entry for f.
+        died = next(i for i, e in enumerate(entries) if e.iteration == f)
+        failed, restarted = entries[died], entries[died + 1]
+        back = next(e for e in entries[died + 1:] if e.iteration >= f)
+        lines.append(f"restart downtime {restarted.wall_time - failed.wall_time:.1f} s; "
+                     f"training back at iteration {back.iteration} {back.wall_time - failed.wall_time:.1f} s after the failure")
         if report.method == "predict":
             its = sorted(reference)
             fit = fit_curve(its, [reference[i] for i in its], lo=max(EVAL_INTERVAL, c - 4 * INTERVAL), hi=last)
