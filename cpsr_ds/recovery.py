@@ -203,7 +203,9 @@ def recover(engine, cfg: CPSRConfig, predictor) -> RecoveryReport:
     tag = select_checkpoint(directory)
     if tag is None:
         return RecoveryReport("fresh" if reached is None else "restart", reached, None, 0)
-    if reached is None or cfg.recovery.mode == "recompute":
+    verified = [ck for ck in list_checkpoints(directory) if ck.valid]
+    newest = next(i for i, ck in enumerate(verified) if ck.tag == tag)
+    if reached is None or reached <= verified[newest].iteration or cfg.recovery.mode == "recompute":
         _load(engine, directory, tag)
         c = engine.global_steps
         reason = "recovery.mode is recompute" if reached is not None and reached > c else ""
@@ -211,8 +213,6 @@ def recover(engine, cfg: CPSRConfig, predictor) -> RecoveryReport:
 
     # The predictor learns from the retained checkpoints up to c; c is loaded last,
     # so the engine holds c, the state RB-R falls back to.
-    verified = [ck for ck in list_checkpoints(directory) if ck.valid]
-    newest = next(i for i, ck in enumerate(verified) if ck.tag == tag)
     history = []
     for ck in verified[max(0, newest + 1 - cfg.predictor.history): newest + 1]:
         client_state = _load(engine, directory, ck.tag)
@@ -222,10 +222,7 @@ def recover(engine, cfg: CPSRConfig, predictor) -> RecoveryReport:
         predictor.load_state_dict(client_state[PREDICTOR_STATE])
     for iteration, state in history:
         predictor.observe(iteration, state)
-    c = engine.global_steps
-    if reached <= c:
-        return RecoveryReport("recompute", reached, c, c)
-    return _decide(engine, cfg, predictor, reached, c)
+    return _decide(engine, cfg, predictor, reached, engine.global_steps)
 
 
 def _decide(engine, cfg: CPSRConfig, predictor, f: int, c: int) -> RecoveryReport:
