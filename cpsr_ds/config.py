@@ -34,7 +34,7 @@ class CheckpointConfig(_Strict):
         "pipelined copy and write, interval from overhead_budget; cpsr = asynchronous, fixed interval.",
     )
     keep_last: int = Field(4, gt=0, description="Committed checkpoints kept on storage (count); older ones are deleted after a newer one commits.")
-    max_in_flight: int = Field(2, gt=0, description="Checkpoints being persisted at once (count), each holding one set of host buffers; checkfreq always uses 1.")
+    max_in_flight: int = Field(2, gt=0, description="pccheck: checkpoints being persisted at once (count), each holding one set of host buffers; checkfreq and cpsr persist one at a time.")
     retries: int = Field(3, ge=0, description="Retries of a failed file or manifest write (count) before the checkpoint is given up.")
     retry_backoff_s: float = Field(1.0, ge=0.0, description="Wait before the first retry in seconds; doubles on each further retry.")
     overhead_budget: float = Field(0.02, gt=0.0, le=1.0, description="checkfreq/pccheck: allowed training stall as a fraction of iteration time (0.02 = 2 %).")
@@ -61,7 +61,8 @@ class PredictorConfig(_Strict):
 class RecoveryConfig(_Strict):
     mode: Literal["auto", "predict", "recompute"] = Field(
         "auto",
-        description="auto: predict (PB-R) when its estimated cost is below recomputing (RB-R), else recompute; "
+        description="auto: predict (PB-R) unless the predictor is not ready or its held-out error reaches "
+        "max_relative_error, else recompute (RB-R); "
         "predict: PB-R whenever the predictor is ready; recompute: always RB-R.",
     )
     max_relative_error: float = Field(

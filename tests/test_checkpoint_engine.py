@@ -221,11 +221,12 @@ def test_storage_failure_does_not_stop_training_and_keeps_latest(tmp_path, engin
 
 # ---------------------------------------------------------------- SIGKILL during persist
 
-def _persist_forever(d, seed):
+def _persist_forever(d, seed, strategy):
     """Child process: two ranks checkpointing as fast as they can, until killed."""
     random.seed(seed)
-    rank0 = create_engine(config(d, keep_last=2, chunk_mb=1, max_in_flight=2), 0, 2)
-    rank1 = create_engine(config(d, keep_last=2, chunk_mb=1, max_in_flight=2), 1, 2)
+    cfg = config(d, keep_last=2, chunk_mb=1, max_in_flight=2, strategy=strategy)
+    rank0 = create_engine(cfg, 0, 2)
+    rank1 = create_engine(cfg, 1, 2)
     step = int(time.time() * 1000) % 10**9  # later runs continue with larger tags
     while True:
         step += 1
@@ -234,17 +235,19 @@ def _persist_forever(d, seed):
         checkpoint(rank1, d, step, st, rank=1)
 
 
-def test_sigkill_at_random_points_never_leaves_latest_invalid(tmp_path):
+# cpsr persists one checkpoint at a time; pccheck keeps several in flight, overlapping copy and write.
+@pytest.mark.parametrize("strategy", ["cpsr", "pccheck"])
+def test_sigkill_at_random_points_never_leaves_latest_invalid(tmp_path, strategy):
     d = str(tmp_path)
     rng = random.Random(1234)
     committed = set()
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 15
     kills = 0
     while time.monotonic() < deadline and kills < 40:
         pid = os.fork()
         if pid == 0:
             try:
-                _persist_forever(d, kills)
+                _persist_forever(d, kills, strategy)
             finally:
                 os._exit(1)
         time.sleep(rng.uniform(0.05, 0.6))
