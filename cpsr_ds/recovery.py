@@ -38,7 +38,7 @@ from deepspeed.utils import (
 )
 
 from cpsr_ds.checkpoint.journal import reached_iteration
-from cpsr_ds.checkpoint.store import list_checkpoints, select_checkpoint
+from cpsr_ds.checkpoint.store import loadable_checkpoints
 from cpsr_ds.config import CPSRConfig
 from cpsr_ds.predictor import NotReady, make_predictor
 
@@ -199,14 +199,14 @@ def recover(engine, cfg: CPSRConfig, predictor) -> RecoveryReport:
     """
     directory = cfg.checkpoint.dir
     reached = reached_iteration(directory)
-    # Every rank verifies the same shared directory and so picks the same tag.
-    tag = select_checkpoint(directory)
-    if tag is None:
+    # Every rank verifies the same shared directory and so picks the same checkpoints.
+    verified = loadable_checkpoints(directory)
+    if not verified:
         return RecoveryReport("fresh" if reached is None else "restart", reached, None, 0)
-    verified = [ck for ck in list_checkpoints(directory) if ck.valid]
-    newest = next(i for i, ck in enumerate(verified) if ck.tag == tag)
-    if reached is None or reached <= verified[newest].iteration or cfg.recovery.mode == "recompute":
-        _load(engine, directory, tag)
+    newest = verified[-1]
+    nothing_lost = reached is None or newest.iteration is None or reached <= newest.iteration
+    if nothing_lost or cfg.recovery.mode == "recompute":
+        _load(engine, directory, newest.tag)
         c = engine.global_steps
         reason = "recovery.mode is recompute" if reached is not None and reached > c else ""
         return RecoveryReport("recompute", reached, c, c, reason=reason)
@@ -214,7 +214,7 @@ def recover(engine, cfg: CPSRConfig, predictor) -> RecoveryReport:
     # The predictor learns from the retained checkpoints up to c; c is loaded last,
     # so the engine holds c, the state RB-R falls back to.
     history = []
-    for ck in verified[max(0, newest + 1 - cfg.predictor.history): newest + 1]:
+    for ck in verified[-cfg.predictor.history:]:
         client_state = _load(engine, directory, ck.tag)
         history.append((engine.global_steps, engine_state(engine)))
     # Only a predictor of the same kind can use the trained weights the checkpoint carries.

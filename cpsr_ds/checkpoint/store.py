@@ -428,15 +428,22 @@ def list_checkpoints(ckpt_dir: str, read_data: bool = True) -> list[Checkpoint]:
     return found
 
 
-def select_checkpoint(ckpt_dir: str, read_data: bool = True) -> Optional[str]:
-    """The tag to load: the newest valid checkpoint, or None when there is none.
+def loadable_checkpoints(ckpt_dir: str, read_data: bool = True) -> list[Checkpoint]:
+    """The valid checkpoints, oldest first; each rejected one newer than the newest valid is logged.
 
-    Each rejected newer checkpoint is logged with its problems. Every rank reaches the
-    same answer from the same shared directory, so no collective is needed.
+    Every rank reaches the same answer from the same shared directory, so no
+    collective is needed.
     """
-    for c in reversed(list_checkpoints(ckpt_dir, read_data)):
+    found = list_checkpoints(ckpt_dir, read_data)
+    for c in reversed(found):
         if c.valid:
-            return c.tag
+            break
         if c.kind == "cpsr":
             log.error("checkpoint %s is not loadable, falling back to an older one: %s", c.tag, "; ".join(c.problems))
-    return None
+    return [c for c in found if c.valid]
+
+
+def select_checkpoint(ckpt_dir: str, read_data: bool = True) -> Optional[str]:
+    """The tag to load: the newest valid checkpoint, or None when there is none."""
+    valid = loadable_checkpoints(ckpt_dir, read_data)
+    return valid[-1].tag if valid else None
