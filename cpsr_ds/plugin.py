@@ -19,6 +19,7 @@ from contextlib import contextmanager
 
 import deepspeed
 import deepspeed.runtime.engine as ds_engine
+from deepspeed.runtime.pipe import schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.module import PipelineModule
 from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
@@ -84,6 +85,10 @@ class CPSRPipelineEngine(PipelineEngine):
         if self.checkpoint_engine.is_decoupled():
             self._commit_decoupled_checkpoint()
         super()._exec_optimizer_step(lr_kwargs)
+
+    # The schedule's instructions run through this class-level map of plain functions,
+    # so an override takes effect only once it is mapped here.
+    _INSTRUCTION_MAP = {**PipelineEngine._INSTRUCTION_MAP, schedule.OptimizerStep: _exec_optimizer_step}
 
 
 def _ds_config(bound: inspect.BoundArguments) -> dict:

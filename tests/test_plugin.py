@@ -64,3 +64,33 @@ def test_config_path_and_bad_block(tmp_path):
 def test_a_plain_module_is_refused_with_a_clear_error(tmp_path):
     with pytest.raises(TypeError, match="must be a deepspeed.pipe.PipelineModule"):
         cpsr_ds.initialize(model=torch.nn.Linear(2, 2), config=tiny_config(tmp_path, stages=1))
+
+
+def test_the_pipeline_engine_commits_a_checkpoint_before_its_optimizer_step(tmp_path):
+    """The snapshot must be complete before the optimizer overwrites what it copies."""
+    engine, *_ = build(tiny_config(tmp_path / "run", stages=1))
+    gpt = GPTConfig(**TEST_MODEL)
+    gen = torch.Generator().manual_seed(0)
+    shape = (engine.train_micro_batch_size_per_gpu(), gpt.seq_length)
+    batches = [(torch.randint(0, gpt.vocab_size, shape, generator=gen),) * 2
+               for _ in range(engine.gradient_accumulation_steps())]
+    open_at_step = []
+    step = engine.optimizer.step
+
+    def observed_step(*args, **kwargs):
+        open_at_step.append(engine.checkpoint_engine.get_commit_info())
+        return step(*args, **kwargs)
+
+    engine.optimizer.step = observed_step
+    for _ in range(3):  # past the warmup's zero learning rate
+        engine.train_batch(iter(batches))
+    saved = {k: v.clone() for k, v in engine.module.state_dict().items() if isinstance(v, torch.Tensor)}
+    engine.save_checkpoint(str(tmp_path / "run"), tag="global_step1")
+    engine.train_batch(iter(batches))
+    assert open_at_step == [None] * 4
+    assert engine.checkpoint_engine.flush(timeout_s=60)
+    on_disk = engine.checkpoint_engine.load(str(tmp_path / "run" / "global_step1" / "layer_01-model_states.pt"))
+    now = engine.module.state_dict()
+    on_disk = {k: v for k, v in on_disk.items() if isinstance(v, torch.Tensor)}
+    assert any(not torch.equal(saved[f"1.{k}"], now[f"1.{k}"]) for k in on_disk)  # the next step moved the weights
+    assert all(torch.equal(v, saved[f"1.{k}"]) for k, v in on_disk.items())  # the checkpoint holds the saved ones
