@@ -18,6 +18,7 @@ import sys
 from contextlib import contextmanager
 
 import deepspeed
+import torch
 import deepspeed.runtime.engine as ds_engine
 from deepspeed.runtime.pipe import schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
@@ -118,6 +119,23 @@ def _installed(cfg: CPSRConfig):
         deepspeed.PipelineEngine, ds_engine.create_checkpoint_engine = original
 
 
+def _release_shm_allreduce_name(rank: int) -> None:
+    """Unlink this rank's name of DeepSpeed's shared-memory allreduce buffer (CPU backend).
+
+    DeepSpeed maps a 66 MB buffer in /dev/shm per rank and never unlinks it, so every
+    multi-process job on a host leaves its buffers in RAM for good. Once every rank has
+    mapped every buffer (the barrier: each rank maps all of them while initialising the
+    backend), the names serve nothing, and unlinking lets the memory go with the processes.
+    """
+    torch.distributed.barrier()
+    name = f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_" \
+           f"{os.environ.get('MASTER_PORT', '')}_{rank}"
+    try:
+        os.unlink(os.path.join("/dev/shm", name))
+    except FileNotFoundError:
+        pass
+
+
 def initialize(*args, **kwargs):
     """Same arguments and return values as ``deepspeed.initialize``."""
     bound = inspect.signature(deepspeed.initialize).bind(*args, **kwargs)
@@ -128,6 +146,7 @@ def initialize(*args, **kwargs):
         raise TypeError("cpsr_ds: the model must be a deepspeed.pipe.PipelineModule (num_stages=1 for no pipelining)")
     with _installed(cfg):
         engine, optimizer, dataloader, scheduler = deepspeed.initialize(*args, **kwargs)
+    _release_shm_allreduce_name(engine.global_rank)
     engine.cpsr = Runtime(engine, cfg)
     if engine.global_rank == 0:
         logger.info(engine.cpsr.recovery.describe())

@@ -1,3 +1,4 @@
+import glob
 import json
 import os
 import socket
@@ -40,7 +41,8 @@ def run_job(tmp_path, config: dict, *args, supervised: bool = False, nprocs: int
     config_path = tmp_path / f"ds_config_{free_port()}.json"
     config_path.write_text(json.dumps(config))
     deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-    command = [deepspeed, "--num_gpus", str(nprocs), "--master_port", str(free_port()),
+    port = free_port()
+    command = [deepspeed, "--num_gpus", str(nprocs), "--master_port", str(port),
                script, "--deepspeed_config", str(config_path),
                "--valid-sequences", "16", *map(str, args)]  # fmt: skip
     if supervised:
@@ -49,4 +51,6 @@ def run_job(tmp_path, config: dict, *args, supervised: bool = False, nprocs: int
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if check and result.returncode != 0:
         pytest.fail(f"job failed with exit code {result.returncode}:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}")
+    # Every rank, killed ones included, released DeepSpeed's shared-memory buffer at start.
+    assert result.returncode != 0 or not glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"), "a job left its /dev/shm buffers behind"
     return result
