@@ -3,17 +3,30 @@
     python benchmarks/bench_recovery.py [--quick] [--json PATH] [--plot PATH] [--data DIR]
         [--num-layers L --hidden-size H --num-attention-heads A --seq-length S] [--seeds N] ...
 
-For each seed a failure-free reference run trains the GPT through ``cpsr_ds.initialize``
-(single process, DeepSpeed pipeline engine with one stage, the product's checkpoint
-engine, a checkpoint every ``gcd(T_c)`` iterations, all retained, the ``vitp``
-predictor learning during the run), and evaluates a fixed validation set every few
-iterations. Then, for each failure at 25/50/75 % of training and each d in
-{T_c/2, T_c - 1}: a run directory holds the reference's checkpoints at multiples of
-T_c up to c and a journal that reached f = c + d, exactly what a killed job leaves.
+For each seed and each T_c a failure-free reference run of K * T_c iterations trains
+the GPT through ``cpsr_ds.initialize`` (single process, DeepSpeed pipeline engine with
+one stage, the product's checkpoint engine, a checkpoint every T_c iterations, all
+retained, the ``vitp`` predictor learning during the run), and evaluates a fixed
+validation set every few iterations. Then, for each failure at 25/50/75 % of training
+and each d in {T_c/2, T_c - 1}: a run directory holds the reference's checkpoints up
+to c and a journal that reached f = c + d, exactly what a killed job leaves.
 For every method the product's recovery runs on it (``Runtime`` -> ``recovery.recover``:
 checkpoint engine load, predictor, state written into the DeepSpeed engine), training
 resumes with batches from f on, and the validation loss is measured after restoring,
 through the transient and over the late window k in [2d, 4d].
+
+Noise sets the settings: the lag is a loss difference divided by the curve's slope, so
+the validation set is large (512 sequences), batches hold 16 sequences, and the
+learning rate follows GPT training's warmup and cosine decay over the reference's
+length; in a pilot these cut the lag's noise per evaluation from 11-28 iterations
+(8 sequences, 128 for validation, constant rate) to 5-12. The run length sets the
+other side: the loss a lag leaves grows with the loss's fall over d iterations, so a
+run of K = 40 intervals (a real run has hundreds) keeps that fall near 1 % at the
+earliest failure, where 20 intervals gave 2 %.
+
+The final validation loss is compared with the reference's at the end of the measured
+window (f + 4d) for every method, and for the default also at the end of training
+(not with ``--quick``).
 
 Methods: ``recompute`` (RB-R; its cost is d by construction: verified once per seed by
 comparing the recomputed losses with the reference's), each predictor forced to PB-R,
@@ -78,60 +91,73 @@ class Case:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="T_c = 50 only (within 15 minutes on 2 cores)")
+    p.add_argument("--quick", action="store_true", help="T_c = 50 only, the default's runs stop at f + 4d "
+                   "(within 15 minutes on 2 cores)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--plot", help="write the validation curves around each failure here (PNG)")
     p.add_argument("--data", help="corpus directory (default: the Python standard library's sources)")
     p.add_argument("--out-dir", default=os.path.join(ROOT, "runs", "bench_recovery"))
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--intervals", type=int, nargs="+", help="T_c values (default: 50 100; --quick: 50)")
-    p.add_argument("--train-iters", type=int, help="reference length (default: 20 x the largest T_c, so that the "
-                   "failure at 75 %% has 4d iterations after it)")
-    p.add_argument("--vitp-budget", type=float, default=2.0, help="vitp: seconds of predictor training after each checkpoint")
-    p.add_argument("--eval-every", type=int, default=10, help="reference evaluation interval, iterations")
-    p.add_argument("--valid-sequences", type=int, default=128)
+    p.add_argument("--intervals-per-run", type=int, default=40, help="K: each reference trains K x T_c iterations "
+                   "(at least 20, so that the failure at 75 %% has 4d iterations after it)")
+    p.add_argument("--vitp-budget", type=float, default=1.0, help="vitp: seconds of predictor training after each checkpoint")
+    p.add_argument("--eval-every", type=int, default=20, help="reference evaluation interval, iterations")
+    p.add_argument("--valid-sequences", type=int, default=512,
+                   help="validation set size: at 512 the reference's residual from its fit is about 0.2 %% of the loss")
     p.add_argument("--methods", nargs="+", default=list(PREDICTORS))
     p.add_argument("--config", default=os.path.join(ROOT, "configs", "gpt_tiny_cpu.json"),
-                   help="DeepSpeed config: optimizer, schedule, batch (the pipeline is one stage, one process)")
+                   help="DeepSpeed config: optimizer and warmup (the pipeline is one stage, one process)")
+    p.add_argument("--cos-min-ratio", type=float, default=0.1,
+                   help="the learning rate decays along a cosine over the reference's length to this share of its peak")
     model = p.add_argument_group("model (defaults: a GPT small enough for many runs on 2 cores)")
     model.add_argument("--num-layers", type=int, default=2)
     model.add_argument("--hidden-size", type=int, default=64)
     model.add_argument("--num-attention-heads", type=int, default=4)
     model.add_argument("--seq-length", type=int, default=64)
-    model.add_argument("--micro-batch", type=int, default=8)
+    model.add_argument("--micro-batch", type=int, default=16)
     args = p.parse_args(argv)
     args.intervals = args.intervals or ([50] if args.quick else [50, 100])
-    args.train_iters = args.train_iters or 20 * max(args.intervals)
+    if args.intervals_per_run < 20:
+        p.error("--intervals-per-run must be at least 20")
     return args
 
 
-def ds_config(args, run_dir: str, interval: int, cpsr: dict) -> dict:
+def ds_config(args, run_dir: str, interval: int, train_iters: int, cpsr: dict) -> dict:
     with open(args.config) as f:
         config = json.load(f)
     config.pop("gpt", None)
     config.update(train_micro_batch_size_per_gpu=args.micro_batch, gradient_accumulation_steps=1)
+    # GPT training decays the learning rate, and a run that ends at a low rate is what a
+    # user's final validation loss is measured on.
+    warmup = config.get("scheduler", {}).get("params", {}).get("warmup_num_steps", 0)
+    config["scheduler"] = {"type": "WarmupCosineLR", "params": {
+        "total_num_steps": train_iters, "warmup_num_steps": warmup, "cos_min_ratio": args.cos_min_ratio}}
     config["pipeline"] = {"stages": 1}
     config["cpsr"] = {"checkpoint": {"dir": run_dir, "interval": interval, "keep_last": 10**6}, **cpsr}
     return config
 
 
 class Seed:
-    """One seed's reference run and the engine every recovery of that seed is written into."""
+    """One seed's reference run for one T_c, and the engine every recovery of it is written into."""
 
-    def __init__(self, args, seed: int, corpus):
-        self.args, self.seed = args, seed
-        self.ref_dir = os.path.join(args.out_dir, f"seed{seed}", "reference")
+    def __init__(self, args, seed: int, Tc: int, corpus):
+        self.args, self.seed, self.Tc = args, seed, Tc
+        self.train_iters = args.intervals_per_run * Tc
+        self.ref_dir = os.path.join(args.out_dir, f"seed{seed}-Tc{Tc}", "reference")
         shutil.rmtree(os.path.dirname(self.ref_dir), ignore_errors=True)
-        base = math.gcd(*args.intervals)
         gpt = GPTConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
                         num_attention_heads=args.num_attention_heads, seq_length=args.seq_length)
         torch.manual_seed(seed)
         model = gpt_pipeline(gpt, num_stages=1, seed=seed)
-        config = ds_config(args, self.ref_dir, base, {"predictor": {"name": "vitp", "history": 8, "train_budget_s": args.vitp_budget}})
+        config = ds_config(args, self.ref_dir, Tc, self.train_iters,
+                           {"predictor": {"name": "vitp", "history": 8, "train_budget_s": args.vitp_budget}})
         self.engine, *_ = cpsr_ds.initialize(model=model, model_parameters=model.parameters(), config=config)
         self.batches = Batches(*corpus, seq_length=args.seq_length, micro_batch=args.micro_batch, grad_accum=1,
                                seed=seed, valid_sequences=args.valid_sequences)
-        self.validation = self.batches.validation()
+        # One stage: evaluation takes micro-batches of any size, and larger ones run faster.
+        self.validation = Batches(*corpus, seq_length=args.seq_length, micro_batch=64, grad_accum=1, seed=seed,
+                                  valid_sequences=args.valid_sequences).validation()
         self.reference: dict[int, float] = {}
 
     def evaluate(self) -> float:
@@ -148,19 +174,19 @@ class Seed:
 
     def run_reference(self, failures) -> None:
         """Train the reference; evaluate it regularly and wherever a recovered run will be compared with it."""
-        n, every = self.args.train_iters, self.args.eval_every
-        at = set(range(0, n + 1, every)) | {c + d + k for _, c, d in failures for k in evaluation_points(d)}
+        n, every = self.train_iters, self.args.eval_every
+        at = set(range(0, n + 1, every)) | {c + d + k for c, d in failures for k in evaluation_points(d)}
         self.reference = self.train(0, n, evaluate_at=at)
         self.engine.checkpoint_engine.flush()
         self.ref_losses = {e.iteration: e.loss for e in read_journal(journal_path(self.ref_dir, 0))}
 
-    def failure_dir(self, Tc: int, c: int, f: int, name: str) -> str:
-        """What a job killed after iteration f leaves: checkpoints at multiples of T_c up to c, a journal to f."""
+    def failure_dir(self, c: int, f: int, name: str) -> str:
+        """What a job killed after iteration f leaves: the checkpoints up to c, a journal to f."""
         run_dir = os.path.join(os.path.dirname(self.ref_dir), name)
         shutil.rmtree(run_dir, ignore_errors=True)
         os.makedirs(run_dir)
         for ck in list_checkpoints(self.ref_dir, read_data=False):
-            if ck.valid and ck.iteration % Tc == 0 and ck.iteration <= c:
+            if ck.valid and ck.iteration <= c:
                 shutil.copytree(os.path.join(self.ref_dir, ck.tag), os.path.join(run_dir, ck.tag), copy_function=os.link)
         journal = ProgressJournal(run_dir, rank=0)
         for iteration in range(1, f + 1):
@@ -168,13 +194,17 @@ class Seed:
         journal.close()
         return run_dir
 
-    def recover(self, run_dir: str, Tc: int, cpsr: dict):
+    def recover(self, run_dir: str, cpsr: dict):
         """The product's recovery on ``run_dir``, into this seed's engine, as ``cpsr_ds.initialize`` runs it."""
-        block = ds_config(self.args, run_dir, NEVER, cpsr)["cpsr"]
+        block = ds_config(self.args, run_dir, NEVER, self.train_iters, cpsr)["cpsr"]
         block["checkpoint"]["keep_last"] = max(block.get("predictor", {}).get("history", 4), 8)
         self.engine.cpsr.journal.close()
         self.engine.cpsr = Runtime(self.engine, CPSRConfig.parse_block(block))
         return self.engine.cpsr.recovery
+
+    def close(self) -> None:
+        self.engine.cpsr.journal.close()
+        self.engine.checkpoint_engine.cleanup()
 
 
 def evaluation_points(d: int) -> list[int]:
@@ -184,11 +214,11 @@ def evaluation_points(d: int) -> list[int]:
     return sorted(set(early + late))
 
 
-def verify_recompute(seed: Seed, Tc: int, c: int, d: int) -> bool:
+def verify_recompute(seed: Seed, c: int, d: int) -> bool:
     """RB-R is the reference from c on: recompute c..f + 2 and compare the journaled losses."""
     f = c + d
-    run_dir = seed.failure_dir(Tc, c, f, "verify")
-    report = seed.recover(run_dir, Tc, {"recovery": {"mode": "recompute"}})
+    run_dir = seed.failure_dir(c, f, "verify")
+    report = seed.recover(run_dir, {"recovery": {"mode": "recompute"}})
     assert report.method == "recompute" and report.resume_iteration == c, report
     seed.train(c, f + 2)
     got = {e.iteration: e.loss for e in read_journal(journal_path(run_dir, 0)) if e.iteration > c}
@@ -201,15 +231,14 @@ def recomputed(seed: int, method: str, Tc: int, c: int, d: int, decision: str) -
     return Case(seed, method, Tc, c, d, float(d), 0.0, float(d), 0.0, 0.0, 0, 0.0, decision, 0.0)
 
 
-def measure(seed: Seed, fit, method: str, cpsr: dict, Tc: int, c: int, d: int, margin: float,
-            to_end: bool = False) -> Case:
+def measure(seed: Seed, fit, method: str, cpsr: dict, c: int, d: int, margin: float, to_end: bool = False) -> Case:
     """Recover a failure at f = c + d as ``cpsr`` configures, train to f + 4d (``to_end``: to the end)."""
-    f = c + d
-    run_dir = seed.failure_dir(Tc, c, f, f"{method}-Tc{Tc}-c{c}-d{d}")
-    report = seed.recover(run_dir, Tc, cpsr)
+    f, Tc = c + d, seed.Tc
+    run_dir = seed.failure_dir(c, f, f"{method}-c{c}-d{d}")
+    report = seed.recover(run_dir, cpsr)
     if report.method != "predict":
         return recomputed(seed.seed, method, Tc, c, d, report.describe())
-    end = seed.args.train_iters
+    end = seed.train_iters
     curve = seed.train(f, end if to_end else f + 4 * d, evaluate_at={f + k for k in evaluation_points(d)} | {end})
     curve = {i - f: loss for i, loss in curve.items()}
     ref = seed.reference
@@ -221,10 +250,9 @@ def measure(seed: Seed, fit, method: str, cpsr: dict, Tc: int, c: int, d: int, m
                 excess(end) if to_end else None, curve)
 
 
-def failures(args) -> list[tuple[int, int, int]]:
-    """(T_c, c, d): failures at 25/50/75 % of training, d in {T_c/2, T_c - 1}."""
-    return [(Tc, int(round(share * args.train_iters / Tc)) * Tc, d)
-            for Tc in args.intervals for share in (0.25, 0.5, 0.75) for d in (Tc // 2, Tc - 1)]
+def failures(args, Tc: int) -> list[tuple[int, int]]:
+    """(c, d): failures at 25/50/75 % of training, d in {T_c/2, T_c - 1}."""
+    return [(int(round(share * args.intervals_per_run)) * Tc, d) for share in (0.25, 0.5, 0.75) for d in (Tc // 2, Tc - 1)]
 
 
 def run(args) -> dict:
@@ -233,33 +261,39 @@ def run(args) -> dict:
     verified = []
     references = {}
     for s in range(args.seeds):
-        t0 = time.time()
-        seed = Seed(args, 1000 + s, corpus)
-        seed.run_reference(failures(args))
-        references[seed.seed] = seed.reference
-        its, losses = zip(*sorted(seed.reference.items()))
-        print(f"seed {seed.seed}: reference {args.train_iters} iterations in {time.time() - t0:.0f} s, "
-              f"validation {losses[0]:.3f} -> {losses[-1]:.3f}", flush=True)
-        Tc, c, d = failures(args)[0]
-        verified.append((seed.seed, verify_recompute(seed, Tc, c, d)))
-        for Tc, c, d in failures(args):
-            margin = 2 * Tc
-            fit = fit_curve(its, losses, lo=max(args.eval_every, c - 2 * Tc), hi=c + 5 * d + Tc)
-            # The product's defaults, recovery.mode auto: the controlled choice, followed to the end of training.
-            default = measure(seed, fit, "default", {}, Tc, c, d, margin, to_end=True)
-            here = [recomputed(seed.seed, "recompute", Tc, c, d, "RB-R")]
-            for method in args.methods:
-                if f"predict (PB-R) with {method}:" in default.decision:
-                    # Same predictor, same history, same failure: the very state the default run restored.
-                    here.append(Case(**{**asdict(default), "method": method, "final_loss_excess": None}))
-                    continue
-                cpsr = {"predictor": {"name": method, **({"history": 8} if method == "vitp" else {})},
-                        "recovery": {"mode": "predict"}}
-                here.append(measure(seed, fit, method, cpsr, Tc, c, d, margin))
-            here.append(default)
-            print_cases(here)
-            cases += here
+        for Tc in args.intervals:
+            t0 = time.time()
+            seed = Seed(args, 1000 + s, Tc, corpus)
+            seed.run_reference(failures(args, Tc))
+            references[f"{seed.seed}-Tc{Tc}"] = seed.reference
+            its, losses = zip(*sorted(seed.reference.items()))
+            print(f"seed {seed.seed} T_c {Tc}: reference {seed.train_iters} iterations in {time.time() - t0:.0f} s, "
+                  f"validation {losses[0]:.3f} -> {losses[-1]:.3f}", flush=True)
+            verified.append((seed.seed, Tc, verify_recompute(seed, *failures(args, Tc)[0])))
+            for c, d in failures(args, Tc):
+                cases += measure_failure(args, seed, its, losses, c, d)
+            seed.close()
     return summarize(args, cases, verified, references)
+
+
+def measure_failure(args, seed: Seed, its, losses, c: int, d: int) -> list[Case]:
+    """Every method on one failure: recompute, each predictor forced to PB-R, and the default."""
+    Tc, margin = seed.Tc, 2 * seed.Tc
+    fit = fit_curve(its, losses, lo=max(args.eval_every, c - 2 * Tc), hi=c + 5 * d + Tc)
+    # The product's defaults, recovery.mode auto: the controlled choice.
+    default = measure(seed, fit, "default", {}, c, d, margin, to_end=not args.quick)
+    here = [recomputed(seed.seed, "recompute", Tc, c, d, "RB-R")]
+    for method in args.methods:
+        if f"predict (PB-R) with {method}:" in default.decision:
+            # Same predictor, same history, same failure: the very state the default run restored.
+            here.append(Case(**{**asdict(default), "method": method, "final_loss_excess": None}))
+            continue
+        cpsr = {"predictor": {"name": method, **({"history": 8} if method == "vitp" else {})},
+                "recovery": {"mode": "predict"}}
+        here.append(measure(seed, fit, method, cpsr, c, d, margin))
+    here.append(default)
+    print_cases(here)
+    return here
 
 
 def print_cases(cases) -> None:
@@ -285,7 +319,8 @@ def end_excess(rows) -> str:
 def summarize(args, cases, verified, references) -> dict:
     methods = ["recompute", *args.methods, "default"]
     out = {"mean_reduction": {}, "ci95_reduction": {}, "ci95_half_width_over_d": {},
-           "mean_reduction_paired": {}, "ci95_reduction_paired": {}, "ci95_half_width_over_d_paired": {}}
+           "mean_reduction_paired": {}, "ci95_reduction_paired": {}, "ci95_half_width_over_d_paired": {},
+           "worst_final_loss_excess": {}, "lag_beyond_d_plus_ci": {}}
     print()
     print(f"{'method':10s} | {'mean reduction [95% CI]':>30s} {'half/d':>7s} | {'paired: mean [95% CI]':>30s} "
           f"{'half/d':>7s} | {'worst loss excess at f+4d / end':>31s} {'lag > d + CI':>12s} {'cases':>5s}")
@@ -293,9 +328,10 @@ def summarize(args, cases, verified, references) -> dict:
         rows = [c for c in cases if c.method == method]
         mean, ci, half = reduction_summary(rows, "reduction")
         pmean, pci, phalf = reduction_summary(rows, "reduction_paired")
-        for key, value in zip(out, (mean, ci, half, pmean, pci, phalf)):
-            out[key][method] = value
         worse = sum(c.lag_iters > c.d * (1 + half) for c in rows)
+        finals = [c.window_end_excess for c in rows] + [c.final_loss_excess for c in rows if c.final_loss_excess is not None]
+        for key, value in zip(out, (mean, ci, half, pmean, pci, phalf, max(finals), worse)):
+            out[key][method] = value
         print(f"{method:10s} | {mean:8.1%} [{ci[0]:7.1%}, {ci[1]:7.1%}] {half:7.1%} | {pmean:8.1%} [{pci[0]:7.1%}, "
               f"{pci[1]:7.1%}] {phalf:7.1%} | {max(c.window_end_excess for c in rows):+15.3%} / {end_excess(rows):>13s} "
               f"{worse:12d} {len(rows):5d}")
@@ -320,14 +356,14 @@ def plot(result: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    first = min(int(s) for s in result["references"])
-    reference = {int(i): v for i, v in result["references"][str(first)].items()}
+    first = min(c["seed"] for c in result["curves"])
     failures = sorted({(c["Tc"], c["c"], c["d"]) for c in result["curves"] if c["seed"] == first})
     cols = 2
     rows = math.ceil(len(failures) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 3.6 * rows), squeeze=False)
     for ax, (Tc, c, d) in zip(axes.flat, failures):
         f = c + d
+        reference = {int(i): v for i, v in result["references"][f"{first}-Tc{Tc}"].items()}
         span = [i for i in sorted(reference) if c - Tc <= i <= f + 4 * d]
         ax.axvspan(f + 2 * d, f + 4 * d, color="0.93", label="late window")
         ax.plot(span, [reference[i] for i in span], "k-", lw=2, label="reference")

@@ -61,14 +61,25 @@ class PredictorConfig(_Strict):
 class RecoveryConfig(_Strict):
     mode: Literal["auto", "predict", "recompute"] = Field(
         "auto",
-        description="auto: predict (PB-R) unless the predictor is not ready or its held-out error reaches "
-        "max_relative_error, else recompute (RB-R); "
+        description="auto: predict (PB-R) unless the predictor is not ready, its held-out error reaches "
+        "max_relative_error or the lag it is expected to leave costs more than max_loss_excess, else recompute (RB-R); "
         "predict: PB-R whenever the predictor is ready; recompute: always RB-R.",
     )
     max_relative_error: float = Field(
         1.5, gt=0.0,
         description="auto: PB-R only if the predictor's held-out error, relative to not predicting, is below this: "
         "a guard against diverging predictions.",
+    )
+    expected_reduction: float = Field(
+        0.7, ge=0.0, lt=1.0,
+        description="The share of the d lost iterations a prediction is expected to save: PB-R's estimated cost is "
+        "(1 - expected_reduction) * d. Calibrated on benchmarks/bench_recovery.py --quick, where the default "
+        "predictor saved 74 % on average.",
+    )
+    max_loss_excess: float = Field(
+        0.005, ge=0.0,
+        description="auto: PB-R only if the loss the run had that estimated cost earlier is at most this share above "
+        "the loss at the failure (by the job's loss curve); the lag then costs at most this much final loss.",
     )
 
 

@@ -12,15 +12,16 @@ checkpoint is c <= f, d = f - c iterations were lost. Two ways back (Section IV)
   (Eq. 13-14), which training heals by itself.
 
 "Controlled": the choice is made by a cost estimate and logged with its numbers.
+PB-R's cost is estimated as T_p = (1 - rho) * d, rho = ``recovery.expected_reduction``
+calibrated on the recovery benchmark (the planner issue replaces it with Eq. 13-14).
 The predictor's held-out error ``r`` (predicting the newest retained checkpoint from
-the older ones, relative to not predicting at all) gives the estimate T_p = r * d.
-On the recovery benchmark r stayed within 0.8-1.4 for every working predictor and did
-not predict the measured lag (correlation -0.01 over 96 cases), while predictions
-with r up to 1.4 still recovered at about half of d: parameter noise between
-checkpoints dominates r, but only the drift the prediction carries sets the lag. So r
-serves as a guard: PB-R runs unless r >= ``max_relative_error`` (1.5 by default),
-which catches a diverging prediction, and falls back to RB-R when the predictor is
-not ready. The planner issue replaces this with Eq. 13-14.
+the older ones, relative to not predicting at all) did not predict the measured lag
+there (correlation -0.01 over 96 cases), so it serves as a guard against a diverging
+prediction: ``r >= max_relative_error`` means RB-R. The lag a prediction leaves is a
+lasting loss excess under a decaying learning rate, the loss the run had T_p
+iterations before f; where the job's own loss curve says that excess exceeds
+``max_loss_excess`` (early in training, where the loss falls fast), RB-R is chosen.
+An unready predictor means RB-R too.
 """
 
 from __future__ import annotations
@@ -37,9 +38,10 @@ from deepspeed.utils import (
     safe_set_full_optimizer_state,
 )
 
-from cpsr_ds.checkpoint.journal import reached_iteration
+from cpsr_ds.checkpoint.journal import journal_path, read_journal, reached_iteration
 from cpsr_ds.checkpoint.store import loadable_checkpoints
-from cpsr_ds.config import CPSRConfig
+from cpsr_ds.config import CPSRConfig, RecoveryConfig
+from cpsr_ds.fitter import fit_recent, loss_excess
 from cpsr_ds.predictor import NotReady, make_predictor
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -57,6 +59,7 @@ class RecoveryReport:
     predictor: str | None = None
     relative_error: float | None = None  # r: the predictor's held-out error
     estimated_cost: float | None = None  # T_p estimate, iterations
+    loss_excess: float | None = None  # the relative loss excess T_p iterations of lag leave at f
 
     @property
     def lost_iterations(self) -> int:
@@ -72,7 +75,7 @@ class RecoveryReport:
             return f"cpsr recovery: job reached iteration {self.reached} but no checkpoint was committed; restarting from iteration 0"
         head = f"cpsr recovery: job reached iteration {self.reached}, last checkpoint {self.checkpoint}; "
         if self.method == "predict":
-            cost = "" if self.estimated_cost is None else f"estimated cost {self.estimated_cost:.1f} iterations against "
+            cost = "" if self.estimated_cost is None else f"estimated lag {self.estimated_cost:.1f} iterations against "
             return head + (
                 f"predict (PB-R) with {self.predictor}: resuming at iteration {self.resume_iteration}, "
                 f"{cost}{self.lost_iterations} to recompute ({self.reason})"
@@ -231,21 +234,42 @@ def _decide(engine, cfg: CPSRConfig, predictor, f: int, c: int) -> RecoveryRepor
         return RecoveryReport("recompute", f, c, c, reason=f"predictor {predictor.name} not ready", predictor=predictor.name)
     held_out = predictor.validation_error()
     r = None if held_out is None else held_out.relative
-    estimate = None if r is None else r * d
+    T_p = (1.0 - cfg.recovery.expected_reduction) * d
+    excess = expected_loss_excess(cfg.checkpoint.dir, engine.global_rank, f, T_p)
+    numbers = dict(predictor=predictor.name, relative_error=r, estimated_cost=T_p, loss_excess=excess)
     if cfg.recovery.mode == "auto":
-        if r is None:
-            return RecoveryReport("recompute", f, c, c, predictor=predictor.name,
-                                  reason=f"predictor {predictor.name} has no held-out checkpoint to estimate its cost")
-        if r >= cfg.recovery.max_relative_error:
-            return RecoveryReport("recompute", f, c, c, predictor=predictor.name, relative_error=r, estimated_cost=estimate,
-                                  reason=f"held-out error r = {r:.3f} >= {cfg.recovery.max_relative_error}: "
-                                  f"estimated PB-R cost {estimate:.1f} >= recompute cost {d}")
+        why = fallback_reason(cfg.recovery, r, T_p, excess)
+        if why is not None:
+            return RecoveryReport("recompute", f, c, c, reason=why, **numbers)
     try:
         predicted = predictor.predict(f)
     except NotReady as err:
         return RecoveryReport("recompute", f, c, c, reason=str(err), predictor=predictor.name)
     load_engine_state(engine, predicted)
     advance_counters(engine, d)
-    reason = "recovery.mode is predict" if r is None else f"held-out error r = {r:.3f}"
-    return RecoveryReport("predict", f, c, f, reason=reason, predictor=predictor.name, relative_error=r,
-                          estimated_cost=estimate)
+    reason = "recovery.mode is predict" if cfg.recovery.mode == "predict" else (
+        f"held-out error r = {r:.3f}" + ("" if excess is None else f", expected loss excess {excess:.2%}"))
+    return RecoveryReport("predict", f, c, f, reason=reason, **numbers)
+
+
+def fallback_reason(rc: RecoveryConfig, r: float | None, T_p: float, excess: float | None) -> str | None:
+    """Why ``recovery.mode: auto`` recomputes rather than predicts with a ready predictor; None: predict.
+
+    ``r``: the held-out error; ``T_p``: PB-R's estimated lag, iterations; ``excess``: the
+    relative loss excess that lag leaves (None where the journal is too short to tell).
+    """
+    if r is None:
+        return "the predictor has no held-out checkpoint to check it against"
+    if r >= rc.max_relative_error:
+        return f"held-out error r = {r:.3f} >= max_relative_error {rc.max_relative_error}: a diverging prediction"
+    if excess is not None and excess > rc.max_loss_excess:
+        return (f"a lag of {T_p:.1f} iterations would leave the loss {excess:.2%} higher, "
+                f"above max_loss_excess {rc.max_loss_excess:.2%}")
+    return None
+
+
+def expected_loss_excess(directory: str, rank: int, f: int, lag: float) -> float | None:
+    """The relative loss excess a lag of ``lag`` iterations costs at f, by the journal's losses (None: too few)."""
+    losses = {e.iteration: e.loss for e in read_journal(journal_path(directory, rank))}
+    curve = fit_recent(losses, f)
+    return None if curve is None else loss_excess(curve, f, lag)
