@@ -235,7 +235,7 @@ def _decide(engine, cfg: CPSRConfig, predictor, f: int, c: int) -> RecoveryRepor
     held_out = predictor.validation_error()
     r = None if held_out is None else held_out.relative
     T_p = (1.0 - cfg.recovery.expected_reduction) * d
-    excess = expected_loss_excess(cfg.checkpoint.dir, engine.global_rank, f, T_p)
+    excess = expected_loss_excess(cfg.checkpoint.dir, f, T_p)
     numbers = dict(predictor=predictor.name, relative_error=r, estimated_cost=T_p, loss_excess=excess)
     if cfg.recovery.mode == "auto":
         why = fallback_reason(cfg.recovery, r, T_p, excess)
@@ -268,8 +268,11 @@ def fallback_reason(rc: RecoveryConfig, r: float | None, T_p: float, excess: flo
     return None
 
 
-def expected_loss_excess(directory: str, rank: int, f: int, lag: float) -> float | None:
-    """The relative loss excess a lag of ``lag`` iterations costs at f, by the journal's losses (None: too few)."""
-    losses = {e.iteration: e.loss for e in read_journal(journal_path(directory, rank))}
+def expected_loss_excess(directory: str, f: int, lag: float) -> float | None:
+    """The relative loss excess a lag of ``lag`` iterations costs at f, by the journal's losses (None: too few).
+
+    Every rank reads rank 0's journal, so that all make the same choice.
+    """
+    losses = {e.iteration: e.loss for e in read_journal(journal_path(directory, 0))}
     curve = fit_recent(losses, f)
     return None if curve is None else loss_excess(curve, f, lag)

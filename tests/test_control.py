@@ -35,16 +35,16 @@ def test_fit_recovers_a_log_linear_curve_from_noisy_losses():
 def test_expected_loss_excess_reads_the_jobs_loss_curve(tmp_path):
     directory = journal(tmp_path, {i: curve(i) for i in range(1, 801)})
     for f, lag in ((200, 20), (800, 20), (800, 5)):
-        assert expected_loss_excess(directory, 0, f, lag) == pytest.approx((curve(f - lag) - curve(f)) / curve(f), rel=1e-3)
-    assert expected_loss_excess(directory, 0, 200, 20) > expected_loss_excess(directory, 0, 800, 20)
+        assert expected_loss_excess(directory, f, lag) == pytest.approx((curve(f - lag) - curve(f)) / curve(f), rel=1e-3)
+    assert expected_loss_excess(directory, 200, 20) > expected_loss_excess(directory, 800, 20)
 
 
 def test_a_rerun_iteration_counts_once_and_a_short_journal_gives_no_estimate(tmp_path):
     losses = {i: curve(i) for i in range(1, 401)}
     directory = journal(tmp_path, {**losses, **{i: 99.0 for i in range(300, 350)}})
     journal(tmp_path, {i: losses[i] for i in range(300, 401)})  # the recomputed iterations, appended later
-    assert expected_loss_excess(directory, 0, 400, 10) == pytest.approx((curve(390) - curve(400)) / curve(400), rel=1e-3)
-    assert expected_loss_excess(journal(tmp_path / "short", {i: 3.0 for i in range(1, MIN_POINTS)}), 0, 20, 5) is None
+    assert expected_loss_excess(directory, 400, 10) == pytest.approx((curve(390) - curve(400)) / curve(400), rel=1e-3)
+    assert expected_loss_excess(journal(tmp_path / "short", {i: 3.0 for i in range(1, MIN_POINTS)}), 20, 5) is None
 
 
 @pytest.mark.parametrize("r, excess, recomputes", [
