@@ -2,6 +2,10 @@
 
     python benchmarks/bench_recovery.py [--quick] [--json PATH] [--plot PATH] [--data DIR]
         [--num-layers L --hidden-size H --num-attention-heads A --seq-length S] [--seeds N] ...
+    python benchmarks/bench_recovery.py --merge A.json B.json ... [--json PATH] [--plot PATH]
+
+A run can be split by seed across processes or machines (``--first-seed``, ``--seeds``)
+and the parts summarised together with ``--merge``.
 
 For each seed and each T_c a failure-free reference run of K * T_c iterations trains
 the GPT through ``cpsr_ds.initialize`` (single process, DeepSpeed pipeline engine with
@@ -97,7 +101,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--plot", help="write the validation curves around each failure here (PNG)")
     p.add_argument("--data", help="corpus directory (default: the Python standard library's sources)")
     p.add_argument("--out-dir", default=os.path.join(ROOT, "runs", "bench_recovery"))
-    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--seeds", type=int, default=3, help="how many seeds, from --first-seed on")
+    p.add_argument("--first-seed", type=int, default=1000)
+    p.add_argument("--merge", nargs="+", metavar="JSON", help="summarise the cases of these results instead of running")
     p.add_argument("--intervals", type=int, nargs="+", help="T_c values (default: 50 100; --quick: 50)")
     p.add_argument("--intervals-per-run", type=int, default=40, help="K: each reference trains K x T_c iterations "
                    "(at least 20, so that the failure at 75 %% has 4d iterations after it)")
@@ -260,7 +266,7 @@ def run(args) -> dict:
     cases: list[Case] = []
     verified = []
     references = {}
-    for s in range(args.seeds):
+    for s in range(args.first_seed - 1000, args.first_seed - 1000 + args.seeds):
         for Tc in args.intervals:
             t0 = time.time()
             seed = Seed(args, 1000 + s, Tc, corpus)
@@ -384,14 +390,34 @@ def plot(result: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def merge(args) -> dict:
+    """One summary over the cases of several results files (parts of one run, split by seed)."""
+    parts = []
+    for path in args.merge:
+        with open(path) as f:
+            parts.append(json.load(f))
+    args.methods = parts[0]["settings"]["methods"]
+    cases = [Case(**case) for part in parts for case in part["cases"]]
+    verified = [tuple(v) for part in parts for v in part["recompute_verified"]]
+    references = {k: v for part in parts for k, v in part["references"].items()}
+    result = summarize(args, cases, verified, references)
+    result["curves"] = [curve for part in parts for curve in part["curves"]]
+    result["seconds"] = sum(part["seconds"] for part in parts)
+    result["settings"] = {**parts[0]["settings"], "merged": args.merge}
+    return result
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29533"), RANK="0",
-                      WORLD_SIZE="1", LOCAL_RANK="0")
-    deepspeed.init_distributed(dist_backend="gloo")
-    start = time.time()
-    result = run(args)
-    result["seconds"] = time.time() - start
+    if args.merge:
+        result = merge(args)
+    else:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29533"), RANK="0",
+                          WORLD_SIZE="1", LOCAL_RANK="0")
+        deepspeed.init_distributed(dist_backend="gloo")
+        start = time.time()
+        result = run(args)
+        result["seconds"] = time.time() - start
     print(f"\nbench_recovery: {result['seconds']:.0f} s")
     if args.json:
         with open(args.json, "w") as f:
