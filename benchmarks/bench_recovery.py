@@ -42,6 +42,7 @@ when it picks RB-R its cost is d).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -162,8 +163,7 @@ class Seed:
         self.batches = Batches(*corpus, seq_length=args.seq_length, micro_batch=args.micro_batch, grad_accum=1,
                                seed=seed, valid_sequences=args.valid_sequences)
         # One stage: evaluation takes micro-batches of any size, and larger ones run faster.
-        self.validation = Batches(*corpus, seq_length=args.seq_length, micro_batch=64, grad_accum=1, seed=seed,
-                                  valid_sequences=args.valid_sequences).validation()
+        self.validation = dataclasses.replace(self.batches, micro_batch=64).validation()
         self.reference: dict[int, float] = {}
 
     def evaluate(self) -> float:

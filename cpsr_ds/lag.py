@@ -49,14 +49,14 @@ class CurveFit:
         return float(x0 + (loss - y0) * (x1 - x0) / (y1 - y0))
 
 
-def fit_curve(iterations, losses, lo: float, hi: float) -> CurveFit:
-    """Fit the reference's validation losses measured in ``[lo, hi]``."""
+def fit_curve(iterations, losses, lo: float, hi: float, degree: int = FIT_DEGREE) -> CurveFit:
+    """Fit the losses measured in ``[lo, hi]`` with a polynomial of ``degree`` in log(iteration)."""
     it = np.asarray(iterations, dtype=float)
     ls = np.asarray(losses, dtype=float)
     keep = (it >= lo) & (it <= hi) & (it > 0)
-    if keep.sum() <= FIT_DEGREE + 1:
-        raise ValueError(f"need more than {FIT_DEGREE + 1} reference points in [{lo}, {hi}], got {int(keep.sum())}")
-    return CurveFit(np.polyfit(np.log(it[keep]), ls[keep], FIT_DEGREE), lo, hi)
+    if keep.sum() <= degree + 1:
+        raise ValueError(f"need more than {degree + 1} reference points in [{lo}, {hi}], got {int(keep.sum())}")
+    return CurveFit(np.polyfit(np.log(it[keep]), ls[keep], degree), lo, hi)
 
 
 def lag_at(fit: CurveFit, iteration: int, loss: float, margin: float, residual: float = 0.0) -> float:
