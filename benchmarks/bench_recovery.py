@@ -5,12 +5,15 @@
     python benchmarks/bench_recovery.py --merge A.json B.json ... [--json PATH] [--plot PATH]
 
 A run can be split by seed across processes or machines (``--first-seed``, ``--seeds``)
-and the parts summarised together with ``--merge``.
+and the parts summarised together with ``--merge``; where parts hold the same case (seed,
+T_c, failure, method), the later part's replaces the earlier's, so that some methods
+can be measured again (``--methods``) without running the others.
 
 For each seed and each T_c a failure-free reference run of K * T_c iterations trains
 the GPT through ``cpsr_ds.initialize`` (single process, DeepSpeed pipeline engine with
 one stage, the product's checkpoint engine, a checkpoint every T_c iterations, all
-retained, the ``vitp`` predictor learning during the run), and evaluates a fixed
+retained, the ``vitp`` predictor learning a fixed number of steps after each
+checkpoint), and evaluates a fixed
 validation set every few iterations. Then, for each failure at 25/50/75 % of training
 and each d in {T_c/2, T_c - 1}: a run directory holds the reference's checkpoints up
 to c and a journal that reached f = c + d, exactly what a killed job leaves.
@@ -108,7 +111,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--intervals", type=int, nargs="+", help="T_c values (default: 50 100; --quick: 50)")
     p.add_argument("--intervals-per-run", type=int, default=40, help="K: each reference trains K x T_c iterations "
                    "(at least 20, so that the failure at 75 %% has 4d iterations after it)")
-    p.add_argument("--vitp-budget", type=float, default=1.0, help="vitp: seconds of predictor training after each checkpoint")
+    p.add_argument("--vitp-steps", type=int, default=20, help="vitp: predictor training steps after each checkpoint "
+                   "(a step count, not seconds, so that the machine's load does not change the result; at 20 vitp "
+                   "is ready from the 10th checkpoint on, the first failure)")
     p.add_argument("--eval-every", type=int, default=20, help="reference evaluation interval, iterations")
     p.add_argument("--valid-sequences", type=int, default=512,
                    help="validation set size: at 512 the reference's residual from its fit is about 0.2 %% of the loss")
@@ -158,7 +163,8 @@ class Seed:
         torch.manual_seed(seed)
         model = gpt_pipeline(gpt, num_stages=1, seed=seed)
         config = ds_config(args, self.ref_dir, Tc, self.train_iters,
-                           {"predictor": {"name": "vitp", "history": 8, "train_budget_s": args.vitp_budget}})
+                           {"predictor": {"name": "vitp", "history": 8, "train_budget_s": None,
+                                          "train_steps": args.vitp_steps}})
         self.engine, *_ = cpsr_ds.initialize(model=model, model_parameters=model.parameters(), config=config)
         self.batches = Batches(*corpus, seq_length=args.seq_length, micro_batch=args.micro_batch, grad_accum=1,
                                seed=seed, valid_sequences=args.valid_sequences)
@@ -390,18 +396,22 @@ def plot(result: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def case_key(case: dict) -> tuple:
+    return case["seed"], case["Tc"], case["c"], case["d"], case["method"]
+
+
 def merge(args) -> dict:
-    """One summary over the cases of several results files (parts of one run, split by seed)."""
+    """One summary over the cases of several results files; a later file's case replaces an earlier file's."""
     parts = []
     for path in args.merge:
         with open(path) as f:
             parts.append(json.load(f))
-    args.methods = parts[0]["settings"]["methods"]
-    cases = [Case(**case) for part in parts for case in part["cases"]]
-    verified = [tuple(v) for part in parts for v in part["recompute_verified"]]
+    args.methods = list(dict.fromkeys(m for part in parts for m in part["settings"]["methods"]))
+    cases = {case_key(case): case for part in parts for case in part["cases"]}
+    verified = {tuple(v[:2]): tuple(v) for part in parts for v in part["recompute_verified"]}
     references = {k: v for part in parts for k, v in part["references"].items()}
-    result = summarize(args, cases, verified, references)
-    result["curves"] = [curve for part in parts for curve in part["curves"]]
+    result = summarize(args, [Case(**case) for case in cases.values()], list(verified.values()), references)
+    result["curves"] = list({case_key(curve): curve for part in parts for curve in part["curves"]}.values())
     result["seconds"] = sum(part["seconds"] for part in parts)
     result["settings"] = {**parts[0]["settings"], "merged": args.merge}
     return result

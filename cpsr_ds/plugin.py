@@ -67,7 +67,7 @@ class Runtime:
         if self.predictor is None:
             return {}
         self.predictor.observe(iteration, engine_state(engine))
-        self.predictor.step(budget_s=self.cfg.predictor.train_budget_s)
+        self.predictor.step(budget_s=self.cfg.predictor.train_budget_s, n_steps=self.cfg.predictor.train_steps)
         return {PREDICTOR_STATE: self.predictor.state_dict(include_history=False)}
 
 

@@ -18,10 +18,11 @@ The predictor's held-out error ``r`` (predicting the newest retained checkpoint 
 the older ones, relative to not predicting at all) did not predict the measured lag
 there (correlation -0.01 over 96 cases), so it serves as a guard against a diverging
 prediction: ``r >= max_relative_error`` means RB-R. The lag a prediction leaves is a
-lasting loss excess under a decaying learning rate, the loss the run had T_p
-iterations before f; where the job's own loss curve says that excess exceeds
-``max_loss_excess`` (early in training, where the loss falls fast), RB-R is chosen.
-An unready predictor means RB-R too.
+lasting loss excess under a decaying learning rate, the loss the run had that many
+iterations before f. One recovery's lag varies far more than the mean, so the guard
+takes a pessimistic lag, (1 - ``guard_reduction``) * d; where the job's own loss
+curve says its excess exceeds ``max_loss_excess`` (early in training, where the loss
+falls fast), RB-R is chosen. An unready predictor means RB-R too.
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ class RecoveryReport:
     predictor: str | None = None
     relative_error: float | None = None  # r: the predictor's held-out error
     estimated_cost: float | None = None  # T_p estimate, iterations
-    loss_excess: float | None = None  # the relative loss excess T_p iterations of lag leave at f
+    guard_lag: float | None = None  # the pessimistic lag the loss-excess guard assumes, iterations
+    loss_excess: float | None = None  # the relative loss excess guard_lag iterations of lag leave at f
 
     @property
     def lost_iterations(self) -> int:
@@ -235,10 +237,11 @@ def _decide(engine, cfg: CPSRConfig, predictor, f: int, c: int) -> RecoveryRepor
     held_out = predictor.validation_error()
     r = None if held_out is None else held_out.relative
     T_p = (1.0 - cfg.recovery.expected_reduction) * d
-    excess = expected_loss_excess(cfg.checkpoint.dir, f, T_p)
-    numbers = dict(predictor=predictor.name, relative_error=r, estimated_cost=T_p, loss_excess=excess)
+    lag = (1.0 - cfg.recovery.guard_reduction) * d
+    excess = expected_loss_excess(cfg.checkpoint.dir, f, lag)
+    numbers = dict(predictor=predictor.name, relative_error=r, estimated_cost=T_p, guard_lag=lag, loss_excess=excess)
     if cfg.recovery.mode == "auto":
-        why = fallback_reason(cfg.recovery, r, T_p, excess)
+        why = fallback_reason(cfg.recovery, r, lag, excess)
         if why is not None:
             return RecoveryReport("recompute", f, c, c, reason=why, **numbers)
     try:
@@ -248,22 +251,22 @@ def _decide(engine, cfg: CPSRConfig, predictor, f: int, c: int) -> RecoveryRepor
     load_engine_state(engine, predicted)
     advance_counters(engine, d)
     reason = "recovery.mode is predict" if cfg.recovery.mode == "predict" else (
-        f"held-out error r = {r:.3f}" + ("" if excess is None else f", expected loss excess {excess:.2%}"))
+        f"held-out error r = {r:.3f}" + ("" if excess is None else f", loss excess at a lag of {lag:.1f}: {excess:.2%}"))
     return RecoveryReport("predict", f, c, f, reason=reason, **numbers)
 
 
-def fallback_reason(rc: RecoveryConfig, r: float | None, T_p: float, excess: float | None) -> str | None:
+def fallback_reason(rc: RecoveryConfig, r: float | None, lag: float, excess: float | None) -> str | None:
     """Why ``recovery.mode: auto`` recomputes rather than predicts with a ready predictor; None: predict.
 
-    ``r``: the held-out error; ``T_p``: PB-R's estimated lag, iterations; ``excess``: the
-    relative loss excess that lag leaves (None where the journal is too short to tell).
+    ``r``: the held-out error; ``lag``: the guard's pessimistic lag, iterations; ``excess``:
+    the relative loss excess that lag leaves (None where the journal is too short to tell).
     """
     if r is None:
         return "the predictor has no held-out checkpoint to check it against"
     if r >= rc.max_relative_error:
         return f"held-out error r = {r:.3f} >= max_relative_error {rc.max_relative_error}: a diverging prediction"
     if excess is not None and excess > rc.max_loss_excess:
-        return (f"a lag of {T_p:.1f} iterations would leave the loss {excess:.2%} higher, "
+        return (f"a lag of {lag:.1f} iterations would leave the loss {excess:.2%} higher, "
                 f"above max_loss_excess {rc.max_loss_excess:.2%}")
     return None
 

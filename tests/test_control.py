@@ -58,5 +58,5 @@ def test_a_rerun_iteration_counts_once_and_a_short_journal_gives_no_estimate(tmp
     (0.9, None, None),
 ])
 def test_auto_recomputes_for_an_unchecked_or_diverging_predictor_or_too_much_loss(r, excess, recomputes):
-    why = fallback_reason(RecoveryConfig(), r, T_p=12.5, excess=excess)
+    why = fallback_reason(RecoveryConfig(), r, lag=12.5, excess=excess)
     assert why is None if recomputes is None else recomputes in why

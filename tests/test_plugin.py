@@ -66,14 +66,18 @@ def test_a_plain_module_is_refused_with_a_clear_error(tmp_path):
         cpsr_ds.initialize(model=torch.nn.Linear(2, 2), config=tiny_config(tmp_path, stages=1))
 
 
-def test_the_pipeline_engine_commits_a_checkpoint_before_its_optimizer_step(tmp_path):
-    """The snapshot must be complete before the optimizer overwrites what it copies."""
-    engine, *_ = build(tiny_config(tmp_path / "run", stages=1))
+def random_batches(engine):
     gpt = GPTConfig(**TEST_MODEL)
     gen = torch.Generator().manual_seed(0)
     shape = (engine.train_micro_batch_size_per_gpu(), gpt.seq_length)
-    batches = [(torch.randint(0, gpt.vocab_size, shape, generator=gen),) * 2
-               for _ in range(engine.gradient_accumulation_steps())]
+    return [(torch.randint(0, gpt.vocab_size, shape, generator=gen),) * 2
+            for _ in range(engine.gradient_accumulation_steps())]
+
+
+def test_the_pipeline_engine_commits_a_checkpoint_before_its_optimizer_step(tmp_path):
+    """The snapshot must be complete before the optimizer overwrites what it copies."""
+    engine, *_ = build(tiny_config(tmp_path / "run", stages=1))
+    batches = random_batches(engine)
     open_at_step = []
     step = engine.optimizer.step
 
@@ -94,3 +98,16 @@ def test_the_pipeline_engine_commits_a_checkpoint_before_its_optimizer_step(tmp_
     on_disk = {k: v for k, v in on_disk.items() if isinstance(v, torch.Tensor)}
     assert any(not torch.equal(saved[f"1.{k}"], now[f"1.{k}"]) for k in on_disk)  # the next step moved the weights
     assert all(torch.equal(v, saved[f"1.{k}"]) for k, v in on_disk.items())  # the checkpoint holds the saved ones
+
+
+def test_vitp_trains_its_step_limit_after_each_checkpoint_once_it_has_a_window(tmp_path):
+    config = tiny_config(tmp_path / "run", stages=1,
+                         predictor={"name": "vitp", "history": 6, "train_budget_s": None, "train_steps": 3})
+    config["cpsr"]["checkpoint"].update(interval=2, keep_last=6)
+    engine, *_ = build(config)
+    batches = random_batches(engine)
+    for _ in range(14):
+        engine.train_batch(iter(batches))
+    # 7 checkpoints; an FFT window of 5 plus a target needs 6, so checkpoints 6 and 7 trained.
+    assert engine.cpsr.predictor.trainer.steps == 6
+    assert engine.checkpoint_engine.flush(timeout_s=60)
