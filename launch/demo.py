@@ -57,7 +57,7 @@ def summarize(run_dir: str, reference_dir: str) -> str:
         lines.append(f"restart downtime {restarted.wall_time - failed.wall_time:.1f} s; "
                      f"training back at iteration {back.iteration} {back.wall_time - failed.wall_time:.1f} s after the failure")
         if report.method == "predict":
-            why = fallback_reason(CPSRConfig().recovery, report.relative_error, report.estimated_cost, report.loss_excess)
+            why = fallback_reason(CPSRConfig().recovery, report.relative_error, report.guard_lag, report.loss_excess)
             lines.append("recovery.mode auto would have " + ("predicted too" if why is None else f"recomputed: {why}"))
             its = sorted(reference)
             fit = fit_curve(its, [reference[i] for i in its], lo=max(EVAL_INTERVAL, c - 4 * INTERVAL), hi=last)
