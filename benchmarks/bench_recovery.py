@@ -99,7 +99,7 @@ class Case:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="T_c = 50 only, the default's runs stop at f + 4d "
+    p.add_argument("--quick", action="store_true", help="T_c = 50 only, 10 vitp steps, the default's runs stop at f + 4d "
                    "(within 15 minutes on 2 cores)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--plot", help="write the validation curves around each failure here (PNG)")
@@ -111,9 +111,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--intervals", type=int, nargs="+", help="T_c values (default: 50 100; --quick: 50)")
     p.add_argument("--intervals-per-run", type=int, default=40, help="K: each reference trains K x T_c iterations "
                    "(at least 20, so that the failure at 75 %% has 4d iterations after it)")
-    p.add_argument("--vitp-steps", type=int, default=20, help="vitp: predictor training steps after each checkpoint "
-                   "(a step count, not seconds, so that the machine's load does not change the result; at 20 vitp "
-                   "is ready from the 10th checkpoint on, the first failure)")
+    p.add_argument("--vitp-steps", type=int, help="vitp: predictor training steps after each checkpoint (a step "
+                   "count, not seconds, so that the machine's load does not change the result). Default 20: vitp is "
+                   "ready from the 10th checkpoint on, the first failure; --quick: 10, ready from the 15th")
     p.add_argument("--eval-every", type=int, default=20, help="reference evaluation interval, iterations")
     p.add_argument("--valid-sequences", type=int, default=512,
                    help="validation set size: at 512 the reference's residual from its fit is about 0.2 %% of the loss")
@@ -130,6 +130,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     model.add_argument("--micro-batch", type=int, default=16)
     args = p.parse_args(argv)
     args.intervals = args.intervals or ([50] if args.quick else [50, 100])
+    args.vitp_steps = args.vitp_steps or (10 if args.quick else 20)
     if args.intervals_per_run < 20:
         p.error("--intervals-per-run must be at least 20")
     return args
