@@ -382,7 +382,8 @@ def plot(result: dict, path: str) -> None:
         ax.plot(span, [reference[i] for i in span], "k-", lw=2, label="reference")
         for curve in result["curves"]:
             if curve["seed"] == first and (curve["Tc"], curve["c"], curve["d"]) == (Tc, c, d):
-                ks = sorted(int(k) for k in curve["curve"])
+                # Around the failure only: the default's runs go on to the end of training.
+                ks = sorted(k for k in map(int, curve["curve"]) if k <= 4 * d)
                 ax.plot([f + k for k in ks], [curve["curve"][k] if k in curve["curve"] else curve["curve"][str(k)] for k in ks],
                         "o-", ms=3, label=curve["method"])
         ax.axvline(c, color="grey", ls=":", lw=1)
