@@ -273,10 +273,10 @@ def run(args) -> dict:
     cases: list[Case] = []
     verified = []
     references = {}
-    for s in range(args.first_seed - 1000, args.first_seed - 1000 + args.seeds):
+    for number in range(args.first_seed, args.first_seed + args.seeds):
         for Tc in args.intervals:
             t0 = time.time()
-            seed = Seed(args, 1000 + s, Tc, corpus)
+            seed = Seed(args, number, Tc, corpus)
             seed.run_reference(failures(args, Tc))
             references[f"{seed.seed}-Tc{Tc}"] = seed.reference
             its, losses = zip(*sorted(seed.reference.items()))

@@ -18,8 +18,8 @@ import sys
 from contextlib import contextmanager
 
 import deepspeed
-import torch
 import deepspeed.runtime.engine as ds_engine
+import torch
 from deepspeed.runtime.pipe import schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.module import PipelineModule

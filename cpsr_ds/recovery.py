@@ -247,7 +247,7 @@ def _decide(engine, cfg: CPSRConfig, predictor, f: int, c: int) -> RecoveryRepor
     try:
         predicted = predictor.predict(f)
     except NotReady as err:
-        return RecoveryReport("recompute", f, c, c, reason=str(err), predictor=predictor.name)
+        return RecoveryReport("recompute", f, c, c, reason=str(err), **numbers)
     load_engine_state(engine, predicted)
     advance_counters(engine, d)
     reason = "recovery.mode is predict" if cfg.recovery.mode == "predict" else (

@@ -65,4 +65,3 @@ def test_mean_ci95_matches_student_t():
     assert hi - mean == pytest.approx(3.182446 * np.std([1, 2, 3, 4], ddof=1) / 2, rel=1e-5)
     assert mean - lo == pytest.approx(hi - mean)
     assert mean_ci95([3.0])[1:] == (-math.inf, math.inf)
-
