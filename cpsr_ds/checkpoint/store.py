@@ -270,14 +270,23 @@ def apply_retention(ckpt_dir: str, keep_last: int, protected: Callable[[str], bo
               and (c.committed or c.started_ns < floor)]
     _remove_leftovers(ckpt_dir)
     for tag in doomed:
-        # Renaming first makes the removal atomic for readers and for a crash mid-delete.
-        trash = os.path.join(ckpt_dir, f"{TRASH_PREFIX}{tag}-{os.getpid()}")
-        try:
-            os.replace(os.path.join(ckpt_dir, tag), trash)
-            shutil.rmtree(trash, ignore_errors=True)
-        except OSError as err:
-            log.warning("retention: could not delete checkpoint %s: %s", tag, err)
+        remove_checkpoint(ckpt_dir, tag)
     return doomed
+
+
+def remove_checkpoint(ckpt_dir: str, tag: str) -> bool:
+    """Delete checkpoint ``tag``; returns whether it was there and is gone."""
+    # Renaming first makes the removal atomic for readers and for a crash mid-delete.
+    trash = os.path.join(ckpt_dir, f"{TRASH_PREFIX}{tag}-{os.getpid()}")
+    try:
+        os.replace(os.path.join(ckpt_dir, tag), trash)
+    except FileNotFoundError:
+        return False
+    except OSError as err:
+        log.warning("could not delete checkpoint %s: %s", tag, err)
+        return False
+    shutil.rmtree(trash, ignore_errors=True)
+    return True
 
 
 def _remove_leftovers(ckpt_dir: str) -> None:
