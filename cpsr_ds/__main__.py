@@ -13,10 +13,14 @@ from cpsr_ds.checkpoint.journal import reached_iteration
 
 
 def inspect_report(ckpt_dir: str, read_data: bool = True) -> dict:
-    """Every checkpoint with iteration, size, validity and problems; which is latest, which would load."""
+    """Every checkpoint with iteration, size, status and problems; which is latest, which would load.
+
+    ``valid``: it would load (``status`` valid, or unverified: DeepSpeed's format, no manifest vouches for it).
+    """
     latest = store.read_latest(ckpt_dir)
-    rows = [{"tag": c.tag, "kind": c.kind, "iteration": c.iteration, "size_bytes": c.size, "committed": c.committed,
-             "valid": c.valid, "latest": c.tag == latest, "problems": c.problems}
+    rows = [{"tag": c.tag, "kind": c.kind, "iteration": c.iteration, "attempt": c.attempt, "size_bytes": c.size,
+             "committed": c.committed, "status": c.status, "valid": c.valid, "latest": c.tag == latest,
+             "problems": c.problems}
             for c in store.list_checkpoints(ckpt_dir, read_data)]
     usable = next((r["tag"] for r in reversed(rows) if r["valid"]), None)
     return {"dir": ckpt_dir, "latest": latest, "usable": usable, "checkpoints": rows,
@@ -24,12 +28,12 @@ def inspect_report(ckpt_dir: str, read_data: bool = True) -> dict:
 
 
 def _print_table(report: dict) -> None:
-    print(f"{'tag':<24} {'iteration':>9} {'size MiB':>10}  {'kind':<9} status")
+    print(f"{'tag':<24} {'iteration':>9} {'size MiB':>10}  {'kind':<9} {'status':<13} problems")
     for r in report["checkpoints"]:
-        status = "valid" if r["valid"] else ("INVALID: " + "; ".join(r["problems"]) if r["problems"] else "not committed")
-        mark = "  <- latest" if r["latest"] else ""
+        mark = "<- latest " if r["latest"] else ""
         iteration = "-" if r["iteration"] is None else r["iteration"]
-        print(f"{r['tag']:<24} {iteration:>9} {r['size_bytes'] / 2**20:>10.1f}  {r['kind']:<9} {status}{mark}")
+        print(f"{r['tag']:<24} {iteration:>9} {r['size_bytes'] / 2**20:>10.1f}  {r['kind']:<9} {r['status']:<13} "
+              f"{mark}{'; '.join(r['problems'])}")
     print(f"latest: {report['latest']}   loads: {report['usable']}   "
           f"journal reached iteration: {report['journal_iteration']}")
 

@@ -156,26 +156,26 @@ def test_profiled_interval_respects_budget_and_persist_rate():
 
 # ---------------------------------------------------------------- directories of checkpoints
 
-def make_checkpoint(ckpt_dir, tag, started_ns, world_size=2, commit=True):
+def make_checkpoint(ckpt_dir, tag, world_size=2, commit=True, attempt=0, started_ns=0):
     """A committed checkpoint of ``world_size`` ranks, one file each, as the engine lays it out."""
     tag_dir = os.path.join(ckpt_dir, tag)
     os.makedirs(tag_dir, exist_ok=True)
     for rank in range(world_size):
         name = f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
-        size, digest = write_snapshot(os.path.join(tag_dir, name), {"rank": rank, "x": torch.full((50,), rank)})
+        size, digest = write_snapshot(os.path.join(tag_dir, name), {"rank": rank, "x": torch.full((50,), rank / 2)})
         store.write_json_atomic(os.path.join(tag_dir, store.manifest_name(rank)), {
-            "tag": tag, "rank": rank, "world_size": world_size, "started_ns": started_ns,
+            "tag": tag, "rank": rank, "world_size": world_size, "started_ns": started_ns, "attempt": attempt,
             "iteration": store.tag_iteration(tag), "checksum": "xxh3_64",
             "files": {name: {"size": size, "digest": digest}}})
     if commit:
         store.commit_checkpoint(ckpt_dir, tag, {"tag": tag, "world_size": world_size, "started_ns": started_ns,
-                                                "iteration": store.tag_iteration(tag)})
+                                                "attempt": attempt, "iteration": store.tag_iteration(tag)})
 
 
 @pytest.fixture
 def two_checkpoints(tmp_path):
-    make_checkpoint(str(tmp_path), "global_step10", 100)
-    make_checkpoint(str(tmp_path), "global_step20", 200)
+    make_checkpoint(str(tmp_path), "global_step10")
+    make_checkpoint(str(tmp_path), "global_step20")
     assert store.read_latest(str(tmp_path)) == "global_step20"
     return str(tmp_path)
 
@@ -195,7 +195,7 @@ def test_truncated_file_is_named_and_previous_checkpoint_selected(two_checkpoint
     os.truncate(bad, 100)
     with caplog.at_level(logging.ERROR):
         assert store.select_checkpoint(two_checkpoints, read_data=False) == "global_step10"
-    assert "zero_pp_rank_0_mp_rank_00_optim_states.pt: size 100" in caplog.text
+    assert "zero_pp_rank_0_mp_rank_00_optim_states.pt: truncated or overwritten: 100 bytes" in caplog.text
 
 
 def test_missing_rank_manifest_is_named_and_previous_checkpoint_selected(two_checkpoints, caplog):
@@ -206,17 +206,34 @@ def test_missing_rank_manifest_is_named_and_previous_checkpoint_selected(two_che
 
 
 def test_latest_never_moves_back_to_an_older_checkpoint(two_checkpoints):
-    make_checkpoint(two_checkpoints, "global_step15", 150)
+    make_checkpoint(two_checkpoints, "global_step15")
     assert store.read_latest(two_checkpoints) == "global_step20"
     assert store.read_commit(os.path.join(two_checkpoints, "global_step15")) is not None
+
+
+def test_order_follows_iteration_and_attempt_not_the_clock(tmp_path):
+    d = str(tmp_path)
+    hour = 3600 * 10**9
+    make_checkpoint(d, "global_step30", started_ns=10 * hour)
+    # A later attempt on a host whose clock is an hour behind, and going backwards.
+    for i, step in enumerate((40, 50, 60)):
+        make_checkpoint(d, f"global_step{step}", attempt=1, started_ns=9 * hour - i)
+        assert store.read_latest(d) == f"global_step{step}"
+    assert sorted(store.apply_retention(d, keep_last=2, protected=lambda tag: False)) == ["global_step30",
+                                                                                          "global_step40"]
+    assert [(c.tag, c.attempt) for c in store.scan(d)] == [("global_step50", 1), ("global_step60", 1)]
+    assert store.select_checkpoint(d) == "global_step60"
+    make_checkpoint(d, "global_step60", attempt=2, started_ns=0)
+    assert store.read_latest(d) == "global_step60" and store.scan(d)[-1].attempt == 2
+    assert store.order_key(None, 5) < store.order_key(0, 0) < store.order_key(0, 1) < store.order_key(1, 0)
 
 
 def test_retention_keeps_last_k_committed_and_spares_in_flight(tmp_path):
     d = str(tmp_path)
     for i in range(1, 5):
-        make_checkpoint(d, f"global_step{i * 10}", i * 100)
-    make_checkpoint(d, "global_step5", 50, commit=False)
-    make_checkpoint(d, "global_step45", 450, commit=False)
+        make_checkpoint(d, f"global_step{i * 10}")
+    make_checkpoint(d, "global_step5", commit=False)
+    make_checkpoint(d, "global_step45", commit=False)
     deleted = store.apply_retention(d, keep_last=2, protected=lambda tag: tag == "global_step10")
     assert sorted(deleted) == ["global_step20", "global_step5"]
     assert sorted(os.listdir(d)) == ["global_step10", "global_step30", "global_step40", "global_step45", "latest"]
@@ -229,7 +246,7 @@ def test_retention_never_touches_the_run_directory_s_other_folders(tmp_path):
     with open(os.path.join(d, "journal", "rank00000.csv"), "w") as f:
         f.write("1,2.0,3.0\n")
     for i in range(1, 4):
-        make_checkpoint(d, f"global_step{i * 10}", i * 100)
+        make_checkpoint(d, f"global_step{i * 10}")
     store.apply_retention(d, keep_last=1, protected=lambda tag: False)
     assert sorted(os.listdir(d)) == ["faults", "global_step30", "journal", "latest"]
     assert [c.tag for c in store.scan(d)] == ["global_step30"]

@@ -6,14 +6,18 @@ an ``ALIGN``-aligned offset of the data region. The whole file is one page-align
 buffer, written from it with direct I/O and read straight into one, without an
 intermediate copy. Files
 without ``MAGIC`` are read with ``torch.load`` (checkpoints of DeepSpeed's own engine).
+``scan_file`` checks a file's checksum and the finiteness of its floating tensors in one
+pass, for verification.
 """
 
 from __future__ import annotations
 
 import copy
+import io
 import os
 import pickle
 import struct
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -127,36 +131,154 @@ def read_snapshot(path: str, expect: Optional[dict] = None, algorithm: str = "xx
     read are hashed and a mismatch raises :class:`CheckpointError` naming the file.
     """
     with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if expect is not None and size != expect["size"]:
-            raise CheckpointError(f"{path}: truncated or overwritten: {size} bytes, manifest says {expect['size']}")
-        head = f.read(16)
+        size, hasher, head = _start_reading(f, path, expect, algorithm)
         if head[:8] != MAGIC:
-            if expect is not None:
-                check_digest(path, hash_file(f, algorithm, head), expect)
-            f.seek(0)
-            return torch.load(f, map_location=map_location, weights_only=False)
-        hasher = new_hasher(algorithm)
-        hasher.update(head)
-        (hlen,) = struct.unpack("<Q", head[8:16])
-        rest = f.read(align(16 + hlen, PAGE) - 16)
-        hasher.update(rest)
-        if len(rest) < hlen:
-            raise CheckpointError(f"{path}: truncated header")
-        skeleton, specs = pickle.loads(rest[:hlen])
-        data = torch.empty(size - align(16 + hlen, PAGE), dtype=torch.uint8)
+            return _load_torch_file(f, path, head, hasher, expect, map_location)
+        skeleton, specs, data_size = _read_header(f, path, size, head, hasher)
+        data = torch.empty(data_size, dtype=torch.uint8)
         buf = data.numpy()
-        pos = 0
-        while pos < len(buf):
-            n = f.readinto(memoryview(buf[pos:pos + _READ_CHUNK]))
-            if not n:
-                raise CheckpointError(f"{path}: truncated data region")
-            hasher.update(buf[pos:pos + n])
-            pos += n
-    if expect is not None:
-        check_digest(path, hasher.hexdigest(), expect)
+        for pos in range(0, data_size, _READ_CHUNK):
+            hasher.update(_read_into(f, path, buf[pos:pos + _READ_CHUNK]))
+    _check(path, hasher, expect)
     tensors = [_to_location(tensor_from_bytes(data, s), map_location) for s in specs]
     return unflatten(skeleton, tensors)
+
+
+def scan_file(path: str, expect: Optional[dict] = None, algorithm: str = "xxh3_64") -> list[str]:
+    """Key paths of the floating tensors in ``path`` holding NaN or Inf, the file read once.
+
+    Raises :class:`CheckpointError` naming the file when it does not match ``expect`` or
+    does not load. Snapshot files are read chunk by chunk, so memory stays bounded.
+    """
+    with open(path, "rb") as f:
+        size, hasher, head = _start_reading(f, path, expect, algorithm)
+        if head[:8] != MAGIC:
+            return nonfinite_tensors(*flatten(_load_torch_file(f, path, head, hasher, expect, "cpu")))
+        skeleton, specs, data_size = _read_header(f, path, size, head, hasher)
+        bad = _nonfinite_data(f, path, hasher, specs, data_size)
+    _check(path, hasher, expect)
+    return _named(skeleton, bad)
+
+
+def _nonfinite_data(f, path: str, hasher, specs: list[TensorSpec], data_size: int) -> list[int]:
+    """Indices of the floating tensors holding NaN or Inf, the data region read and hashed chunk by chunk.
+
+    Chunks start at multiples of _READ_CHUNK and tensors at multiples of ALIGN, so a
+    chunk holds whole elements of every tensor it overlaps.
+    """
+    waiting = deque(sorted((i for i, s in enumerate(specs) if getattr(torch, s.dtype).is_floating_point),
+                           key=lambda i: specs[i].offset))
+    bad = []
+    buf = torch.empty(min(_READ_CHUNK, data_size), dtype=torch.uint8)
+    for pos in range(0, data_size, _READ_CHUNK):
+        chunk = buf[:min(_READ_CHUNK, data_size - pos)]
+        hasher.update(_read_into(f, path, chunk.numpy()))
+        end = pos + len(chunk)
+        while waiting and specs[waiting[0]].offset < end:
+            s = specs[waiting[0]]
+            part = chunk[max(s.offset - pos, 0):min(s.offset + s.nbytes - pos, len(chunk))]
+            finite = is_finite(part.view(getattr(torch, s.dtype)))
+            if not finite:
+                bad.append(waiting[0])
+            if finite and s.offset + s.nbytes > end:
+                break  # the rest of it is in the next chunk
+            waiting.popleft()
+    return bad
+
+
+def _start_reading(f, path: str, expect: Optional[dict], algorithm: str):
+    """(size, hasher, first 16 bytes) of an open file, its size checked against ``expect``."""
+    size = os.fstat(f.fileno()).st_size
+    if expect is not None:
+        check_size(path, size, expect)
+    head = f.read(16)
+    hasher = new_hasher(algorithm)
+    hasher.update(head)
+    return size, hasher, head
+
+
+def _load_torch_file(f, path: str, head: bytes, hasher, expect: Optional[dict], map_location: Any) -> Any:
+    """A ``torch.save`` file: checked against ``expect`` from one read into memory, else loaded from the file."""
+    if expect is None:
+        f.seek(0)
+        source = f
+    else:
+        raw = head + f.read()
+        hasher.update(raw[len(head):])
+        _check(path, hasher, expect)
+        source = io.BytesIO(raw)
+    try:
+        return torch.load(source, map_location=map_location, weights_only=False)
+    except Exception as err:  # unpickling a damaged file fails in many ways; all mean the same here
+        raise CheckpointError(f"{path}: does not load: {type(err).__name__}: {err}") from err
+
+
+def _read_header(f, path: str, size: int, head: bytes, hasher) -> tuple[Any, list[TensorSpec], int]:
+    """(skeleton, specs, data region size) of a snapshot file whose first 16 bytes were read; hashed."""
+    (hlen,) = struct.unpack("<Q", head[8:16])
+    start = align(16 + hlen, PAGE)
+    if start > size:
+        raise CheckpointError(f"{path}: truncated header")
+    rest = f.read(start - 16)
+    hasher.update(rest)
+    try:
+        skeleton, specs = pickle.loads(rest[:hlen])
+        valid = all(isinstance(s, TensorSpec) and isinstance(getattr(torch, s.dtype, None), torch.dtype)
+                    and 0 <= s.offset and s.offset + s.nbytes <= size - start for s in specs)
+    except Exception as err:  # a damaged pickle fails in many ways
+        raise CheckpointError(f"{path}: damaged header: {type(err).__name__}: {err}") from err
+    if not valid:
+        raise CheckpointError(f"{path}: damaged header: tensor specs outside the data region")
+    return skeleton, specs, size - start
+
+
+def _read_into(f, path: str, buf):
+    """Fill ``buf`` from ``f``, repeating short reads; returns it."""
+    pos = 0
+    while pos < len(buf):
+        n = f.readinto(memoryview(buf[pos:]))
+        if not n:
+            raise CheckpointError(f"{path}: truncated data region")
+        pos += n
+    return buf
+
+
+def _check(path: str, hasher, expect: Optional[dict]) -> None:
+    if expect is not None:
+        check_digest(path, hasher.hexdigest(), expect)
+
+
+def is_finite(t: torch.Tensor) -> bool:
+    """No NaN or Inf in floating tensor ``t``."""
+    if t.element_size() == 1:
+        t = t.float()  # isfinite is not implemented for some 8-bit float formats
+    return bool(torch.isfinite(t).all())
+
+
+def tensor_names(skeleton: Any, prefix: str = "") -> dict[int, str]:
+    """The key path of every tensor of a skeleton, by index: ``module.3.weight``, ``optimizer.state.0.exp_avg``."""
+    if isinstance(skeleton, TensorRef):
+        return {skeleton.index: prefix}
+    if isinstance(skeleton, dict):
+        items = skeleton.items()
+    elif isinstance(skeleton, (list, tuple)):
+        items = enumerate(skeleton)
+    else:
+        return {}
+    names = {}
+    for k, v in items:
+        names.update(tensor_names(v, f"{prefix}.{k}" if prefix else str(k)))
+    return names
+
+
+def nonfinite_tensors(skeleton: Any, tensors: list[torch.Tensor]) -> list[str]:
+    """Key paths of the floating tensors holding NaN or Inf, sorted (``flatten`` gives both arguments)."""
+    return _named(skeleton, [i for i, t in enumerate(tensors) if t.is_floating_point() and not is_finite(t)])
+
+
+def _named(skeleton: Any, indices: list[int]) -> list[str]:
+    names = tensor_names(skeleton)
+    return sorted(names.get(i, f"tensor {i}") for i in indices)
 
 
 def _to_location(t: torch.Tensor, map_location: Any) -> torch.Tensor:
@@ -166,12 +288,9 @@ def _to_location(t: torch.Tensor, map_location: Any) -> torch.Tensor:
     return t
 
 
-def hash_file(f, algorithm: str, already: bytes = b"") -> str:
-    hasher = new_hasher(algorithm)
-    hasher.update(already)
-    while chunk := f.read(_READ_CHUNK):
-        hasher.update(chunk)
-    return hasher.hexdigest()
+def check_size(path: str, size: int, expect: dict) -> None:
+    if size != expect["size"]:
+        raise CheckpointError(f"{path}: truncated or overwritten: {size} bytes, manifest says {expect['size']}")
 
 
 def check_digest(path: str, digest: str, expect: dict) -> None:

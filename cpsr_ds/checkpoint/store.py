@@ -13,6 +13,14 @@ fsynced, so a reader sees either nothing or the whole file. A rank writes its
 manifest only after its files are durable; rank 0 writes the commit record only after
 all ``world_size`` manifests exist, and moves ``latest`` only after the commit record
 is durable. Hence ``latest`` never names a checkpoint that is incomplete on any rank.
+
+Checkpoints are ordered by ``order_key`` (iteration, then the job attempt that wrote
+them), never by a clock: clocks differ between hosts and jump. Nothing read from
+storage is trusted: a damaged manifest, commit record or ``latest`` is reported by name
+and the checkpoint it belongs to is skipped, never a crash. A directory holding any of
+our snapshot files is ours (``cpsr``) and loadable only with every manifest and the
+commit record; one of ``torch.save`` files without manifests (DeepSpeed's own engine)
+is at best ``unverified``, and is opened and checked before it is chosen.
 """
 
 from __future__ import annotations
@@ -30,8 +38,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from cpsr_ds.checkpoint.fileformat import MAGIC, PAGE, CheckpointError, check_digest, hash_file, new_hasher
+from cpsr_ds.checkpoint.fileformat import (MAGIC, PAGE, CheckpointError, check_size, new_hasher, read_snapshot,
+                                           scan_file)
+from cpsr_ds.config import CheckpointConfig
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +52,12 @@ MANIFEST_RE = re.compile(r"^cpsr_manifest\.rank(\d{5})\.json$")
 TEMP_RE = re.compile(r"^\..+\.tmp(\d+)$")
 TRASH_PREFIX = ".trash-"
 DEEPSPEED_FILE_RE = re.compile(r".*(model_states|optim_states)\.pt$")
+_MAX_TAG = 4096
+Checksum = CheckpointConfig.model_fields["checksum"].annotation  # the algorithms the config allows
+
+
+class MetadataError(CheckpointError, ValueError):
+    """A damaged manifest or commit record; the message names the file and what is wrong."""
 
 
 def manifest_name(rank: int) -> str:
@@ -51,6 +68,16 @@ def tag_iteration(tag: str) -> Optional[int]:
     """The iteration a DeepSpeed tag stands for (``global_step120`` -> 120), if it ends in digits."""
     m = re.search(r"(\d+)$", tag)
     return int(m.group(1)) if m else None
+
+
+def order_key(iteration: Optional[int], attempt: int) -> tuple[int, int]:
+    """The order of checkpoints: by iteration (a tag without one first), then by the job attempt that wrote it."""
+    return (-1 if iteration is None else iteration, attempt)
+
+
+def _iteration_attempt(tag: str, record: dict) -> tuple[Optional[int], int]:
+    iteration = record.get("iteration")
+    return (tag_iteration(tag) if iteration is None else iteration), record.get("attempt", 0)
 
 
 # ---------------------------------------------------------------- atomic files
@@ -190,27 +217,136 @@ def write_json_atomic(path: str, obj: Any) -> None:
     write_atomic(path, [json.dumps(obj, indent=1, sort_keys=True).encode()])
 
 
-def read_json(path: str) -> Any:
-    with open(path, "rb") as f:
-        return json.loads(f.read())
+def _cause(err: OSError) -> str:
+    """``EACCES Permission denied``: what went wrong, for a message that names the path itself."""
+    return f"{errno.errorcode.get(err.errno, '')} {err.strerror or err}".strip()
 
-
-# ---------------------------------------------------------------- snapshot files
 
 # ---------------------------------------------------------------- manifests and commits
 
-def read_manifests(tag_dir: str) -> dict[int, dict]:
-    """Every rank manifest in ``tag_dir``, by rank."""
-    found = {}
+class _Record(BaseModel):
+    # Strict: a value of the wrong type is damage, not something to coerce.
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    tag: str
+    world_size: int = Field(gt=0)
+    iteration: Optional[int] = None
+    attempt: int = Field(0, ge=0)
+
+
+class CommitRecord(_Record):
+    """``cpsr_commit.json``: rank 0 saw every rank's manifest. Other keys (``started_ns``) are information only."""
+
+
+class FileEntry(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    size: int = Field(ge=0)
+    digest: str
+    # Key paths of the floating tensors that held NaN or Inf when the file was written.
+    nonfinite: list[str] = []
+
+
+class Manifest(_Record):
+    """``cpsr_manifest.rankNNNNN.json``: the files one rank wrote, all durable before it."""
+
+    rank: int = Field(ge=0)
+    checksum: Checksum
+    files: dict[str, FileEntry]
+    # Why the rank gave the checkpoint up; rank 0 then gives it up without waiting.
+    failed: Optional[str] = None
+
+    @field_validator("files")
+    @classmethod
+    def _inside_the_checkpoint(cls, files: dict) -> dict:
+        for rel in files:
+            if os.path.isabs(rel) or os.path.normpath(rel).split(os.sep)[0] in ("..", "."):
+                raise ValueError(f"{rel!r} is not a path inside the checkpoint")
+        return files
+
+    @model_validator(mode="after")
+    def _rank_in_world(self) -> "Manifest":
+        if self.rank >= self.world_size:
+            raise ValueError(f"rank {self.rank} not below world_size {self.world_size}")
+        return self
+
+
+def _read_record(path: str, schema: type[BaseModel]) -> dict:
+    """The record in ``path``, checked against ``schema``; FileNotFoundError if absent, MetadataError if damaged."""
     try:
-        names = os.listdir(tag_dir)
+        with open(path, "rb") as f:
+            raw = f.read()
     except FileNotFoundError:
-        return found
-    for name in names:
+        raise
+    except OSError as err:
+        raise MetadataError(f"{path}: unreadable: {_cause(err)}") from None
+    try:
+        return schema.model_validate_json(raw).model_dump()
+    except ValidationError as err:
+        what = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" if e["loc"] else e["msg"]
+                         for e in err.errors())
+        raise MetadataError(f"{path}: damaged: {what}") from None
+
+
+def _read_manifest(path: str, rank: int) -> dict:
+    man = _read_record(path, Manifest)
+    if man["rank"] != rank:
+        raise MetadataError(f"{path}: damaged: says rank {man['rank']}")
+    return man
+
+
+@dataclass
+class _Metadata:
+    """A tag directory's manifests and commit record; damaged ones are problems."""
+
+    manifests: dict[int, dict] = field(default_factory=dict)  # the sound ones, by rank
+    present: set[int] = field(default_factory=set)            # ranks with a manifest file, sound or not
+    commit: Optional[dict] = None
+    committed: bool = False                                   # a commit record is there, sound or not
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def found(self) -> bool:
+        return bool(self.present) or self.committed
+
+
+def _read_manifests(tag_dir: str) -> _Metadata:
+    meta = _Metadata()
+    for name in os.listdir(tag_dir):
         m = MANIFEST_RE.match(name)
-        if m:
-            found[int(m.group(1))] = read_json(os.path.join(tag_dir, name))
-    return found
+        if not m:
+            continue
+        rank = int(m.group(1))
+        try:
+            meta.manifests[rank] = _read_manifest(os.path.join(tag_dir, name), rank)
+        except FileNotFoundError:  # deleted while we looked
+            continue
+        except MetadataError as err:
+            meta.problems.append(str(err))
+        meta.present.add(rank)
+    return meta
+
+
+def _read_metadata(tag_dir: str) -> _Metadata:
+    meta = _read_manifests(tag_dir)
+    try:
+        meta.commit = read_commit(tag_dir)
+        meta.committed = meta.commit is not None
+    except MetadataError as err:
+        meta.problems.append(str(err))
+        meta.committed = True
+    return meta
+
+
+def read_manifests(tag_dir: str) -> dict[int, dict]:
+    """Every rank manifest in ``tag_dir``, by rank; a damaged one raises :class:`MetadataError` naming it."""
+    try:
+        meta = _read_manifests(tag_dir)
+    except FileNotFoundError:
+        return {}
+    if meta.problems:
+        raise MetadataError(meta.problems[0])
+    return meta.manifests
 
 
 def manifest_entry(manifests: dict[int, dict], tag_dir: str, path: str) -> Optional[tuple[dict, str]]:
@@ -222,52 +358,116 @@ def manifest_entry(manifests: dict[int, dict], tag_dir: str, path: str) -> Optio
     return None
 
 
+def load_file(path: str, map_location: Any = None) -> Any:
+    """A file of a checkpoint, checked against its manifests; files of DeepSpeed's own format load as they are."""
+    tag_dir = os.path.dirname(path)
+    manifests = read_manifests(tag_dir)
+    if not manifests:
+        return read_snapshot(path, map_location=map_location)
+    found = manifest_entry(manifests, tag_dir, path)
+    if found is None:
+        raise CheckpointError(f"{path}: listed in no rank manifest of {tag_dir} (partial checkpoint)")
+    entry, algorithm = found
+    return read_snapshot(path, entry, algorithm, map_location)
+
+
+def forget_metadata(tag_dir: str, rank: int) -> None:
+    """Remove what an earlier run left under a tag for ``rank`` (its manifest; on rank 0 the commit record),
+    so that it cannot be mistaken for this run's."""
+    for name in [manifest_name(rank)] + ([COMMIT] if rank == 0 else []):
+        try:
+            os.unlink(os.path.join(tag_dir, name))
+        except FileNotFoundError:
+            pass
+        except OSError as err:
+            log.warning("%s: could not remove the stale %s: %s", tag_dir, name, _cause(err))
+
+
 def read_latest(ckpt_dir: str) -> Optional[str]:
+    """The tag ``latest`` names; None when it is missing, or damaged (logged with its path and what is wrong)."""
+    path = os.path.join(ckpt_dir, LATEST)
     try:
-        with open(os.path.join(ckpt_dir, LATEST)) as f:
-            return f.read().strip() or None
+        with open(path, "rb") as f:
+            raw = f.read(_MAX_TAG + 1)
     except FileNotFoundError:
         return None
+    except OSError as err:
+        problem = f"unreadable: {_cause(err)}"
+    else:
+        problem = _tag_problem(raw)
+    if problem:
+        log.warning("%s: damaged, ignored: %s", path, problem)
+        return None
+    return raw.decode().strip()
+
+
+def _tag_problem(raw: bytes) -> Optional[str]:
+    """What makes the content of ``latest`` no tag, if anything."""
+    try:
+        tag = raw.decode().strip()
+    except UnicodeDecodeError:
+        return f"not text: {raw[:40]!r}"
+    if len(raw) > _MAX_TAG:
+        return f"longer than {_MAX_TAG} bytes"
+    if not tag:
+        return "empty"
+    if tag in (".", "..") or tag.startswith(".") or "/" in tag or "\0" in tag:
+        return f"{tag!r} is not a checkpoint tag"
+    return None
 
 
 def read_commit(tag_dir: str) -> Optional[dict]:
+    """The commit record of ``tag_dir``; None if there is none, :class:`MetadataError` if it is damaged."""
     try:
-        return read_json(os.path.join(tag_dir, COMMIT))
-    except (FileNotFoundError, ValueError):
+        return _read_record(os.path.join(tag_dir, COMMIT), CommitRecord)
+    except FileNotFoundError:
         return None
 
 
 def commit_checkpoint(ckpt_dir: str, tag: str, record: dict) -> bool:
     """Make ``tag`` committed and move ``latest`` to it if it is the newest; returns whether it moved.
 
-    ``record`` carries ``started_ns``, the order of checkpoints. Retention is the
+    ``record`` carries ``iteration`` and ``attempt``, the order of checkpoints (``order_key``);
+    ``latest`` also moves when what it names is missing or damaged. Retention is the
     caller's next step (``apply_retention``).
     """
     write_json_atomic(os.path.join(ckpt_dir, tag, COMMIT), record)
-    current = read_latest(ckpt_dir)
-    current_rec = read_commit(os.path.join(ckpt_dir, current)) if current else None
-    moved = current_rec is None or current_rec["started_ns"] < record["started_ns"]
+    current = _sound(ckpt_dir, read_latest(ckpt_dir))
+    moved = current is None or current.tag == tag or order_key(*_iteration_attempt(tag, record)) >= current.key
     if moved:
         write_atomic(os.path.join(ckpt_dir, LATEST), [tag.encode()])
     return moved
 
 
-def apply_retention(ckpt_dir: str, keep_last: int, protected: Callable[[str], bool]) -> list[str]:
-    """Delete our checkpoints beyond the ``keep_last`` newest committed ones; returns the tags deleted.
+def _sound(ckpt_dir: str, tag: Optional[str]) -> Optional[Checkpoint]:
+    """Checkpoint ``tag`` if it is there and nothing is wrong with it short of reading its data."""
+    if tag is None:
+        return None
+    try:
+        ckpt = _describe(os.path.join(ckpt_dir, tag), tag)
+    except OSError:
+        return None
+    return ckpt if ckpt is not None and not verify(ckpt_dir, ckpt, read_data=False) else None
 
-    Only directories carrying our manifests or commit records are touched, and never
-    the one ``latest`` names. Uncommitted ones go only when older than the oldest kept.
+
+def apply_retention(ckpt_dir: str, keep_last: int, protected: Callable[[str], bool]) -> list[str]:
+    """Delete our checkpoints beyond the ``keep_last`` newest sound committed ones; returns the tags deleted.
+
+    Only directories carrying our manifests, commit records or snapshot files are
+    touched, and never the one ``latest`` names. Sound: nothing wrong short of reading
+    the data (a manifest listing a non-finite tensor is wrong). Uncommitted and damaged
+    ones go only when older than the oldest kept.
     """
     ours = [c for c in scan(ckpt_dir) if c.kind == "cpsr"]
-    committed = sorted((c for c in ours if c.committed), key=lambda c: c.started_ns, reverse=True)
-    kept = committed[:keep_last]
-    if not kept:
+    sound = [c for c in ours if c.committed and not verify(ckpt_dir, c, read_data=False)]
+    if not sound:
         return []
-    floor = kept[-1].started_ns
+    kept = {c.tag for c in sound[-keep_last:]}
+    floor = sound[-keep_last:][0].key
+    sound_tags = {c.tag for c in sound}
     latest = read_latest(ckpt_dir)
-    doomed = [c.tag for c in ours
-              if c not in kept and c.tag != latest and not protected(c.tag)
-              and (c.committed or c.started_ns < floor)]
+    doomed = [c.tag for c in ours if c.tag not in kept and c.tag != latest and not protected(c.tag)
+              and (c.tag in sound_tags or c.key < floor)]
     _remove_leftovers(ckpt_dir)
     for tag in doomed:
         remove_checkpoint(ckpt_dir, tag)
@@ -310,20 +510,34 @@ class Checkpoint:
     """One tag directory as found on storage."""
 
     tag: str
-    kind: str                 # "cpsr" (has our metadata) or "deepspeed" (no manifest)
-    started_ns: int           # order of checkpoints: rank 0's start time, or the directory mtime
+    kind: str                 # "cpsr" (our metadata or snapshot files) or "deepspeed" (torch.save files only)
     iteration: Optional[int]
+    attempt: int              # the job attempt that wrote it; with ``iteration`` the order of checkpoints
     size: int
-    committed: bool
+    committed: bool           # DeepSpeed's format: ``latest`` names it or a newer one
     problems: list[str] = field(default_factory=list)
 
     @property
+    def key(self) -> tuple[int, int]:
+        return order_key(self.iteration, self.attempt)
+
+    @property
     def valid(self) -> bool:
+        """Loadable: committed, nothing found wrong."""
         return self.committed and not self.problems
+
+    @property
+    def status(self) -> str:
+        """valid, unverified (DeepSpeed's format: no manifest vouches for it), invalid or not committed."""
+        if not self.committed:
+            return "not committed"
+        if self.problems:
+            return "invalid"
+        return "valid" if self.kind == "cpsr" else "unverified"
 
 
 def scan(ckpt_dir: str) -> list[Checkpoint]:
-    """Tag directories of ``ckpt_dir`` from metadata only (no data read), oldest first."""
+    """Tag directories of ``ckpt_dir`` from metadata only (no data read), oldest first by ``order_key``."""
     found = []
     try:
         names = sorted(os.listdir(ckpt_dir))
@@ -335,28 +549,41 @@ def scan(ckpt_dir: str) -> list[Checkpoint]:
             continue
         try:
             ckpt = _describe(tag_dir, name)
-        except FileNotFoundError:
+        except FileNotFoundError:  # deleted while we looked
+            continue
+        except OSError as err:
+            log.warning("%s: unreadable, skipped: %s", tag_dir, _cause(err))
             continue
         if ckpt is not None:
             found.append(ckpt)
-    return sorted(found, key=lambda c: c.started_ns)
+    return sorted(found, key=lambda c: (c.key, c.tag))
 
 
 def _describe(tag_dir: str, tag: str) -> Optional[Checkpoint]:
     """The checkpoint in ``tag_dir``, or None for a directory that holds none (the journal, say)."""
-    manifests = read_manifests(tag_dir)
-    commit = read_commit(tag_dir)
-    size = sum(_size(os.path.join(r, f)) for r, _, fs in os.walk(tag_dir) for f in fs)
-    if not manifests and commit is None:
-        if _unfinished_snapshot(tag_dir):
-            kind = "cpsr"
-        elif any(DEEPSPEED_FILE_RE.match(n) for n in os.listdir(tag_dir)):
-            kind = "deepspeed"
-        else:
+    meta = _read_metadata(tag_dir)
+    files = _files(tag_dir)
+    size = sum(files.values())
+    if not meta.found:
+        kind = _kind_without_metadata(tag_dir, files)
+        if kind is None:
             return None
-        return Checkpoint(tag, kind, os.stat(tag_dir).st_mtime_ns, tag_iteration(tag), size, committed=False)
-    meta = commit or next(iter(manifests.values()))
-    return Checkpoint(tag, "cpsr", meta["started_ns"], meta.get("iteration"), size, committed=commit is not None)
+        return Checkpoint(tag, kind, tag_iteration(tag), 0, size, committed=False)
+    record = meta.commit or next((meta.manifests[r] for r in sorted(meta.manifests)), {})
+    return Checkpoint(tag, "cpsr", *_iteration_attempt(tag, record), size, committed=meta.committed)
+
+
+def _files(tag_dir: str) -> dict[str, int]:
+    """The size of every file under ``tag_dir``, by path relative to it."""
+    return {os.path.relpath(os.path.join(root, name), tag_dir): _size(os.path.join(root, name))
+            for root, _, names in os.walk(tag_dir) for name in names}
+
+
+def _data_files(files: Iterable[str]) -> list[str]:
+    """The files a checkpoint's manifests must list: all but our metadata and hidden (temporary) files."""
+    return sorted(rel for rel in files
+                  if not any(part.startswith(".") for part in rel.split(os.sep))
+                  and rel != COMMIT and not MANIFEST_RE.match(rel))
 
 
 def _size(path: str) -> int:
@@ -367,87 +594,124 @@ def _size(path: str) -> int:
         return 0
 
 
-def _unfinished_snapshot(tag_dir: str) -> bool:
-    """A tag directory holding only our temporary and snapshot files, at least one: a persist cut short.
-
-    An empty directory is not one: the run directory holds other directories of ours
-    (journal, fault markers) that may be empty, and retention must never touch them.
+def _kind_without_metadata(tag_dir: str, files: Iterable[str]) -> Optional[str]:
+    """"cpsr" if any file is a snapshot or temporary file of ours (a persist cut short), "deepspeed" for
+    DeepSpeed's files alone, None for other directories (the journal, fault markers: retention must not touch them).
     """
-    seen = False
-    for name in os.listdir(tag_dir):
-        path = os.path.join(tag_dir, name)
-        if TEMP_RE.match(name):
-            seen = True
-            continue
-        try:
-            with open(path, "rb") as f:
-                if f.read(len(MAGIC)) != MAGIC:
-                    return False
-            seen = True
-        except FileNotFoundError:
-            continue
-        except IsADirectoryError:
-            return False
-    return seen
+    names = [os.path.basename(rel) for rel in files]
+    if any(TEMP_RE.match(n) for n in names) or any(_has_magic(os.path.join(tag_dir, rel)) for rel in files):
+        return "cpsr"
+    if any(DEEPSPEED_FILE_RE.match(n) for n in names):
+        return "deepspeed"
+    return None
+
+
+def _has_magic(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(MAGIC)) == MAGIC
+    except OSError:
+        return False
 
 
 def verify(ckpt_dir: str, ckpt: Checkpoint, read_data: bool = True) -> list[str]:
-    """Problems of a checkpoint of ours, each naming the rank or file; empty means loadable.
+    """Problems of a checkpoint, each naming the file, rank or tensor; empty means loadable.
 
-    Checks every rank's manifest is there and every listed file has its size and,
-    with ``read_data``, its checksum.
+    Ours: every rank's manifest and the commit record are there and sound, the manifests
+    list every file there is and no non-finite tensor, every file has its size and, with
+    ``read_data``, its checksum and finite floating tensors (one read). DeepSpeed's
+    format, only with ``read_data``: every file loads and its floating tensors are finite.
     """
     tag_dir = os.path.join(ckpt_dir, ckpt.tag)
-    commit = read_commit(tag_dir)
-    manifests = read_manifests(tag_dir)
-    if commit is None and not manifests:
+    try:
+        meta = _read_metadata(tag_dir)
+        files = _files(tag_dir)
+    except OSError as err:
+        return [f"{tag_dir}: unreadable: {_cause(err)}"]
+    if ckpt.kind == "deepspeed":
+        if not read_data:
+            return []
+        return [p for rel in _data_files(files) for p in _check_file(os.path.join(tag_dir, rel), None, read_data)]
+    if not meta.found:
         return [f"{ckpt.tag}: no manifest, snapshot files only (partial checkpoint)"]
-    world = commit["world_size"] if commit else max(m["world_size"] for m in manifests.values())
-    problems = [f"{ckpt.tag}: rank {r} manifest {manifest_name(r)} missing (partial checkpoint)"
-                for r in range(world) if r not in manifests]
-    if commit is None:
-        problems.append(f"{ckpt.tag}: not committed ({COMMIT} missing)")
-    for man in manifests.values():
-        for rel, entry in man["files"].items():
-            path = os.path.join(tag_dir, rel)
-            try:
-                if read_data:
-                    with open(path, "rb") as f:
-                        if os.fstat(f.fileno()).st_size != entry["size"]:
-                            raise CheckpointError(f"{path}: size {os.fstat(f.fileno()).st_size} != manifest {entry['size']} (truncated)")
-                        check_digest(path, hash_file(f, man["checksum"]), entry)
-                elif os.path.getsize(path) != entry["size"]:
-                    raise CheckpointError(f"{path}: size {os.path.getsize(path)} != manifest {entry['size']} (truncated)")
-            except FileNotFoundError:
-                problems.append(f"{path}: missing")
-            except CheckpointError as err:
-                problems.append(str(err))
+    problems = meta.problems + _incomplete(ckpt.tag, meta)
+    listed = {rel: (entry, man["checksum"]) for man in meta.manifests.values() for rel, entry in man["files"].items()}
+    if not problems:
+        # Every manifest is there and sound, so together they list every file of the checkpoint.
+        problems += [f"{os.path.join(tag_dir, rel)}: listed in no rank manifest"
+                     for rel in _data_files(files) if rel not in listed]
+        if not listed:
+            problems.append(f"{ckpt.tag}: the manifests list no files")
+    for rel, (entry, algorithm) in sorted(listed.items()):
+        problems += _check_file(os.path.join(tag_dir, rel), entry, read_data, algorithm)
     return problems
 
 
+def _incomplete(tag: str, meta: _Metadata) -> list[str]:
+    """Ranks missing, disagreeing or giving up, and a missing commit record."""
+    world = meta.commit["world_size"] if meta.commit else max(
+        (m["world_size"] for m in meta.manifests.values()), default=0)
+    problems = [f"{tag}: rank {r} manifest {manifest_name(r)} missing (partial checkpoint)"
+                for r in range(world) if r not in meta.present]
+    for r, man in sorted(meta.manifests.items()):
+        if man["world_size"] != world:
+            problems.append(f"{tag}: rank {r} manifest says world size {man['world_size']}, not {world}")
+        if man["failed"]:
+            problems.append(f"{tag}: rank {r} gave the checkpoint up: {man['failed']}")
+    if not meta.committed:
+        problems.append(f"{tag}: not committed ({COMMIT} missing)")
+    return problems
+
+
+def _check_file(path: str, entry: Optional[dict], read_data: bool, algorithm: str = "xxh3_64") -> list[str]:
+    """Problems of one file: its size against ``entry`` and the non-finite tensors it lists; with
+    ``read_data`` also its checksum and every floating tensor (``entry`` None: DeepSpeed's format).
+    """
+    nonfinite = set(entry["nonfinite"]) if entry else set()
+    try:
+        if read_data:
+            nonfinite.update(scan_file(path, entry, algorithm))
+        elif entry is not None:
+            check_size(path, os.path.getsize(path), entry)
+    except FileNotFoundError:
+        return [f"{path}: missing"]
+    except CheckpointError as err:
+        return [str(err)]
+    except OSError as err:
+        return [f"{path}: unreadable: {_cause(err)}"]
+    return [f"{path}: non-finite values in {name}" for name in sorted(nonfinite)]
+
+
 def list_checkpoints(ckpt_dir: str, read_data: bool = True) -> list[Checkpoint]:
-    """All checkpoints, oldest first, ours verified; DeepSpeed ones count as committed when ``latest`` names them."""
-    latest = read_latest(ckpt_dir)
+    """All checkpoints, oldest first, each verified; those in DeepSpeed's format count as committed
+    when ``latest`` names them or a newer checkpoint (DeepSpeed moves it only after a complete save)."""
     found = scan(ckpt_dir)
+    latest = read_latest(ckpt_dir)
+    named = next((c for c in found if c.tag == latest), None)
     for c in found:
-        if c.kind == "cpsr":
+        if c.kind == "deepspeed":
+            c.committed = named is not None and c.key <= named.key
+        if c.kind == "cpsr" or c.committed:
             c.problems = verify(ckpt_dir, c, read_data)
-        else:
-            c.committed = c.tag == latest
     return found
 
 
 def loadable_checkpoints(ckpt_dir: str, read_data: bool = True) -> list[Checkpoint]:
     """The valid checkpoints, oldest first; each rejected one newer than the newest valid is logged.
 
-    Every rank reaches the same answer from the same shared directory, so no
-    collective is needed.
+    Checkpoints in DeepSpeed's format are opened and checked even without ``read_data``:
+    nothing else vouches for them. Every rank reaches the same answer from the same
+    shared directory, so no collective is needed.
     """
     found = list_checkpoints(ckpt_dir, read_data)
+    if not read_data:
+        for c in found:
+            if c.kind == "deepspeed" and c.committed:
+                c.problems = verify(ckpt_dir, c, read_data=True)
     for c in reversed(found):
         if c.valid:
             break
-        if c.kind == "cpsr":
+        if c.problems:
             log.error("checkpoint %s is not loadable, falling back to an older one: %s", c.tag, "; ".join(c.problems))
     return [c for c in found if c.valid]
 
