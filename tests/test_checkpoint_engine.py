@@ -1,10 +1,13 @@
-"""The asynchronous checkpoint engine: round trips, buffer reuse, storage failures, kills mid-persist."""
+"""The asynchronous checkpoint engine: round trips, buffers, non-finite state, failing storage, SIGKILLs."""
 
 import errno
 import logging
+import math
 import os
 import random
 import signal
+import subprocess
+import threading
 import time
 
 import pytest
@@ -14,8 +17,10 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 
 from cpsr_ds.checkpoint import store
 from cpsr_ds.checkpoint.checkfreq import CheckFreqEngine
-from cpsr_ds.checkpoint.factory import create_engine
+from cpsr_ds.checkpoint.factory import STRATEGIES, create_engine
 from cpsr_ds.checkpoint.fileformat import CheckpointError
+from cpsr_ds.checkpoint.persist import describe_error
+from cpsr_ds.checkpoint.snapshot import HostBuffers, snapshot_file
 from cpsr_ds.config import CheckpointConfig
 from test_checkpoint_store import assert_same, nested_state
 
@@ -35,8 +40,11 @@ def config(d, **kw):
 def engines():
     made = []
 
-    def make(d, rank=0, world_size=1, **kw):
-        eng = create_engine(config(d, **kw), rank, world_size)
+    def make(d, rank=0, world_size=1, keywords=None, **kw):
+        """An engine through the factory, or with ``keywords`` (attempt, min_keep) its strategy class directly."""
+        cfg = config(d, **kw)
+        eng = (create_engine(cfg, rank, world_size) if keywords is None
+               else STRATEGIES[cfg.strategy](cfg, rank, world_size, **keywords))
         made.append(eng)
         return eng
 
@@ -48,7 +56,9 @@ def engines():
 def checkpoint(eng, d, step, states, rank=0):
     """What DeepSpeed's save_checkpoint and the next step do with a decoupled engine."""
     tag = f"global_step{step}"
+    eng.makedirs(d, exist_ok=True)
     eng.create(CheckpointCommitInfo(tag=tag, save_dir=d, save_latest=True))
+    eng.makedirs(os.path.join(d, tag), exist_ok=True)
     if rank == 0:
         eng.save(states["model"], os.path.join(d, tag, MODEL))
     eng.save(states["optim"], os.path.join(d, tag, optim(rank)))
@@ -95,7 +105,7 @@ def test_buffers_are_reused_for_same_shapes(tmp_path, engines):
     st = states()
     checkpoint(eng, d, 1, st)
     eng.flush(30)
-    (buffers,) = list(eng._free.queue)
+    (buffers,) = eng._pool._free
     first = {k: v.data_ptr() for k, v in buffers._arenas.items()}
     for step in (2, 3):
         checkpoint(eng, d, step, states())
@@ -170,6 +180,53 @@ def test_profiled_interval_follows_measured_costs(tmp_path, engines):
     assert engines(d, strategy="cpsr", interval=17).interval(1e-6) == 17
 
 
+@pytest.mark.parametrize("strategy", ["checkfreq", "pccheck", "cpsr"])
+def test_records_carry_iteration_and_attempt(tmp_path, engines, strategy):
+    d = str(tmp_path)
+    eng = engines(d, keywords={"attempt": 3, "min_keep": 2}, strategy=strategy)
+    tag = checkpoint(eng, d, 20, states())
+    assert eng.flush(30) and store.read_latest(d) == tag
+    for name in (store.manifest_name(0), store.COMMIT):
+        record = store.read_json(os.path.join(d, tag, name))
+        assert (record["iteration"], record["attempt"]) == (20, 3), name
+
+
+# ---------------------------------------------------------------- non-finite state
+
+def test_snapshot_names_its_nonfinite_tensors_by_key_path():
+    state = nested_state()
+    state["module"]["w"][2, 3] = math.inf
+    state["optimizer"]["state"][0]["exp_avg"][1] = math.nan
+    state["pair"][0][0, 1] = -math.inf
+    snap = snapshot_file("f.pt", state, HostBuffers(pin=False), None)
+    snap.copy(None)
+    assert snap.nonfinite() == ["module.w", "optimizer.state.0.exp_avg", "pair.0"]
+    clean = snapshot_file("g.pt", nested_state(), HostBuffers(pin=False), None)
+    clean.copy(None)
+    assert clean.nonfinite() == []
+
+
+def test_checkpoint_with_a_nonfinite_tensor_is_never_committed(tmp_path, engines, caplog):
+    d = str(tmp_path)
+    rank0, rank1 = engines(d, 0, 2), engines(d, 1, 2)
+
+    def both(step, rank1_state):
+        checkpoint(rank0, d, step, states(), rank=0)
+        checkpoint(rank1, d, step, rank1_state, rank=1)
+        assert rank1.flush(30) and rank0.flush(30)
+
+    both(1, states())
+    poisoned = states()
+    poisoned["optim"]["fp32"][123] = math.nan
+    with caplog.at_level(logging.ERROR):
+        both(2, poisoned)
+    assert store.read_latest(d) == "global_step1"
+    assert not os.path.exists(os.path.join(d, "global_step2"))
+    assert "global_step2" in caplog.text and f"{optim(1)}: fp32" in caplog.text
+    both(3, states())
+    assert store.read_latest(d) == "global_step3"
+
+
 # ---------------------------------------------------------------- storage failures
 
 @pytest.fixture
@@ -217,6 +274,123 @@ def test_storage_failure_does_not_stop_training_and_keeps_latest(tmp_path, engin
     failing_storage.update(errno=None)
     checkpoint(eng, d, 3, states())
     assert eng.flush(30) and store.read_latest(d) == "global_step3"
+
+
+def checkpoints_timed(eng, d, steps, st):
+    """Checkpoint at each of ``steps`` as a training loop does; returns the seconds each spent in the engine."""
+    took = []
+    for step in steps:
+        t0 = time.perf_counter()
+        checkpoint(eng, d, step, st)
+        took.append(time.perf_counter() - t0)
+        time.sleep(0.05)  # the iteration
+    return took
+
+
+def test_failing_storage_never_blocks_training_and_frees_space(tmp_path, engines, failing_storage, caplog):
+    d = str(tmp_path)
+    eng = engines(d, keywords={"min_keep": 1}, keep_last=10, retry_backoff_s=0.5)
+    for step in (1, 2, 3):
+        checkpoint(eng, d, step, states())
+    assert eng.flush(30) and store.read_latest(d) == "global_step3"
+    failing_storage.update(dir=d, errno=errno.ENOSPC)
+    with caplog.at_level(logging.WARNING):
+        took = checkpoints_timed(eng, d, range(4, 10), states())
+        assert eng.flush(30)
+    # Each failed checkpoint backs off 0.5 + 1.0 s before it is given up.
+    assert max(took) < 0.1, took
+    assert eng.stats.skipped >= 1 and eng.stats.skipped + eng.stats.failed == 6
+    assert "skipped" in caplog.text
+    assert "deleted global_step1, global_step2 to free space" in caplog.text
+    assert sorted(os.listdir(d)) == ["global_step3", "latest"]
+    failing_storage.update(errno=None)
+    checkpoint(eng, d, 10, states())
+    assert eng.flush(30) and store.read_latest(d) == "global_step10"
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """An 8 MiB tmpfs, a disk that really fills up (needs the right to mount)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        yield str(disk)
+    finally:
+        subprocess.run(["umount", "--lazy", str(disk)], check=True)
+
+
+def test_full_disk_frees_old_checkpoints_and_goes_on(small_disk, engines, caplog):
+    d = small_disk
+    eng = engines(d, keywords={"min_keep": 2}, keep_last=10, retry_backoff_s=0.2)
+    st = states(n=300_000)  # 1.2 MB a checkpoint: six fit
+    with caplog.at_level(logging.WARNING):
+        took = checkpoints_timed(eng, d, range(1, 16), st)
+        assert eng.flush(30)
+    assert max(took) < 0.1, took
+    assert "to free space" in caplog.text
+    checkpoint(eng, d, 16, st)
+    assert eng.flush(30) and store.read_latest(d) == "global_step16"
+    found = store.list_checkpoints(d)
+    assert len(found) >= 2 and all(c.valid for c in found), [(c.tag, c.problems) for c in found]
+
+
+# ---------------------------------------------------------------- one rank gives up
+
+def test_describe_error_names_both_paths_of_a_rename():
+    err = OSError(errno.EISDIR, "Is a directory", "/ckpt/t/.f.tmp7", None, "/ckpt/t/f")
+    assert describe_error(err) == "EISDIR Is a directory: /ckpt/t/.f.tmp7 -> /ckpt/t/f"
+
+
+def test_a_rank_that_gives_up_tells_the_committer_at_once(tmp_path, engines, caplog):
+    d = str(tmp_path)
+    rank0, rank1 = engines(d, 0, 2, commit_timeout_s=600.0), engines(d, 1, 2, commit_timeout_s=600.0)
+
+    def both(step):
+        checkpoint(rank0, d, step, states(), rank=0)
+        # Rank 0's part is on storage before rank 1 starts, as when rank 1's storage is the slow one.
+        manifest = os.path.join(d, f"global_step{step}", store.manifest_name(0))
+        deadline = time.monotonic() + 10
+        while not os.path.exists(manifest) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        checkpoint(rank1, d, step, states(), rank=1)
+        return rank1.flush(10) and rank0.flush(10)
+
+    assert both(5)
+    blocked = os.path.join(d, "global_step10", optim(1))
+    os.makedirs(blocked)  # only rank 1's rename fails
+    t0 = time.monotonic()
+    with caplog.at_level(logging.ERROR):
+        assert both(10)
+    assert time.monotonic() - t0 < 5
+    assert "rank 1" in caplog.text and f"-> {blocked}" in caplog.text
+    assert store.read_latest(d) == "global_step5"
+    assert not os.path.exists(os.path.join(d, "global_step10"))
+    assert both(15) and store.read_latest(d) == "global_step15"
+
+
+def test_cleanup_waits_for_hung_storage_at_most_commit_timeout_s(tmp_path, engines, monkeypatch, caplog):
+    d = str(tmp_path)
+    eng = engines(d, commit_timeout_s=0.5)
+    answer = threading.Event()
+    write_atomic = store.write_atomic
+
+    def hung(*args, **kw):
+        answer.wait()
+        return write_atomic(*args, **kw)
+
+    monkeypatch.setattr(store, "write_atomic", hung)
+    checkpoint(eng, d, 1, states())
+    closing = threading.Thread(target=eng.cleanup, daemon=True)
+    t0 = time.monotonic()
+    with caplog.at_level(logging.ERROR):
+        closing.start()
+        closing.join(10)
+    took = time.monotonic() - t0
+    answer.set()
+    assert not closing.is_alive() and took < 5
+    assert "global_step1" in caplog.text and "abandoned" in caplog.text
 
 
 # ---------------------------------------------------------------- SIGKILL during persist

@@ -37,5 +37,5 @@ class ProfiledIntervalEngine(AsyncCheckpointEngine):
 
 
 class CheckFreqEngine(ProfiledIntervalEngine):
-    def __init__(self, cfg: CheckpointConfig, rank: int, world_size: int):
-        super().__init__(cfg, rank, world_size, max_in_flight=1, chunk_bytes=None, overlap=False)
+    def __init__(self, cfg: CheckpointConfig, rank: int, world_size: int, **kwargs):
+        super().__init__(cfg, rank, world_size, max_in_flight=1, chunk_bytes=None, overlap=False, **kwargs)

@@ -6,15 +6,16 @@ decoupled engines; a pipeline engine has to call it itself). ``save`` only captu
 the state; ``commit`` blocks until the copies are done, which is the whole training
 stall. The engine owns ``latest``: it reports ``save_latest=False`` to DeepSpeed, so
 DeepSpeed never writes ``latest`` itself, and rank 0's committer moves it once every
-rank's part is durable.
+rank's part is durable. While storage fails, a checkpoint that would have to wait for
+host buffers is skipped: its ``save`` and ``commit`` do nothing and training goes on.
 """
 
 from __future__ import annotations
 
 import atexit
+import errno
 import logging
 import os
-import queue
 import threading
 import time
 import weakref
@@ -27,7 +28,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 
 from cpsr_ds.checkpoint import store
 from cpsr_ds.checkpoint.fileformat import CheckpointError, read_snapshot
-from cpsr_ds.checkpoint.persist import Committer, Job, RetryPolicy, Writer, describe_error
+from cpsr_ds.checkpoint.persist import BufferPool, Committer, Job, RetryPolicy, Writer, abort_name, describe_error
 from cpsr_ds.checkpoint.snapshot import Copier, HostBuffers, snapshot_file
 from cpsr_ds.config import CheckpointConfig
 
@@ -41,6 +42,8 @@ class CheckpointStats:
     started: int = 0
     persisted: int = 0
     failed: int = 0
+    # Not started: storage was failing and no host buffers were free.
+    skipped: int = 0
     last_stall_s: Optional[float] = None
     # From the first file write to durable (see persist.Job); on rank 0 until ``latest`` moved.
     last_persist_s: Optional[float] = None
@@ -54,34 +57,37 @@ class AsyncCheckpointEngine(CheckpointEngine):
 
     ``overlap``: writers start on a chunk as soon as it is copied, before the snapshot is
     complete (shorter persist, longer stall on hosts short of memory bandwidth).
+    ``attempt``: the job attempt, written into every record (checkpoints are ordered by
+    iteration, then attempt). ``min_keep``: the newest committed checkpoints that
+    freeing space on a full disk never deletes (the predictor's history).
     """
 
     def __init__(self, cfg: CheckpointConfig, rank: int, world_size: int, max_in_flight: int,
-                 chunk_bytes: Optional[int], overlap: bool):
+                 chunk_bytes: Optional[int], overlap: bool, *, attempt: int = 0, min_keep: int = 1):
         super().__init__(None)
         self.name = type(self).__name__
         self.cfg = cfg
         self.rank = rank
         self.world_size = world_size
         self.chunk_bytes = chunk_bytes
+        self.attempt = attempt
+        self.min_keep = min_keep
         self._max_in_flight = max_in_flight
         self.stats = CheckpointStats()
         pin = torch.cuda.is_available()
-        self._free: queue.Queue = queue.Queue()
-        for _ in range(max_in_flight):
-            self._free.put(HostBuffers(pin))
+        self._pool = BufferPool([HostBuffers(pin) for _ in range(max_in_flight)])
         self._job: Optional[Job] = None
         self._info: Optional[CheckpointCommitInfo] = None
         self._stall_s = 0.0
-        self._last_ns = 0
         self._jobs: list[Job] = []
         self._lock = threading.Lock()
         policy = RetryPolicy(cfg.retries, cfg.retry_backoff_s)
         self._copier = Copier()
         self._committer = (Committer(world_size, cfg.keep_last, cfg.commit_timeout_s, policy, self._in_flight,
-                                     self._finish)
+                                     self._storage_error, self._finish)
                            if rank == 0 else None)
-        self._writer = Writer(rank, world_size, cfg.checksum, policy, overlap, self._release, self._persisted)
+        self._writer = Writer(rank, world_size, cfg.checksum, policy, overlap, self._pool, self._storage_error,
+                              self._persisted)
         self._closed = False
         # A script that ends without cleanup() still gets its last checkpoint committed.
         ref = weakref.ref(self)
@@ -93,14 +99,19 @@ class AsyncCheckpointEngine(CheckpointEngine):
         t0 = time.perf_counter()
         if self._job is not None:
             self._seal()
-        buffers = self._free.get()
-        self._last_ns = max(time.time_ns(), self._last_ns + 1)
-        job = Job(info.tag, info.save_dir, self._last_ns, buffers)
-        self._forget_stale(job)
+        buffers, failure = self._pool.take()
+        job = Job(info.tag, info.save_dir, self.attempt, buffers)
+        if job.skipped:
+            job.give_up(f"skipped, storage failing: {failure}")
+            self.stats.skipped += 1
+            log.error("checkpoint %s skipped: storage is failing (%s) and the checkpoints before it still hold "
+                      "the host buffers; training goes on, latest stays on the last good checkpoint", job.tag, failure)
+        else:
+            self._forget_stale(job)
+            self.stats.started += 1
         with self._lock:
             self._jobs.append(job)
         self._job, self._info = job, info
-        self.stats.started += 1
         self._writer.submit(job)
         self._stall_s = time.perf_counter() - t0
 
@@ -108,6 +119,8 @@ class AsyncCheckpointEngine(CheckpointEngine):
         t0 = time.perf_counter()
         if self._job is None:
             raise RuntimeError(f"{self.name}.save({path}) outside create()/commit()")
+        if self._job.skipped:
+            return
         rel = os.path.relpath(path, self._job.tag_dir)
         snap = snapshot_file(rel, state_dict, self._job.buffers, self.chunk_bytes)
         self._copier.submit(snap)
@@ -117,10 +130,12 @@ class AsyncCheckpointEngine(CheckpointEngine):
     def commit(self, info: CheckpointCommitInfo):
         """Seal the open checkpoint and wait until its state is copied: call before the optimizer step."""
         t0 = time.perf_counter()
-        if self._job is not None:
+        job = self._job
+        if job is not None:
             self._seal()
         self.wait_snapshot()
-        self.stats.last_stall_s = self._stall_s + time.perf_counter() - t0
+        if job is None or not job.skipped:
+            self.stats.last_stall_s = self._stall_s + time.perf_counter() - t0
         self._stall_s = 0.0
         return True
 
@@ -137,6 +152,8 @@ class AsyncCheckpointEngine(CheckpointEngine):
         return read_snapshot(path, entry, algorithm, map_location)
 
     def makedirs(self, path, exist_ok=False):
+        if self._job is not None and self._job.skipped and _inside(path, self._job.tag_dir):
+            return
         # Storage trouble must not stop training here; the writer retries and reports it.
         try:
             os.makedirs(path, exist_ok=exist_ok)
@@ -156,10 +173,17 @@ class AsyncCheckpointEngine(CheckpointEngine):
         return CheckpointCommitInfo(tag=self._info.tag, save_dir=self._info.save_dir, save_latest=False)
 
     def cleanup(self):
+        """Persist what is in flight, waiting at most ``commit_timeout_s``, and stop the threads."""
         if self._closed:
             return
-        self.flush()
         self._closed = True
+        if not self.flush(self.cfg.commit_timeout_s):
+            with self._lock:
+                tags = [job.tag for job in self._jobs]
+            log.error("checkpoints %s not persisted after commit_timeout_s (%g s); abandoned at exit, "
+                      "latest stays on the last committed checkpoint", ", ".join(tags), self.cfg.commit_timeout_s)
+            # The threads are daemons; joining them would wait for the storage that held them up.
+            return
         self._copier.stop()
         self._writer.stop()
         if self._committer is not None:
@@ -196,7 +220,7 @@ class AsyncCheckpointEngine(CheckpointEngine):
 
     def _forget_stale(self, job: Job) -> None:
         """Remove what an earlier run left under this tag, so it cannot be mistaken for this run's."""
-        stale = [store.manifest_name(self.rank)] + ([store.COMMIT] if self.rank == 0 else [])
+        stale = [store.manifest_name(self.rank), abort_name(self.rank)] + ([store.COMMIT] if self.rank == 0 else [])
         for name in stale:
             try:
                 os.unlink(os.path.join(job.tag_dir, name))
@@ -209,12 +233,23 @@ class AsyncCheckpointEngine(CheckpointEngine):
         with self._lock:
             return any(j.tag == tag for j in self._jobs)
 
-    def _release(self, job: Job) -> None:
-        job.buffers.drop_unused()
-        self._free.put(job.buffers)
+    def _storage_error(self, job: Job, err: OSError) -> None:
+        """A write failed and will be retried: checkpoints stop waiting for buffers; a full disk is freed."""
+        self._pool.failed(describe_error(err))
+        if err.errno != errno.ENOSPC:
+            return
+        try:
+            freed = store.apply_retention(job.ckpt_dir, self.min_keep, self._in_flight)
+        except OSError as failed:
+            log.warning("checkpoint %s: storage full, freeing space failed: %s", job.tag, describe_error(failed))
+            return
+        if freed:
+            log.warning("checkpoint %s: storage full, deleted %s to free space (the %d newest committed stay)",
+                        job.tag, ", ".join(freed), self.min_keep)
 
     def _persisted(self, job: Job) -> None:
-        if self._committer is not None and job.ok:
+        # Rank 0's committer also settles the checkpoints rank 0 gave up: it removes them.
+        if self._committer is not None:
             self._committer.submit(job)
         else:
             self._finish(job)
@@ -225,8 +260,13 @@ class AsyncCheckpointEngine(CheckpointEngine):
             self.stats.last_persist_s = job.persist_s
             self.stats.last_bytes = job.nbytes
             self.stats.recent.append((job.tag, job.nbytes, job.persist_s))
-        else:
+        elif not job.skipped:
             self.stats.failed += 1
         job.finished.set()
         with self._lock:
             self._jobs.remove(job)
+
+
+def _inside(path: str, directory: str) -> bool:
+    path, directory = os.path.abspath(path), os.path.abspath(directory)
+    return os.path.commonpath([path, directory]) == directory

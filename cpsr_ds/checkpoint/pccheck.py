@@ -13,6 +13,6 @@ from cpsr_ds.config import CheckpointConfig
 
 
 class PCcheckEngine(ProfiledIntervalEngine):
-    def __init__(self, cfg: CheckpointConfig, rank: int, world_size: int):
+    def __init__(self, cfg: CheckpointConfig, rank: int, world_size: int, **kwargs):
         super().__init__(cfg, rank, world_size, max_in_flight=cfg.max_in_flight, chunk_bytes=cfg.chunk_mb << 20,
-                         overlap=True)
+                         overlap=True, **kwargs)

@@ -1,12 +1,20 @@
 """Persist: background threads that put snapshots on storage and commit checkpoints.
 
 The writer thread of every rank writes each file of a checkpoint atomically, then the
-rank's manifest. Rank 0's committer thread waits, by polling the shared checkpoint
+rank's manifest, which lists every file's size, checksum and floating tensors holding
+NaN or Inf. Rank 0's committer thread waits, by polling the shared checkpoint
 directory, until all ``world_size`` manifests of a tag are there, then writes the
 commit record and moves ``latest`` (see store.py). Neither thread uses collectives.
+
 An ``OSError`` (disk full, permission denied, storage gone) is logged with its cause
-and retried with exponential backoff; when retries run out the checkpoint is given
-up, training goes on and ``latest`` stays on the last good checkpoint.
+and retried with exponential backoff; on a full disk, committed checkpoints beyond the
+``min_keep`` newest are deleted first. Training never waits for failing storage: from
+a failed write until one succeeds, a checkpoint that would wait for host buffers is
+skipped (``BufferPool``). A checkpoint is given up, and rank 0 removes its directory,
+when rank 0's part fails, when another rank reports with an abort record
+(``cpsr_abort.rankNNNNN.json``) that its part failed, when a manifest lists a
+non-finite tensor, or when a manifest is still missing after ``commit_timeout_s``.
+``latest`` then stays on the last good checkpoint.
 """
 
 from __future__ import annotations
@@ -38,42 +46,75 @@ class RetryPolicy:
 
 
 def describe_error(err: OSError) -> str:
-    """``ENOSPC No space left on device: /ckpt/x`` -- the cause an operator can act on."""
+    """``ENOSPC No space left on device: /ckpt/x`` -- the cause an operator can act on.
+
+    A failed rename names both paths (``tmp -> destination``): the destination is often the one in the way.
+    """
     code = errno.errorcode.get(err.errno, "") if err.errno else ""
     where = f": {err.filename}" if err.filename else ""
+    if err.filename2:
+        where += f" -> {err.filename2}"
     return f"{code} {err.strerror or err}{where}".strip()
 
 
-def with_retries(action: Callable, policy: RetryPolicy, what: str, sleep: Callable = time.sleep):
-    """Run ``action``; on ``OSError`` log the cause and retry after a growing delay; the last error propagates."""
+def with_retries(action: Callable, policy: RetryPolicy, what: str, sleep: Callable = time.sleep,
+                 on_error: Optional[Callable[[OSError], bool]] = None):
+    """Run ``action``; on ``OSError`` log the cause and retry after a growing delay; the last error propagates.
+
+    ``on_error`` sees every failure first; when it returns False the error propagates at once.
+    """
     delays = policy.delays()
     for attempt in range(len(delays) + 1):
         try:
             return action()
         except OSError as err:
-            if attempt == len(delays):
+            go_on = on_error is None or on_error(err)
+            if attempt == len(delays) or not go_on:
                 raise
             log.warning("%s failed (attempt %d of %d): %s; retrying in %.2f s",
                         what, attempt + 1, len(delays) + 1, describe_error(err), delays[attempt])
             sleep(delays[attempt])
 
 
+def abort_name(rank: int) -> str:
+    return f"cpsr_abort.rank{rank:05d}.json"
+
+
 @dataclass
 class Job:
-    """One checkpoint of one rank, from ``create()`` until it is persisted (and, on rank 0, committed)."""
+    """One checkpoint of one rank, from ``create()`` until it is persisted (and, on rank 0, committed or given up)."""
 
     tag: str
     ckpt_dir: str
-    started_ns: int
-    buffers: HostBuffers
+    attempt: int
+    # None: the checkpoint was skipped, storage failing while every set of buffers was in use.
+    buffers: Optional[HostBuffers]
+    # Information for operators only: clocks differ between hosts and attempts.
+    started_ns: int = field(default_factory=time.time_ns)
     files: queue.Queue = field(default_factory=queue.Queue)
     finished: threading.Event = field(default_factory=threading.Event)
-    ok: bool = True
+    # Why the checkpoint was given up; None while it may still commit.
+    error: Optional[str] = None
     nbytes: int = 0
+    # Whether this rank's writer made sure the tag directory exists; once it has, a
+    # vanished directory means rank 0 gave the checkpoint up and removed it.
+    dir_made: bool = False
     # perf_counter() when the first file write began and when the checkpoint became
     # durable: this rank's manifest on storage, or on rank 0 ``latest`` moved.
     write_start: Optional[float] = None
     durable: Optional[float] = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def skipped(self) -> bool:
+        return self.buffers is None
+
+    def give_up(self, cause: str) -> None:
+        if self.error is None:
+            self.error = cause
 
     @property
     def persist_s(self) -> Optional[float]:
@@ -85,6 +126,10 @@ class Job:
     def tag_dir(self) -> str:
         return os.path.join(self.ckpt_dir, self.tag)
 
+    def removed(self) -> bool:
+        """Whether the tag directory this rank wrote into is gone: rank 0 gave the checkpoint up."""
+        return self.dir_made and not os.path.isdir(self.tag_dir)
+
     def add(self, snap: SnapshotFile) -> None:
         self.files.put(snap)
 
@@ -93,17 +138,82 @@ class Job:
         self.files.put(None)
 
 
+class BufferPool:
+    """The host buffers of the checkpoints in flight, and whether storage is failing.
+
+    A checkpoint waits for free buffers while persisting is merely slower than the
+    checkpoint interval (back-pressure), never while storage fails: from a failed
+    write until one succeeds, ``take`` returns None instead of waiting.
+    """
+
+    def __init__(self, buffers: list[HostBuffers]):
+        self._free = list(buffers)
+        self.failure: Optional[str] = None
+        self._cond = threading.Condition()
+
+    def take(self) -> tuple[Optional[HostBuffers], Optional[str]]:
+        """(free buffers, None), or (None, the failure) while storage fails and none are free."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._free or self.failure is not None)
+            return (self._free.pop(0), None) if self._free else (None, self.failure)
+
+    def give(self, buffers: HostBuffers) -> None:
+        buffers.drop_unused()
+        with self._cond:
+            self._free.append(buffers)
+            self._cond.notify_all()
+
+    def failed(self, cause: str) -> None:
+        with self._cond:
+            self.failure = cause
+            self._cond.notify_all()
+
+    def succeeded(self) -> None:
+        with self._cond:
+            self.failure = None
+
+
+class Concurrent:
+    """``fn()`` on a thread of its own.
+
+    A plain thread, not an executor: checkpoints are still written from ``atexit``, where executors refuse new work.
+    """
+
+    def __init__(self, fn: Callable):
+        self._fn = fn
+        self._result = None
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, name="cpsr-check", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._result = self._fn()
+        except BaseException as err:
+            self._error = err
+
+    def join(self) -> None:
+        self._thread.join()
+
+    def result(self):
+        self.join()
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
 class Writer:
     """Writes the jobs of one rank in order: every file, then the rank's manifest."""
 
     def __init__(self, rank: int, world_size: int, checksum: str, policy: RetryPolicy, overlap: bool,
-                 release: Callable[[Job], None], persisted: Callable[[Job], None]):
+                 pool: BufferPool, on_error: Callable[[Job, OSError], None], persisted: Callable[[Job], None]):
         self.rank = rank
         self.overlap = overlap
         self.world_size = world_size
         self.checksum = checksum
         self.policy = policy
-        self._release = release
+        self._pool = pool
+        self._on_error = on_error
         self._persisted = persisted
         self._jobs: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name=f"cpsr-writer{rank}", daemon=True)
@@ -121,6 +231,16 @@ class Writer:
             self._persist(job)
 
     def _persist(self, job: Job) -> None:
+        entries = {} if job.skipped else self._write_files(job)
+        name = store.manifest_name(self.rank)
+        if job.ok:
+            self._attempt(job, f"writing {name}", lambda: self._write_manifest(job, entries, name))
+        if not job.ok and self.rank != 0:
+            self._report_abort(job, entries)
+        job.durable = time.perf_counter()
+        self._persisted(job)
+
+    def _write_files(self, job: Job) -> dict:
         entries = {}
         snaps = []
         files = iter(job.files.get, None)
@@ -136,60 +256,111 @@ class Writer:
                 continue
             if job.write_start is None:
                 job.write_start = time.perf_counter()
-            try:
-                entries[snap.rel] = self._write_file(job, snap)
-                job.nbytes += entries[snap.rel]["size"]
-            except OSError as err:
-                job.ok = False
-                log.error("checkpoint %s: giving up writing %s after %d retries: %s; "
-                          "latest stays on the last good checkpoint", job.tag, snap.rel,
-                          self.policy.retries, describe_error(err))
-            except Exception:
-                job.ok = False
-                log.exception("checkpoint %s: snapshot of %s failed", job.tag, snap.rel)
+            entry = self._attempt(job, f"writing {snap.rel}", lambda: self._write_file(job, snap))
+            if entry is not None:
+                entries[snap.rel] = entry
+                job.nbytes += entry["size"]
         # The buffers go back to the next checkpoint only once nothing copies into them.
         for snap in snaps:
             snap.wait_quietly()
-        self._release(job)
-        if job.ok:
-            try:
-                self._write_manifest(job, entries)
-            except OSError as err:
-                job.ok = False
-                log.error("checkpoint %s: giving up writing the rank %d manifest: %s",
-                          job.tag, self.rank, describe_error(err))
-        job.durable = time.perf_counter()
-        self._persisted(job)
+        self._pool.give(job.buffers)
+        return entries
+
+    def _attempt(self, job: Job, what: str, action: Callable):
+        """``action()`` with retries; its result, or None once the job is given up (logged)."""
+        try:
+            result = with_retries(action, self.policy, f"checkpoint {job.tag}: {what}",
+                                  on_error=lambda err: self._retry(job, err))
+        except OSError as err:
+            job.give_up(f"{what}: {describe_error(err)}")
+            if job.removed():
+                log.info("checkpoint %s: rank 0 gave it up, rank %d stopped %s", job.tag, self.rank, what)
+            else:
+                log.error("checkpoint %s: giving up %s after %d retries: %s; latest stays on the last good checkpoint",
+                          job.tag, what, self.policy.retries, describe_error(err))
+            return None
+        except Exception as err:
+            job.give_up(f"{what}: {err!r}")
+            log.exception("checkpoint %s: %s failed", job.tag, what)
+            return None
+        self._pool.succeeded()
+        return result
+
+    def _retry(self, job: Job, err: OSError) -> bool:
+        if job.removed():
+            return False
+        self._on_error(job, err)
+        return True
+
+    def _make_dirs(self, job: Job, path: str) -> None:
+        """Create ``path``'s directory; the tag directory only once, so that one rank 0 removed stays removed."""
+        if not job.dir_made:
+            os.makedirs(job.tag_dir, exist_ok=True)
+            job.dir_made = True
+        elif job.removed():
+            raise FileNotFoundError(errno.ENOENT, "checkpoint directory removed", job.tag_dir)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
 
     def _write_file(self, job: Job, snap: SnapshotFile) -> dict:
         path = os.path.join(job.tag_dir, snap.rel)
+        self._make_dirs(job, path)
+        # Checking for NaN and Inf beside the write, not after it, keeps it off the persist time.
+        check = Concurrent(snap.nonfinite)
+        try:
+            size, digest = store.write_atomic(path, snap.chunks(), self.checksum, direct=True)
+        finally:
+            # The check reads the host buffers, which go to the next checkpoint after this.
+            check.join()
+        entry = {"size": size, "digest": digest}
+        nonfinite = check.result()
+        if nonfinite:
+            entry["nonfinite"] = nonfinite
+        return entry
 
-        def attempt():
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            return store.write_atomic(path, snap.chunks(), self.checksum, direct=True)
-
-        size, digest = with_retries(attempt, self.policy, f"checkpoint {job.tag}: writing {snap.rel}")
-        return {"size": size, "digest": digest}
-
-    def _write_manifest(self, job: Job, entries: dict) -> None:
-        manifest = {"tag": job.tag, "rank": self.rank, "world_size": self.world_size,
+    def _write_manifest(self, job: Job, entries: dict, name: str) -> None:
+        manifest = {"tag": job.tag, "rank": self.rank, "world_size": self.world_size, "attempt": job.attempt,
                     "started_ns": job.started_ns, "iteration": store.tag_iteration(job.tag),
                     "checksum": self.checksum, "files": entries}
-        path = os.path.join(job.tag_dir, store.manifest_name(self.rank))
-        with_retries(lambda: store.write_json_atomic(path, manifest), self.policy,
-                     f"checkpoint {job.tag}: writing {store.manifest_name(self.rank)}")
+        store.write_json_atomic(os.path.join(job.tag_dir, name), manifest)
+
+    def _report_abort(self, job: Job, entries: dict) -> None:
+        """Tell rank 0 at once that this rank's part will not come; failing that, take the part away."""
+        if job.removed():
+            return
+        record = {"tag": job.tag, "rank": self.rank, "attempt": job.attempt,
+                  "iteration": store.tag_iteration(job.tag), "error": job.error}
+        try:
+            # Into the tag directory only if it is there: one rank 0 removed must not come back.
+            store.write_json_atomic(os.path.join(job.tag_dir, abort_name(self.rank)), record)
+        except OSError as err:
+            log.warning("checkpoint %s: could not write rank %d's abort record (%s); removing its files",
+                        job.tag, self.rank, describe_error(err))
+            for rel in entries:
+                try:
+                    os.unlink(os.path.join(job.tag_dir, rel))
+                except OSError:
+                    pass
+
+
+def nonfinite_tensors(manifests: dict[int, dict]) -> list[str]:
+    """``file: tensor, ... (rank r)`` for every file whose manifest entry lists non-finite tensors."""
+    return [f"{rel}: {', '.join(entry['nonfinite'])} (rank {rank})"
+            for rank, man in sorted(manifests.items()) for rel, entry in man["files"].items()
+            if entry.get("nonfinite")]
 
 
 class Committer:
-    """Rank 0: commits each tag once every rank's manifest is on the shared directory."""
+    """Rank 0: commits each tag once every rank's manifest is on the shared directory, or gives it up."""
 
     def __init__(self, world_size: int, keep_last: int, timeout_s: float, policy: RetryPolicy,
-                 in_flight: Callable[[str], bool], done: Callable[[Job], None]):
+                 in_flight: Callable[[str], bool], on_error: Callable[[Job, OSError], None],
+                 done: Callable[[Job], None]):
         self.world_size = world_size
         self.keep_last = keep_last
         self.timeout_s = timeout_s
         self.policy = policy
         self._in_flight = in_flight
+        self._on_error = on_error
         self._done = done
         self._pending: list[tuple[Job, float]] = []
         self._cond = threading.Condition()
@@ -215,7 +386,7 @@ class Committer:
                 if not self._pending:
                     return
                 pending = list(self._pending)
-            done = [job for job, deadline in pending if self._try_commit(job, deadline)]
+            done = [job for job, deadline in pending if self._settle(job, deadline)]
             with self._cond:
                 self._pending = [p for p in self._pending if p[0] not in done]
             for job in done:
@@ -223,31 +394,47 @@ class Committer:
             if len(done) < len(pending):
                 time.sleep(_POLL_S)
 
-    def _try_commit(self, job: Job, deadline: float) -> bool:
+    def _settle(self, job: Job, deadline: float) -> bool:
         """True when the job needs no more attention: committed or given up."""
         try:
+            return self._try_commit(job, deadline)
+        except Exception as err:
+            # Whatever went wrong, the checkpoint must not stay pending: exit waits for it.
+            log.exception("checkpoint %s: commit failed", job.tag)
+            return self._give_up(job, f"the commit failed: {err!r}")
+
+    def _try_commit(self, job: Job, deadline: float) -> bool:
+        if not job.ok:
+            # Rank 0's writer, or create() for a skipped checkpoint, logged the cause already.
+            return self._give_up(job, f"rank 0 gave it up: {job.error}", logging.INFO)
+        try:
+            names = set(os.listdir(job.tag_dir))
             ranks = store.read_manifests(job.tag_dir)
         except (OSError, ValueError) as err:
-            ranks, cause = {}, err
+            names, ranks, cause = set(), {}, err
         else:
             cause = None
         missing = [r for r in range(self.world_size) if r not in ranks]
+        aborted = [self._abort_cause(job, r) for r in missing if abort_name(r) in names]
+        if aborted:
+            return self._give_up(job, "; ".join(aborted))
+        nonfinite = nonfinite_tensors(ranks)
+        if nonfinite:
+            return self._give_up(job, "non-finite values (NaN or Inf) in " + "; ".join(nonfinite))
         if missing:
             if time.monotonic() < deadline:
                 return False
-            job.ok = False
-            log.error("checkpoint %s: not committed, rank manifests %s missing after %.0f s%s", job.tag,
-                      missing, self.timeout_s, f" ({cause})" if cause else "")
-            return True
-        record = {"tag": job.tag, "world_size": self.world_size, "started_ns": job.started_ns,
-                  "iteration": store.tag_iteration(job.tag), "committed_time": time.time()}
+            return self._give_up(job, f"rank manifests {missing} missing after {self.timeout_s:.0f} s"
+                                      + (f" ({cause})" if cause else ""))
+        record = {"tag": job.tag, "world_size": self.world_size, "attempt": job.attempt,
+                  "started_ns": job.started_ns, "iteration": store.tag_iteration(job.tag),
+                  "committed_time": time.time()}
         try:
             moved = with_retries(lambda: store.commit_checkpoint(job.ckpt_dir, job.tag, record),
-                                 self.policy, f"checkpoint {job.tag}: commit")
+                                 self.policy, f"checkpoint {job.tag}: commit",
+                                 on_error=lambda err: self._on_error(job, err) or True)
         except OSError as err:
-            job.ok = False
-            log.error("checkpoint %s: giving up the commit: %s", job.tag, describe_error(err))
-            return True
+            return self._give_up(job, f"the commit failed: {describe_error(err)}")
         job.durable = time.perf_counter()
         log.info("checkpoint %s committed%s", job.tag, ", latest moved to it" if moved else "")
         # Deleting old checkpoints takes long (file systems mounted with discard trim
@@ -258,3 +445,19 @@ class Committer:
             log.warning("checkpoint %s: retention failed: %s", job.tag, describe_error(err))
         return True
 
+    @staticmethod
+    def _abort_cause(job: Job, rank: int) -> str:
+        try:
+            cause = store.read_json(os.path.join(job.tag_dir, abort_name(rank)))["error"]
+        except (OSError, ValueError, TypeError, KeyError) as err:
+            cause = f"abort record unreadable: {err}"
+        return f"rank {rank} gave its part up: {cause}"
+
+    @staticmethod
+    def _give_up(job: Job, reason: str, level: int = logging.ERROR) -> bool:
+        """Mark the job given up and remove its directory, unless it holds a commit record (an earlier commit)."""
+        job.give_up(reason)
+        removed = store.read_commit(job.tag_dir) is None and store.remove_checkpoint(job.ckpt_dir, job.tag)
+        log.log(level, "checkpoint %s: not committed, %s; %s, latest stays on the last good checkpoint",
+                job.tag, reason, "its directory removed" if removed else "nothing to remove")
+        return True

@@ -7,7 +7,8 @@ later checkpoints of the same shapes; with CUDA it is pinned and filled through 
 side stream. The copy runs on a copier thread, so ``save()`` returns at once; the
 training side blocks only in ``wait`` before the optimizer step would overwrite what
 is still being copied. Writers write the arena to storage as it is, chunk by chunk,
-each chunk as soon as it is copied (``SnapshotFile.chunks``).
+each chunk as soon as it is copied (``SnapshotFile.chunks``), and once it is copied
+check it for NaN and Inf (``SnapshotFile.nonfinite``), off the training path.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import torch
 
-from cpsr_ds.checkpoint.fileformat import PAGE, TensorSpec, file_prefix, flatten, layout
+from cpsr_ds.checkpoint.fileformat import PAGE, TensorRef, TensorSpec, file_prefix, flatten, layout, tensor_from_bytes
 
 
 @dataclass(frozen=True)
@@ -77,12 +78,42 @@ class HostBuffers:
         self._used = set()
 
 
+def tensor_paths(skeleton: Any) -> dict[int, str]:
+    """The key path of every tensor of a flattened skeleton (``optimizer_state_dict.state.0.exp_avg``), by index."""
+    paths = {}
+
+    def walk(obj, path):
+        if isinstance(obj, TensorRef):
+            paths[obj.index] = ".".join(path)
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(v, path + (str(k),))
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                walk(v, path + (str(i),))
+
+    walk(skeleton, ())
+    return paths
+
+
+def finite(t: torch.Tensor) -> bool:
+    """No NaN or Inf in ``t``. Minimum and maximum propagate NaN, so two reductions tell, with no temporary."""
+    if t.numel() == 0:
+        return True
+    if t.element_size() == 1:
+        t = t.float()  # float8 has no min/max kernels
+    low, high = torch.aminmax(t)
+    return bool(low.isfinite() and high.isfinite())
+
+
 class SnapshotFile:
     """One file being copied into its arena (``prefix`` first, then the tensors); writers stream it with ``chunks``."""
 
-    def __init__(self, rel: str, prefix: bytes, arena: torch.Tensor, tensors: list[torch.Tensor],
-                 pieces: list[Piece], chunk_bytes: Optional[int]):
+    def __init__(self, rel: str, skeleton: Any, specs: list[TensorSpec], prefix: bytes, arena: torch.Tensor,
+                 tensors: list[torch.Tensor], pieces: list[Piece], chunk_bytes: Optional[int]):
         self.rel = rel
+        self._skeleton = skeleton
+        self._specs = specs
         self.file = arena
         self.nbytes = arena.numel()
         self.base = len(prefix)
@@ -152,6 +183,16 @@ class SnapshotFile:
             self.wait(end - self.base)
             yield data[start:end]
 
+    def nonfinite(self) -> list[str]:
+        """Key paths of the floating tensors holding NaN or Inf, read from the arena once the copy is complete."""
+        self.wait()
+        bad = [i for i, s in enumerate(self._specs)
+               if getattr(torch, s.dtype).is_floating_point and not finite(tensor_from_bytes(self.arena, s))]
+        if not bad:
+            return []
+        paths = tensor_paths(self._skeleton)
+        return [paths[i] for i in bad]
+
 
 class Copier:
     """One thread running snapshot copies in submission order."""
@@ -190,4 +231,5 @@ def snapshot_file(rel: str, state: Any, buffers: HostBuffers, chunk_bytes: Optio
     specs, total = layout(tensors)
     prefix = file_prefix(pickle.dumps((skeleton, specs), protocol=pickle.HIGHEST_PROTOCOL))
     arena = buffers.get(rel, len(prefix) + total)
-    return SnapshotFile(rel, prefix, arena, tensors, plan(specs, total, chunk_bytes, len(prefix)), chunk_bytes)
+    pieces = plan(specs, total, chunk_bytes, len(prefix))
+    return SnapshotFile(rel, skeleton, specs, prefix, arena, tensors, pieces, chunk_bytes)
