@@ -68,7 +68,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 from cpsr_ds.__main__ import inspect_report  # noqa: E402
 from cpsr_ds.checkpoint import store  # noqa: E402
 from cpsr_ds.checkpoint.factory import create_engine  # noqa: E402
-from cpsr_ds.checkpoint.fileformat import MAGIC, PAGE, align, hash_file, read_snapshot  # noqa: E402
+from cpsr_ds.checkpoint.fileformat import MAGIC, PAGE, align, new_hasher, read_snapshot  # noqa: E402
 from cpsr_ds.checkpoint.journal import journal_path, read_journal  # noqa: E402
 from cpsr_ds.config import CheckpointConfig  # noqa: E402
 
@@ -286,10 +286,13 @@ def rechecksum(tag_dir: str, path: str) -> None:
     for name in os.listdir(tag_dir):
         if store.MANIFEST_RE.match(name):
             man_path = os.path.join(tag_dir, name)
-            man = store.read_json(man_path)
+            with open(man_path) as f:
+                man = json.load(f)
             if rel in man["files"]:
+                hasher = new_hasher(man["checksum"])
                 with open(path, "rb") as f:
-                    man["files"][rel].update(size=os.path.getsize(path), digest=hash_file(f, man["checksum"]))
+                    hasher.update(f.read())
+                man["files"][rel].update(size=os.path.getsize(path), digest=hasher.hexdigest())
                 store.write_json_atomic(man_path, man)
 
 

@@ -27,8 +27,7 @@ import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
 from cpsr_ds.checkpoint import store
-from cpsr_ds.checkpoint.fileformat import CheckpointError, read_snapshot
-from cpsr_ds.checkpoint.persist import BufferPool, Committer, Job, RetryPolicy, Writer, abort_name, describe_error
+from cpsr_ds.checkpoint.persist import BufferPool, Committer, Job, RetryPolicy, Writer, describe_error
 from cpsr_ds.checkpoint.snapshot import Copier, HostBuffers, snapshot_file
 from cpsr_ds.config import CheckpointConfig
 
@@ -107,7 +106,8 @@ class AsyncCheckpointEngine(CheckpointEngine):
             log.error("checkpoint %s skipped: storage is failing (%s) and the checkpoints before it still hold "
                       "the host buffers; training goes on, latest stays on the last good checkpoint", job.tag, failure)
         else:
-            self._forget_stale(job)
+            # What an earlier run left under this tag must not be mistaken for this run's.
+            store.forget_metadata(job.tag_dir, self.rank)
             self.stats.started += 1
         with self._lock:
             self._jobs.append(job)
@@ -141,15 +141,7 @@ class AsyncCheckpointEngine(CheckpointEngine):
 
     def load(self, path: str, map_location=None):
         """Read a file, verifying it against its checkpoint's manifests; files of DeepSpeed's engine load as they are."""
-        tag_dir = os.path.dirname(path)
-        manifests = store.read_manifests(tag_dir)
-        if not manifests:
-            return read_snapshot(path, map_location=map_location)
-        found = store.manifest_entry(manifests, tag_dir, path)
-        if found is None:
-            raise CheckpointError(f"{path}: listed in no rank manifest of {tag_dir} (partial checkpoint)")
-        entry, algorithm = found
-        return read_snapshot(path, entry, algorithm, map_location)
+        return store.load_file(path, map_location)
 
     def makedirs(self, path, exist_ok=False):
         if self._job is not None and self._job.skipped and _inside(path, self._job.tag_dir):
@@ -217,17 +209,6 @@ class AsyncCheckpointEngine(CheckpointEngine):
     def _seal(self) -> None:
         self._job.seal()
         self._job, self._info = None, None
-
-    def _forget_stale(self, job: Job) -> None:
-        """Remove what an earlier run left under this tag, so it cannot be mistaken for this run's."""
-        stale = [store.manifest_name(self.rank), abort_name(self.rank)] + ([store.COMMIT] if self.rank == 0 else [])
-        for name in stale:
-            try:
-                os.unlink(os.path.join(job.tag_dir, name))
-            except FileNotFoundError:
-                pass
-            except OSError as err:
-                log.warning("checkpoint %s: could not remove stale %s: %s", job.tag, name, describe_error(err))
 
     def _in_flight(self, tag: str) -> bool:
         with self._lock:

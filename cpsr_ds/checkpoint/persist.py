@@ -11,8 +11,8 @@ and retried with exponential backoff; on a full disk, committed checkpoints beyo
 ``min_keep`` newest are deleted first. Training never waits for failing storage: from
 a failed write until one succeeds, a checkpoint that would wait for host buffers is
 skipped (``BufferPool``). A checkpoint is given up, and rank 0 removes its directory,
-when rank 0's part fails, when another rank reports with an abort record
-(``cpsr_abort.rankNNNNN.json``) that its part failed, when a manifest lists a
+when rank 0's part fails, when another rank reports in its manifest (``failed``)
+that its part failed, when a manifest lists a
 non-finite tensor, or when a manifest is still missing after ``commit_timeout_s``.
 ``latest`` then stays on the last good checkpoint.
 """
@@ -74,10 +74,6 @@ def with_retries(action: Callable, policy: RetryPolicy, what: str, sleep: Callab
             log.warning("%s failed (attempt %d of %d): %s; retrying in %.2f s",
                         what, attempt + 1, len(delays) + 1, describe_error(err), delays[attempt])
             sleep(delays[attempt])
-
-
-def abort_name(rank: int) -> str:
-    return f"cpsr_abort.rank{rank:05d}.json"
 
 
 @dataclass
@@ -236,7 +232,7 @@ class Writer:
         if job.ok:
             self._attempt(job, f"writing {name}", lambda: self._write_manifest(job, entries, name))
         if not job.ok and self.rank != 0:
-            self._report_abort(job, entries)
+            self._report_failure(job, entries, name)
         job.durable = time.perf_counter()
         self._persisted(job)
 
@@ -317,23 +313,22 @@ class Writer:
             entry["nonfinite"] = nonfinite
         return entry
 
-    def _write_manifest(self, job: Job, entries: dict, name: str) -> None:
+    def _write_manifest(self, job: Job, entries: dict, name: str, failed: Optional[str] = None) -> None:
         manifest = {"tag": job.tag, "rank": self.rank, "world_size": self.world_size, "attempt": job.attempt,
                     "started_ns": job.started_ns, "iteration": store.tag_iteration(job.tag),
-                    "checksum": self.checksum, "files": entries}
+                    "checksum": self.checksum, "files": entries, "failed": failed}
         store.write_json_atomic(os.path.join(job.tag_dir, name), manifest)
 
-    def _report_abort(self, job: Job, entries: dict) -> None:
-        """Tell rank 0 at once that this rank's part will not come; failing that, take the part away."""
+    def _report_failure(self, job: Job, entries: dict, name: str) -> None:
+        """Tell rank 0 at once, by a manifest saying ``failed``, that this rank's part will not come; failing
+        that, take the part away."""
         if job.removed():
             return
-        record = {"tag": job.tag, "rank": self.rank, "attempt": job.attempt,
-                  "iteration": store.tag_iteration(job.tag), "error": job.error}
         try:
             # Into the tag directory only if it is there: one rank 0 removed must not come back.
-            store.write_json_atomic(os.path.join(job.tag_dir, abort_name(self.rank)), record)
+            self._write_manifest(job, entries, name, failed=job.error)
         except OSError as err:
-            log.warning("checkpoint %s: could not write rank %d's abort record (%s); removing its files",
+            log.warning("checkpoint %s: could not tell rank 0 that rank %d gave up (%s); removing its files",
                         job.tag, self.rank, describe_error(err))
             for rel in entries:
                 try:
@@ -408,14 +403,13 @@ class Committer:
             # Rank 0's writer, or create() for a skipped checkpoint, logged the cause already.
             return self._give_up(job, f"rank 0 gave it up: {job.error}", logging.INFO)
         try:
-            names = set(os.listdir(job.tag_dir))
             ranks = store.read_manifests(job.tag_dir)
         except (OSError, ValueError) as err:
-            names, ranks, cause = set(), {}, err
+            ranks, cause = {}, err
         else:
             cause = None
         missing = [r for r in range(self.world_size) if r not in ranks]
-        aborted = [self._abort_cause(job, r) for r in missing if abort_name(r) in names]
+        aborted = [f"rank {r} gave its part up: {m['failed']}" for r, m in sorted(ranks.items()) if m.get("failed")]
         if aborted:
             return self._give_up(job, "; ".join(aborted))
         nonfinite = nonfinite_tensors(ranks)
@@ -444,14 +438,6 @@ class Committer:
         except OSError as err:
             log.warning("checkpoint %s: retention failed: %s", job.tag, describe_error(err))
         return True
-
-    @staticmethod
-    def _abort_cause(job: Job, rank: int) -> str:
-        try:
-            cause = store.read_json(os.path.join(job.tag_dir, abort_name(rank)))["error"]
-        except (OSError, ValueError, TypeError, KeyError) as err:
-            cause = f"abort record unreadable: {err}"
-        return f"rank {rank} gave its part up: {cause}"
 
     @staticmethod
     def _give_up(job: Job, reason: str, level: int = logging.ERROR) -> bool:

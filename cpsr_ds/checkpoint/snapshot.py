@@ -22,7 +22,8 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import torch
 
-from cpsr_ds.checkpoint.fileformat import PAGE, TensorRef, TensorSpec, file_prefix, flatten, layout, tensor_from_bytes
+from cpsr_ds.checkpoint.fileformat import (PAGE, TensorSpec, file_prefix, flatten, layout, nonfinite_tensors,
+                                           tensor_from_bytes)
 
 
 @dataclass(frozen=True)
@@ -76,34 +77,6 @@ class HostBuffers:
         """Free arenas no file of the last checkpoint used, so a changed file set does not leak."""
         self._arenas = {k: v for k, v in self._arenas.items() if k in self._used}
         self._used = set()
-
-
-def tensor_paths(skeleton: Any) -> dict[int, str]:
-    """The key path of every tensor of a flattened skeleton (``optimizer_state_dict.state.0.exp_avg``), by index."""
-    paths = {}
-
-    def walk(obj, path):
-        if isinstance(obj, TensorRef):
-            paths[obj.index] = ".".join(path)
-        elif isinstance(obj, dict):
-            for k, v in obj.items():
-                walk(v, path + (str(k),))
-        elif isinstance(obj, (list, tuple)):
-            for i, v in enumerate(obj):
-                walk(v, path + (str(i),))
-
-    walk(skeleton, ())
-    return paths
-
-
-def finite(t: torch.Tensor) -> bool:
-    """No NaN or Inf in ``t``. Minimum and maximum propagate NaN, so two reductions tell, with no temporary."""
-    if t.numel() == 0:
-        return True
-    if t.element_size() == 1:
-        t = t.float()  # float8 has no min/max kernels
-    low, high = torch.aminmax(t)
-    return bool(low.isfinite() and high.isfinite())
 
 
 class SnapshotFile:
@@ -186,12 +159,7 @@ class SnapshotFile:
     def nonfinite(self) -> list[str]:
         """Key paths of the floating tensors holding NaN or Inf, read from the arena once the copy is complete."""
         self.wait()
-        bad = [i for i, s in enumerate(self._specs)
-               if getattr(torch, s.dtype).is_floating_point and not finite(tensor_from_bytes(self.arena, s))]
-        if not bad:
-            return []
-        paths = tensor_paths(self._skeleton)
-        return [paths[i] for i in bad]
+        return nonfinite_tensors(self._skeleton, [tensor_from_bytes(self.arena, s) for s in self._specs])
 
 
 class Copier:
