@@ -39,6 +39,7 @@ reported as skipped.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import json
 import os
@@ -134,6 +135,8 @@ class Child:
             except BaseException:
                 traceback.print_exc()
             finally:
+                # What a normal exit runs: the engines commit their last checkpoint at exit.
+                atexit._run_exitfuncs()
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(code)
@@ -544,7 +547,9 @@ def two_ranks_checkpointing(ckpt_dir: str, blocked_step: int, blocked_rank: int,
             if rank == 0:
                 eng.save(model, os.path.join(ckpt_dir, tag, "mp_rank_00_model_states.pt"))
             eng.commit(eng.get_commit_info())
-        time.sleep(random.uniform(0, 0.05))
+        # Checkpoints requested while a write is being retried are skipped by design; the next
+        # one comes after the retry (0.05 s), at a random moment.
+        time.sleep(random.uniform(0.06, 0.2))
     t0 = time.monotonic()
     for eng in reversed(engines):
         eng.flush(timeout_s=None)
