@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 BLOCK = "cpsr"
 VITP_MIN_HISTORY = 6  # its FFT window of 5 checkpoints plus one held out
+NAME_MAX = 255  # bytes in one path component, on every common Linux file system
 
 
 class ConfigError(ValueError):
@@ -21,7 +22,8 @@ class ConfigError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True)
+    # Infinity and NaN parse from JSON but are no sane value for any key (an unbounded wait, a guard never met).
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True, allow_inf_nan=False)
 
 
 class CheckpointConfig(_Strict):
@@ -36,11 +38,21 @@ class CheckpointConfig(_Strict):
     keep_last: int = Field(4, gt=0, description="Committed checkpoints kept on storage (count); older ones are deleted after a newer one commits.")
     max_in_flight: int = Field(2, gt=0, description="pccheck: checkpoints being persisted at once (count), each holding one set of host buffers; checkfreq and cpsr persist one at a time.")
     retries: int = Field(3, ge=0, description="Retries of a failed file or manifest write (count) before the checkpoint is given up.")
-    retry_backoff_s: float = Field(1.0, ge=0.0, description="Wait before the first retry in seconds; doubles on each further retry.")
+    retry_backoff_s: float = Field(1.0, ge=0.0, le=3600.0, description="Wait before the first retry in seconds; doubles on each further retry.")
     overhead_budget: float = Field(0.02, gt=0.0, le=1.0, description="checkfreq/pccheck: allowed training stall as a fraction of iteration time (0.02 = 2 %).")
     chunk_mb: int = Field(64, gt=0, description="pccheck: chunk size of the pipelined copy and write in MiB.")
-    commit_timeout_s: float = Field(600.0, gt=0.0, description="Seconds rank 0 waits for every rank's manifest before giving a checkpoint up.")
+    commit_timeout_s: float = Field(600.0, gt=0.0, le=86400.0, description="Seconds rank 0 waits for every rank's manifest before giving a checkpoint up.")
     checksum: Literal["xxh3_64", "xxh3_128"] = Field("xxh3_64", description="xxhash algorithm of the per-file checksums in the manifests.")
+
+    @field_validator("dir")
+    @classmethod
+    def _dir_can_exist(cls, value: str) -> str:
+        if "\0" in value:
+            raise ValueError("a path cannot contain a NUL byte")
+        long = next((part for part in value.split("/") if len(part.encode(errors="surrogateescape")) > NAME_MAX), None)
+        if long is not None:
+            raise ValueError(f"path component {long[:40]!r}... is longer than {NAME_MAX} bytes")
+        return value
 
 
 class FaultConfig(_Strict):

@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from cpsr_ds.config import FaultConfig
+from cpsr_ds.config import ConfigError, FaultConfig
 
 logger = logging.getLogger(__name__)
 
@@ -30,8 +30,16 @@ def poisson_failure(rate_per_hour: float, seed: int, index: int, world_size: int
     return float(rng.exponential(3600.0 / rate_per_hour)), int(rng.integers(world_size))
 
 
+def check_kill_rank(cfg: FaultConfig, world_size: int) -> None:
+    """Reject a ``kill_rank`` that is no rank of the job: its failure would never fire."""
+    if cfg.kill_rank >= world_size:
+        raise ConfigError(f"cpsr.faults.kill_rank: {cfg.kill_rank} is not a rank of this job "
+                          f"(world size {world_size}: ranks 0 to {world_size - 1})")
+
+
 class FaultInjector:
     def __init__(self, cfg: FaultConfig, directory: str, rank: int, world_size: int):
+        check_kill_rank(cfg, world_size)
         self.cfg = cfg
         self.rank = rank
         self.markers = os.path.join(directory, FAULTS_DIR)

@@ -15,9 +15,14 @@ from cpsr_ds.lag import CurveFit, fit_curve
 MIN_POINTS = 16  # losses needed for a fit
 
 
+def recent_losses(losses: dict[int, float], f: int) -> dict[int, float]:
+    """The losses of iterations f/2..f, the span the fit uses (``losses``: by iteration)."""
+    return {i: loss for i, loss in losses.items() if max(1, f // 2) <= i <= f}
+
+
 def fit_recent(losses: dict[int, float], f: int) -> CurveFit | None:
     """Fit the losses of iterations f/2..f (``losses``: by iteration); None with fewer than MIN_POINTS."""
-    its = sorted(i for i in losses if max(1, f // 2) <= i <= f)
+    its = sorted(recent_losses(losses, f))
     if len(its) < MIN_POINTS:
         return None
     return fit_curve(its, [losses[i] for i in its], lo=f // 2, hi=f, degree=1)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import os
 import sys
 from contextlib import contextmanager
@@ -20,6 +21,9 @@ from contextlib import contextmanager
 import deepspeed
 import deepspeed.runtime.engine as ds_engine
 import torch
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
+from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 from deepspeed.runtime.pipe import schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.module import PipelineModule
@@ -28,8 +32,9 @@ from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
 from cpsr_ds.checkpoint.factory import deepspeed_factory
 from cpsr_ds.checkpoint.journal import ProgressJournal
 from cpsr_ds.config import CPSRConfig
-from cpsr_ds.faults import FaultInjector
+from cpsr_ds.faults import FaultInjector, check_kill_rank
 from cpsr_ds.recovery import PREDICTOR_STATE, append_report, engine_state, new_predictor, recover
+from cpsr_ds.rundir import RunDirLock, claim
 
 logger = logging.getLogger("cpsr_ds")
 if not logger.handlers:
@@ -41,11 +46,16 @@ if not logger.handlers:
 
 
 class Runtime:
-    """CPSR's per-engine state: config, journal, fault injector, how the job recovered."""
+    """CPSR's per-engine state: config, journal, fault injector, how the job recovered.
 
-    def __init__(self, engine: PipelineEngine, cfg: CPSRConfig):
+    ``lock``: the run directory's lock, held (on rank 0) until :meth:`close`.
+    """
+
+    def __init__(self, engine: PipelineEngine, cfg: CPSRConfig, lock: RunDirLock | None = None):
         self.cfg = cfg
+        self.lock = lock
         self.directory = cfg.checkpoint.dir
+        self.diverged_at = None  # the first iteration whose loss was not finite
         rank, world = engine.global_rank, engine.world_size
         self.journal = ProgressJournal(self.directory, rank)
         self.faults = FaultInjector(cfg.faults, self.directory, rank, world)
@@ -58,9 +68,23 @@ class Runtime:
     def after_iteration(self, engine: PipelineEngine, loss: float) -> None:
         iteration = engine.global_steps
         self.journal.append(iteration, loss)
+        finite = math.isfinite(loss)
+        if not finite and self.diverged_at is None:
+            self.diverged_at = iteration
+            logger.error("cpsr: the training loss is %s at iteration %d: training diverged; no checkpoint is saved "
+                         "at an iteration whose loss is not finite", loss, iteration)
         if iteration % self.cfg.checkpoint.interval == 0:
-            engine.save_checkpoint(self.directory, client_state=self._train_predictor(engine, iteration))
+            if finite:
+                engine.save_checkpoint(self.directory, client_state=self._train_predictor(engine, iteration))
+            else:
+                logger.warning("cpsr: checkpoint of iteration %d skipped: the loss is %s", iteration, loss)
         self.faults.check(iteration)
+
+    def close(self) -> None:
+        """Close the journal and give the run directory free for another job."""
+        self.journal.close()
+        if self.lock is not None:
+            self.lock.release()
 
     def _train_predictor(self, engine: PipelineEngine, iteration: int) -> dict:
         """Feed the checkpoint to a learning predictor, train it a little; its weights go with the checkpoint."""
@@ -73,6 +97,14 @@ class Runtime:
 
 class CPSRPipelineEngine(PipelineEngine):
     cpsr: Runtime
+
+    def destroy(self):
+        # The run directory is another job's to take only once pending checkpoints are done.
+        try:
+            super().destroy()
+        finally:
+            if hasattr(self, "cpsr"):
+                self.cpsr.close()
 
     def train_batch(self, data_iter=None):
         loss = super().train_batch(data_iter)
@@ -103,8 +135,15 @@ def _ds_config(bound: inspect.BoundArguments) -> dict:
     return load_ds_config(os.fspath(config) if isinstance(config, os.PathLike) else config)
 
 
+def _checkpoint_engine_factory(cfg: CPSRConfig, attempt: int):
+    kwargs = {"attempt": attempt, "min_keep": cfg.predictor.history}
+    if "attempt" not in inspect.signature(deepspeed_factory).parameters:  # a factory from before attempts
+        kwargs = {}
+    return deepspeed_factory(cfg.checkpoint, **kwargs)
+
+
 @contextmanager
-def _installed(cfg: CPSRConfig):
+def _installed(cfg: CPSRConfig, attempt: int):
     """Our engine class and checkpoint engine, for one ``deepspeed.initialize`` call.
 
     ``deepspeed.initialize`` looks the pipeline engine class up at call time, and the
@@ -112,7 +151,7 @@ def _installed(cfg: CPSRConfig):
     """
     original = deepspeed.PipelineEngine, ds_engine.create_checkpoint_engine
     deepspeed.PipelineEngine = CPSRPipelineEngine
-    ds_engine.create_checkpoint_engine = deepspeed_factory(cfg.checkpoint)
+    ds_engine.create_checkpoint_engine = _checkpoint_engine_factory(cfg, attempt)
     try:
         yield
     finally:
@@ -136,6 +175,21 @@ def _release_shm_allreduce_name(rank: int) -> None:
         pass
 
 
+def _init_distributed(bound: inspect.BoundArguments) -> None:
+    """The process group, as ``deepspeed.initialize`` would make it: the run directory's lock needs it first."""
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
+                                   distributed_port=bound.arguments.get("distributed_port", TORCH_DISTRIBUTED_DEFAULT_PORT),
+                                   dist_init_required=bound.arguments.get("dist_init_required"))
+
+
+def _collective_device() -> torch.device:
+    """Where this rank's buffers for a collective go before the engine exists (NCCL: this rank's GPU)."""
+    if dist.get_backend() == "gloo":
+        return torch.device("cpu")
+    return torch.device(get_accelerator().device_name(int(os.environ.get("LOCAL_RANK", 0))))
+
+
 def initialize(*args, **kwargs):
     """Same arguments and return values as ``deepspeed.initialize``."""
     bound = inspect.signature(deepspeed.initialize).bind(*args, **kwargs)
@@ -144,10 +198,17 @@ def initialize(*args, **kwargs):
         return deepspeed.initialize(*args, **kwargs)
     if not isinstance(bound.arguments.get("model"), PipelineModule):
         raise TypeError("cpsr_ds: the model must be a deepspeed.pipe.PipelineModule (num_stages=1 for no pipelining)")
-    with _installed(cfg):
-        engine, optimizer, dataloader, scheduler = deepspeed.initialize(*args, **kwargs)
-    _release_shm_allreduce_name(engine.global_rank)
-    engine.cpsr = Runtime(engine, cfg)
+    _init_distributed(bound)
+    check_kill_rank(cfg.faults, dist.get_world_size())
+    lock = claim(cfg.checkpoint.dir, _collective_device())
+    try:
+        with _installed(cfg, lock.attempt):
+            engine, optimizer, dataloader, scheduler = deepspeed.initialize(*args, **kwargs)
+        _release_shm_allreduce_name(engine.global_rank)
+        engine.cpsr = Runtime(engine, cfg, lock)
+    except BaseException:
+        lock.release()
+        raise
     if engine.global_rank == 0:
         logger.info(engine.cpsr.recovery.describe())
         append_report(cfg.checkpoint.dir, engine.cpsr.recovery)

@@ -28,10 +28,14 @@ falls fast), RB-R is chosen. An unready predictor means RB-R too.
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
 from dataclasses import asdict, dataclass
 
 import torch
+import torch.distributed as dist
+from deepspeed.runtime.lr_schedules import LRRangeTest, OneCycle, WarmupCosineLR, WarmupLR
 from deepspeed.utils import (
     safe_get_full_fp32_param,
     safe_get_full_optimizer_state,
@@ -39,15 +43,19 @@ from deepspeed.utils import (
     safe_set_full_optimizer_state,
 )
 
-from cpsr_ds.checkpoint.journal import journal_path, read_journal, reached_iteration
+from cpsr_ds.checkpoint.journal import Progress, journal_path, plausible, read_journal, read_progress
 from cpsr_ds.checkpoint.store import loadable_checkpoints
 from cpsr_ds.config import CPSRConfig, RecoveryConfig
-from cpsr_ds.fitter import fit_recent, loss_excess
+from cpsr_ds.fitter import fit_recent, loss_excess, recent_losses
 from cpsr_ds.predictor import NotReady, make_predictor
+
+log = logging.getLogger(__name__)
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 REPORTS = "recovery.jsonl"  # one line per start of the job, in the run directory
 PREDICTOR_STATE = "cpsr_predictor"  # key of the predictor's weights in DeepSpeed's client state
+# DeepSpeed's schedules compute the rate from the batch index, which step() takes.
+INDEXED_SCHEDULERS = (LRRangeTest, OneCycle, WarmupLR, WarmupCosineLR)
 
 
 @dataclass(frozen=True)
@@ -176,9 +184,82 @@ def advance_counters(engine, iterations: int) -> None:
     for st in _base_optimizer(engine).state.values():
         if "step" in st:
             st["step"] += iterations
-    if engine.lr_scheduler is not None:
+    scheduler = engine.lr_scheduler
+    if isinstance(scheduler, INDEXED_SCHEDULERS):
+        scheduler.step(scheduler.last_batch_iteration + iterations)
+    elif scheduler is not None:
+        # A torch scheduler only steps one at a time; the journal's checks bound d.
         for _ in range(iterations):
-            engine.lr_scheduler.step()
+            scheduler.step()
+
+
+def planned_iterations(engine) -> int | None:
+    """The training length the LR schedule plans (DeepSpeed's decaying schedules); None: unknown."""
+    total = getattr(engine.lr_scheduler, "total_num_steps", None)
+    return total if isinstance(total, int) else None
+
+
+# ---------------------------------------------------------------- finiteness
+
+
+def nonfinite_tensor(state: dict[str, torch.Tensor]) -> str | None:
+    """The key of the first floating tensor of ``state`` holding a NaN or an infinity."""
+    return next((k for k, t in state.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())), None)
+
+
+def on_any_rank(local: str | None) -> str | None:
+    """The first rank's non-None ``local`` (naming the rank when there are several), on every rank.
+
+    Each rank holds its own stage or partition, so what one rank finds must make all
+    of them decide alike.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return local
+    found = [None] * dist.get_world_size()
+    dist.all_gather_object(found, local)
+    return next((f"rank {r}: {value}" for r, value in enumerate(found) if value is not None), None)
+
+
+def _load_checked(engine, directory: str, tag: str) -> tuple[dict, dict | None]:
+    """Load ``tag``; (client state, engine state), the state None where a rank holds a non-finite value."""
+    client_state = _load(engine, directory, tag)
+    state = engine_state(engine)
+    bad = on_any_rank(nonfinite_tensor(state))
+    if bad is None:
+        return client_state, state
+    log.error("cpsr recovery: checkpoint %s in %s has non-finite values in %s: leaving it out", tag, directory, bad)
+    return client_state, None
+
+
+def _restore(engine, directory: str, candidates) -> tuple[dict, dict]:
+    """Load the first of ``candidates`` (newest first) whose state is finite; (client state, engine state)."""
+    tags = [ck.tag for ck in candidates]
+    for tag in tags:
+        client_state, state = _load_checked(engine, directory, tag)
+        if state is not None:
+            return client_state, state
+    raise RuntimeError(f"cpsr recovery: no checkpoint in {directory} has a finite state (tried {', '.join(tags)}); "
+                       "move them away to start from scratch")
+
+
+def _load_history(engine, directory: str, verified: list, n: int) -> tuple[list, dict]:
+    """The finite states among the ``n`` newest checkpoints, oldest first, and c's client state.
+
+    c is the newest checkpoint with a finite state, and the engine is left holding it,
+    the state RB-R falls back to.
+    """
+    window = verified[-n:]
+    history, good, client_state = [], [], {}
+    for ck in window:
+        loaded, state = _load_checked(engine, directory, ck.tag)
+        if state is not None:
+            history.append((engine.global_steps, state))
+            good.append(ck)
+            client_state = loaded
+    if good and good[-1] is window[-1]:
+        return history, client_state
+    client_state, state = _restore(engine, directory, [*reversed(good), *reversed(verified[:-n])])
+    return history or [(engine.global_steps, state)], client_state
 
 
 # ---------------------------------------------------------------- the decision
@@ -200,10 +281,15 @@ def recover(engine, cfg: CPSRConfig, predictor) -> RecoveryReport:
     """Restore ``engine`` from ``cfg.checkpoint.dir`` if an earlier run left progress there.
 
     ``predictor`` (fresh, from :func:`new_predictor`) is given the retained history
-    and, if the checkpoint carries them, its trained weights.
+    and, if the checkpoint carries them, its trained weights. No state with a NaN or
+    an infinity is resumed from: such checkpoints are left out, such a prediction
+    means RB-R.
     """
     directory = cfg.checkpoint.dir
-    reached = reached_iteration(directory)
+    progress = read_progress(directory)
+    for problem in progress.problems:
+        log.error("cpsr recovery: %s", problem)
+    reached = progress.reached
     # Every rank verifies the same shared directory and so picks the same checkpoints.
     verified = loadable_checkpoints(directory)
     if not verified:
@@ -211,43 +297,56 @@ def recover(engine, cfg: CPSRConfig, predictor) -> RecoveryReport:
     newest = verified[-1]
     nothing_lost = reached is None or newest.iteration is None or reached <= newest.iteration
     if nothing_lost or cfg.recovery.mode == "recompute":
-        _load(engine, directory, newest.tag)
+        _restore(engine, directory, reversed(verified))
         c = engine.global_steps
         reason = "recovery.mode is recompute" if reached is not None and reached > c else ""
         return RecoveryReport("recompute", reached, c, c, reason=reason)
 
-    # The predictor learns from the retained checkpoints up to c; c is loaded last,
-    # so the engine holds c, the state RB-R falls back to.
-    history = []
-    for ck in verified[-cfg.predictor.history:]:
-        client_state = _load(engine, directory, ck.tag)
-        history.append((engine.global_steps, engine_state(engine)))
+    # The predictor learns from the retained checkpoints up to c.
+    history, client_state = _load_history(engine, directory, verified, cfg.predictor.history)
     # Only a predictor of the same kind can use the trained weights the checkpoint carries.
     if client_state.get(PREDICTOR_STATE, {}).get("name") == predictor.name:
         predictor.load_state_dict(client_state[PREDICTOR_STATE])
     for iteration, state in history:
         predictor.observe(iteration, state)
-    return _decide(engine, cfg, predictor, reached, engine.global_steps)
+    return _decide(engine, cfg, predictor, progress, engine.global_steps)
 
 
-def _decide(engine, cfg: CPSRConfig, predictor, f: int, c: int) -> RecoveryReport:
+def implausible_reach(progress: Progress, c: int, planned: int | None) -> str | None:
+    """Why the journal's f is not to be predicted to from checkpoint c; None: it is plausible."""
+    f = progress.reached
+    if planned is not None and f > planned:
+        return (f"the journal's iteration {f} is beyond the planned training length, {planned} iterations "
+                "(the LR schedule's total_num_steps)")
+    start = progress.covered_from(f)
+    if start is None or start > c + 1:
+        return f"the journals do not record every iteration from {c + 1} to {f}"
+    return None
+
+
+def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int) -> RecoveryReport:
+    f = progress.reached
     d = f - c
-    if not predictor.ready():
-        return RecoveryReport("recompute", f, c, c, reason=f"predictor {predictor.name} not ready", predictor=predictor.name)
-    held_out = predictor.validation_error()
-    r = None if held_out is None else held_out.relative
-    T_p = (1.0 - cfg.recovery.expected_reduction) * d
-    lag = (1.0 - cfg.recovery.guard_reduction) * d
-    excess = expected_loss_excess(cfg.checkpoint.dir, f, lag)
-    numbers = dict(predictor=predictor.name, relative_error=r, estimated_cost=T_p, guard_lag=lag, loss_excess=excess)
-    if cfg.recovery.mode == "auto":
-        why = fallback_reason(cfg.recovery, r, lag, excess)
-        if why is not None:
-            return RecoveryReport("recompute", f, c, c, reason=why, **numbers)
-    try:
-        predicted = predictor.predict(f)
-    except NotReady as err:
-        return RecoveryReport("recompute", f, c, c, reason=str(err), **numbers)
+    implausible = implausible_reach(progress, c, planned_iterations(engine))
+    if implausible is not None:
+        log.error("cpsr recovery: %s: recomputing from checkpoint %d", implausible, c)
+        return RecoveryReport("recompute", f, c, c, reason=implausible)
+    numbers = {"predictor": predictor.name}
+    if predictor.ready():
+        held_out = predictor.validation_error()
+        r = None if held_out is None else held_out.relative
+        lag = (1.0 - cfg.recovery.guard_reduction) * d
+        excess = expected_loss_excess(cfg.checkpoint.dir, f, lag)
+        numbers.update(relative_error=r, estimated_cost=(1.0 - cfg.recovery.expected_reduction) * d, guard_lag=lag,
+                       loss_excess=excess)
+        why, predicted = _prediction(cfg.recovery, predictor, f, r, lag, excess)
+    else:
+        why, predicted = f"predictor {predictor.name} not ready", None
+    # Readiness and the held-out error are each rank's own (its stage, its shard): one
+    # rank's reason to recompute is every rank's.
+    why = on_any_rank(why)
+    if why is not None:
+        return RecoveryReport("recompute", f, c, c, reason=why, **numbers)
     load_engine_state(engine, predicted)
     advance_counters(engine, d)
     reason = "recovery.mode is predict" if cfg.recovery.mode == "predict" else (
@@ -255,16 +354,36 @@ def _decide(engine, cfg: CPSRConfig, predictor, f: int, c: int) -> RecoveryRepor
     return RecoveryReport("predict", f, c, f, reason=reason, **numbers)
 
 
+def _prediction(rc: RecoveryConfig, predictor, f: int, r: float | None, lag: float,
+                excess: float | None) -> tuple[str | None, dict | None]:
+    """This rank's (reason to recompute, None) or (None, the predicted state at f)."""
+    if rc.mode == "auto":
+        why = fallback_reason(rc, r, lag, excess)
+        if why is not None:
+            return why, None
+    try:
+        predicted = predictor.predict(f)
+    except NotReady as err:
+        return str(err), None
+    bad = nonfinite_tensor(predicted)
+    if bad is not None:
+        return f"the predicted state has non-finite values in {bad}", None
+    return None, predicted
+
+
 def fallback_reason(rc: RecoveryConfig, r: float | None, lag: float, excess: float | None) -> str | None:
     """Why ``recovery.mode: auto`` recomputes rather than predicts with a ready predictor; None: predict.
 
     ``r``: the held-out error; ``lag``: the guard's pessimistic lag, iterations; ``excess``:
     the relative loss excess that lag leaves (None where the journal is too short to tell).
+    A NaN in either recomputes: every comparison is written so that NaN fails it.
     """
     if r is None:
         return "the predictor has no held-out checkpoint to check it against"
-    if r >= rc.max_relative_error:
-        return f"held-out error r = {r:.3f} >= max_relative_error {rc.max_relative_error}: a diverging prediction"
+    if not r < rc.max_relative_error:
+        return f"held-out error r = {r:.3f}, not below max_relative_error {rc.max_relative_error}: a diverging prediction"
+    if excess is not None and not math.isfinite(excess):
+        return f"the loss excess a lag of {lag:.1f} iterations leaves is {excess} (non-finite losses in the journal)"
     if excess is not None and excess > rc.max_loss_excess:
         return (f"a lag of {lag:.1f} iterations would leave the loss {excess:.2%} higher, "
                 f"above max_loss_excess {rc.max_loss_excess:.2%}")
@@ -274,8 +393,13 @@ def fallback_reason(rc: RecoveryConfig, r: float | None, lag: float, excess: flo
 def expected_loss_excess(directory: str, f: int, lag: float) -> float | None:
     """The relative loss excess a lag of ``lag`` iterations costs at f, by the journal's losses (None: too few).
 
-    Every rank reads rank 0's journal, so that all make the same choice.
+    Every rank reads rank 0's journal, so that all make the same choice. A non-finite
+    loss where the fit looks gives NaN, not a fit: the run diverged there.
     """
-    losses = {e.iteration: e.loss for e in read_journal(journal_path(directory, 0))}
-    curve = fit_recent(losses, f)
+    path = journal_path(directory, 0)
+    entries, _ = plausible(path, read_journal(path))
+    recent = recent_losses({e.iteration: e.loss for e in entries}, f)
+    if not all(math.isfinite(loss) for loss in recent.values()):
+        return math.nan
+    curve = fit_recent(recent, f)
     return None if curve is None else loss_excess(curve, f, lag)

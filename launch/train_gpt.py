@@ -33,13 +33,25 @@ from cpsr_ds.checkpoint.journal import append_validation  # noqa: E402
 from cpsr_ds.data.corpus import Batches, load_corpus  # noqa: E402
 from cpsr_ds.models.gpt import GPTConfig, gpt_pipeline  # noqa: E402
 
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer > 0 (an interval of 0 would divide by zero mid-run)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     p.add_argument("--train-iters", type=int, default=100)
     p.add_argument("--data", default=None, help="directory of text files (default: the Python standard library's sources)")
-    p.add_argument("--eval-interval", type=int, default=50, help="iterations between validation evaluations")
-    p.add_argument("--log-interval", type=int, default=10, help="iterations between log lines")
+    p.add_argument("--eval-interval", type=positive_int, default=50, help="iterations between validation evaluations")
+    p.add_argument("--log-interval", type=positive_int, default=10, help="iterations between log lines")
     p.add_argument("--valid-sequences", type=int, default=64, help="size of the fixed validation set, in sequences")
     p.add_argument("--seed", type=int, default=1234)
     model = p.add_argument_group("model (overrides the config's \"gpt\" block)")

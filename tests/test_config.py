@@ -35,6 +35,14 @@ from cpsr_ds.config import FaultConfig
         ({"enabled": "yes"}, r"cpsr\.enabled: Input should be a valid boolean"),
         ({"faults": []}, r"cpsr\.faults: Input should be an object|cpsr\.faults: Input should be a valid dictionary"),
         ([], r"cpsr: expected an object, got list"),
+        ({"checkpoint": {"retry_backoff_s": float("inf")}}, r"cpsr\.checkpoint\.retry_backoff_s: Input should be a finite number"),
+        ({"checkpoint": {"retry_backoff_s": 1e9}}, r"cpsr\.checkpoint\.retry_backoff_s: Input should be less than or equal to 3600"),
+        ({"checkpoint": {"commit_timeout_s": float("inf")}}, r"cpsr\.checkpoint\.commit_timeout_s: Input should be a finite number"),
+        ({"checkpoint": {"commit_timeout_s": float("nan")}}, r"cpsr\.checkpoint\.commit_timeout_s: Input should be a finite number"),
+        ({"checkpoint": {"commit_timeout_s": 1e12}}, r"cpsr\.checkpoint\.commit_timeout_s: Input should be less than or equal to 86400"),
+        ({"recovery": {"max_loss_excess": float("nan")}}, r"cpsr\.recovery\.max_loss_excess: Input should be a finite number"),
+        ({"checkpoint": {"dir": "runs/a\0b"}}, r"cpsr\.checkpoint\.dir: a path cannot contain a NUL byte"),
+        ({"checkpoint": {"dir": "runs/" + "x" * 256}}, r"cpsr\.checkpoint\.dir: path component 'x+'\.\.\. is longer than 255 bytes"),
     ],
 )
 def test_bad_input_names_the_key(block, message):
@@ -81,3 +89,14 @@ def test_launcher_rejects_a_bad_block_before_training(tmp_path):
     assert result.returncode != 0
     assert "cpsr.checkpoint.interval: Input should be greater than 0" in result.stderr
     assert "iteration" not in result.stdout
+
+
+@pytest.mark.parametrize("option", ["--log-interval", "--eval-interval"])
+@pytest.mark.parametrize("value", ["0", "-5"])
+def test_launcher_rejects_an_interval_that_is_not_positive_at_parse_time(option, value, capsys):
+    sys.path.insert(0, os.path.join(ROOT, "launch"))
+    import train_gpt
+
+    with pytest.raises(SystemExit):
+        train_gpt.parse_args([option, value])
+    assert f"argument {option}: must be a positive integer, got '{value}'" in capsys.readouterr().err

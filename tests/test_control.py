@@ -1,15 +1,19 @@
 """The controlled choice between PB-R and RB-R (recovery.mode auto), from its inputs."""
 
 import math
+import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
+from deepspeed.runtime.lr_schedules import WarmupCosineLR, WarmupLR
 
-from cpsr_ds.checkpoint.journal import ProgressJournal
+from cpsr_ds.checkpoint.journal import Entry, ProgressJournal, Progress
 from cpsr_ds.config import RecoveryConfig
 from cpsr_ds.fitter import MIN_POINTS, fit_recent, loss_excess
 from cpsr_ds.lag import CurveFit
-from cpsr_ds.recovery import expected_loss_excess, fallback_reason
+from cpsr_ds.recovery import advance_counters, expected_loss_excess, fallback_reason, implausible_reach
 
 
 def journal(tmp_path, losses):
@@ -56,7 +60,64 @@ def test_a_rerun_iteration_counts_once_and_a_short_journal_gives_no_estimate(tmp
     (0.9, 0.02, "max_loss_excess"),
     (0.9, 0.004, None),
     (0.9, None, None),
+    (math.nan, 0.001, "diverging"),
+    (0.9, math.nan, "non-finite losses"),
+    (0.9, math.inf, "non-finite losses"),
 ])
 def test_auto_recomputes_for_an_unchecked_or_diverging_predictor_or_too_much_loss(r, excess, recomputes):
     why = fallback_reason(RecoveryConfig(), r, lag=12.5, excess=excess)
     assert why is None if recomputes is None else recomputes in why
+
+
+def test_a_nan_loss_where_the_fit_looks_gives_no_finite_estimate_and_auto_recomputes(tmp_path):
+    losses = {i: curve(i) for i in range(1, 401)}
+    directory = journal(tmp_path, {**losses, 390: math.nan})
+    excess = expected_loss_excess(directory, 400, 10)
+    assert math.isnan(excess)
+    assert "non-finite losses" in fallback_reason(RecoveryConfig(), 0.5, lag=10, excess=excess)
+    # Outside the span the fit reads (f/2..f) a diverged loss changes nothing.
+    assert math.isfinite(expected_loss_excess(journal(tmp_path / "early", {**losses, 20: math.nan}), 400, 10))
+
+
+def progress(*runs):
+    """Rank 0's journal made of the given iteration ranges, one after another."""
+    entries = [Entry(i, 1.0, 0.0) for run in runs for i in run]
+    return Progress({0: entries}, max(e.iteration for e in entries))
+
+
+def test_f_must_be_within_the_planned_length_and_recorded_from_the_checkpoint_on():
+    assert implausible_reach(progress(range(1, 48)), c=40, planned=100) is None
+    assert implausible_reach(progress(range(1, 48)), c=40, planned=None) is None
+    assert "beyond the planned training length, 45 iterations" in implausible_reach(progress(range(1, 48)), 40, 45)
+    # A journal that starts past c + 1 says nothing about iterations c + 1 onwards.
+    assert implausible_reach(progress([1000000]), c=40, planned=None) == \
+        "the journals do not record every iteration from 41 to 1000000"
+    assert implausible_reach(progress(range(1, 30), range(45, 48)), c=40, planned=None) is not None
+    assert implausible_reach(progress(range(1, 45), range(38, 48)), c=40, planned=None) is None
+
+
+def fake_engine(scheduler_class, **params):
+    param = torch.nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.AdamW([param], lr=0.001)
+    scheduler = scheduler_class(optimizer, **params)
+    optimizer.state[param]["step"] = torch.tensor(10.0)
+    return SimpleNamespace(global_steps=10, global_samples=80, train_batch_size=lambda: 8, optimizer=optimizer,
+                           lr_scheduler=scheduler)
+
+
+@pytest.mark.parametrize("scheduler_class, params", [
+    (WarmupLR, {"warmup_max_lr": 0.01, "warmup_num_steps": 20}),
+    (WarmupCosineLR, {"total_num_steps": 100, "warmup_num_steps": 20}),
+])
+def test_counters_advance_in_one_step_of_a_deepspeed_schedule(scheduler_class, params):
+    stepped, jumped = fake_engine(scheduler_class, **params), fake_engine(scheduler_class, **params)
+    for _ in range(37):
+        stepped.lr_scheduler.step()
+    advance_counters(jumped, 37)
+    assert jumped.lr_scheduler.last_batch_iteration == stepped.lr_scheduler.last_batch_iteration
+    assert jumped.lr_scheduler.get_last_lr() == stepped.lr_scheduler.get_last_lr()
+    assert (jumped.global_steps, jumped.global_samples) == (47, 80 + 37 * 8)
+    start = time.perf_counter()
+    advance_counters(jumped, 99999999999)
+    assert time.perf_counter() - start < 1.0
+    assert jumped.lr_scheduler.last_batch_iteration == stepped.lr_scheduler.last_batch_iteration + 99999999999

@@ -4,9 +4,11 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from conftest import ROOT
-from cpsr_ds.faults import poisson_failure
+from cpsr_ds.config import ConfigError, FaultConfig
+from cpsr_ds.faults import FaultInjector, poisson_failure
 
 CHILD = """
 import sys
@@ -59,3 +61,9 @@ def test_poisson_failure_kills_and_the_next_one_is_drawn_after_restart(tmp_path)
     assert run_child(tmp_path, rank=1 - victim, kill_at=None, rate=rate).returncode == 0
     assert run_child(tmp_path, rank=victim, kill_at=None, rate=rate).returncode == -signal.SIGKILL
     assert os.listdir(tmp_path / "faults") == ["poisson-0"]
+
+
+def test_a_kill_rank_beyond_the_world_size_is_rejected_at_start(tmp_path):
+    with pytest.raises(ConfigError, match=r"cpsr\.faults\.kill_rank: 2 is not a rank of this job \(world size 2"):
+        FaultInjector(FaultConfig(kill_rank=2, kill_at_iteration=5), str(tmp_path), rank=0, world_size=2)
+    FaultInjector(FaultConfig(kill_rank=1, kill_at_iteration=5), str(tmp_path), rank=0, world_size=2)

@@ -2,16 +2,21 @@
 
 import json
 import os
+import re
+import socket
+import subprocess
+import sys
 
 import deepspeed
 import pytest
 import torch
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
-from conftest import TEST_MODEL, free_port, tiny_config
+from conftest import ROOT, TEST_MODEL, free_port, tiny_config
 import cpsr_ds
 from cpsr_ds.models.gpt import GPTConfig, gpt_pipeline
 from cpsr_ds.plugin import CPSRPipelineEngine
+from cpsr_ds.rundir import LOCK, RunDirectoryBusy
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -111,3 +116,42 @@ def test_vitp_trains_its_step_limit_after_each_checkpoint_once_it_has_a_window(t
     # 7 checkpoints; an FFT window of 5 plus a target needs 6, so checkpoints 6 and 7 trained.
     assert engine.cpsr.predictor.trainer.steps == 6
     assert engine.checkpoint_engine.flush(timeout_s=60)
+
+
+def test_a_second_job_on_a_run_directory_is_refused_until_the_first_is_gone(tmp_path):
+    run_dir = tmp_path / "run"
+    first, *_ = build(tiny_config(run_dir, stages=1))
+    assert first.cpsr.lock.attempt == 1
+    owner = rf"host {re.escape(socket.gethostname())} pid {os.getpid()} \(master 127\.0\.0\.1:\d+, started \S+, attempt 1\)"
+    with pytest.raises(RunDirectoryBusy, match=rf"cpsr: run directory {re.escape(str(run_dir))} is in use by another job: {owner}"):
+        build(tiny_config(run_dir, stages=1))
+    first.destroy()
+    second, *_ = build(tiny_config(run_dir, stages=1))
+    assert second.cpsr.lock.attempt == 2
+    assert json.loads((run_dir / LOCK).read_text())["attempt"] == 2
+    second.destroy()
+
+
+def test_a_killed_jobs_lock_vanishes_with_it(tmp_path):
+    run_dir = tmp_path / "run"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", f"import sys, time; sys.path.insert(0, {ROOT!r}); from cpsr_ds.rundir import acquire; "
+                               f"acquire({str(run_dir)!r}); print('locked', flush=True); time.sleep(600)"],
+        stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        with pytest.raises(RunDirectoryBusy, match=f"pid {holder.pid} "):
+            build(tiny_config(run_dir, stages=1))
+    finally:
+        holder.kill()
+        holder.wait()
+    engine, *_ = build(tiny_config(run_dir, stages=1))
+    assert engine.cpsr.lock.attempt == 2
+    engine.destroy()
+
+
+def test_a_kill_rank_beyond_the_world_size_is_rejected_before_the_engine_is_built(tmp_path):
+    config = tiny_config(tmp_path / "run", stages=1, faults={"kill_rank": 1, "kill_at_iteration": 5})
+    with pytest.raises(ValueError, match=r"cpsr\.faults\.kill_rank: 1 is not a rank of this job \(world size 1"):
+        build(config)
+    assert not (tmp_path / "run").exists()

@@ -5,22 +5,37 @@ of the paper's Section IV). One ``write`` on an ``O_APPEND`` descriptor per
 iteration, no fsync: a killed process loses nothing the kernel already has, and
 the journal only has to survive process failures, not power loss. A line cut short
 by a crash is skipped when reading.
+
+A journal is trusted only as far as it is plausible: each entry follows the one
+before it (+1) or goes back (a restart resumed at an earlier checkpoint); an entry
+that jumps forward, and all after it, are ignored. The ranks finish every iteration
+together, so their journals end at most ``MAX_RANK_SKEW`` iterations apart.
 """
 
 from __future__ import annotations
 
 import glob
+import logging
 import os
+import re
 import time
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
+
+log = logging.getLogger(__name__)
 
 JOURNAL_DIR = "journal"
+JOURNAL_NAME_RE = re.compile(r"^rank(\d+)\.csv$")
+# A rank journals iteration i once its train_batch returned, which needs every rank's
+# part of i; a rank killed before its own append is then one iteration behind.
+MAX_RANK_SKEW = 1
 
 
 class Entry(NamedTuple):
     iteration: int
     loss: float
     wall_time: float
+    line: int = 0  # 1-based line number in the journal file
 
 
 def journal_path(directory: str, rank: int) -> str:
@@ -29,13 +44,24 @@ def journal_path(directory: str, rank: int) -> str:
 
 class ProgressJournal:
     def __init__(self, directory: str, rank: int):
+        self.directory = directory
         self.path = journal_path(directory, rank)
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+        self._gone = False
+        # A line a killed job cut short must not run into the first line of this one.
+        size = os.fstat(self._fd).st_size
+        if size and os.pread(self._fd, 1, size - 1) != b"\n":
+            os.write(self._fd, b"\n")
 
     def append(self, iteration: int, loss: float) -> None:
         # repr keeps every bit of the float: the journal doubles as the loss record.
         os.write(self._fd, f"{iteration},{loss!r},{time.time()!r}\n".encode())
+        # A deleted run directory leaves the descriptor writing into an unlinked file.
+        if not self._gone and os.fstat(self._fd).st_nlink == 0:
+            self._gone = True
+            log.warning("cpsr journal: the run directory %s is gone (%s was deleted): progress and checkpoints "
+                        "are no longer recorded there", self.directory, self.path)
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -46,29 +72,91 @@ class ProgressJournal:
 def read_journal(path: str) -> list[Entry]:
     entries = []
     with open(path, "rb") as f:
-        for line in f.read().decode(errors="replace").splitlines():
+        for number, line in enumerate(f.read().decode(errors="replace").splitlines(), start=1):
             parts = line.split(",")
             if len(parts) != 3:
                 continue
             try:
-                entries.append(Entry(int(parts[0]), float(parts[1]), float(parts[2])))
+                entries.append(Entry(int(parts[0]), float(parts[1]), float(parts[2]), number))
             except ValueError:
                 continue
     return entries
 
 
-def rank_journals(directory: str) -> dict[int, list[Entry]]:
-    found = {}
+def forward_jump(entries: list[Entry]) -> Optional[int]:
+    """Index of the first entry more than one iteration past the entry before it; None: no jump."""
+    return next((k for k in range(1, len(entries)) if entries[k].iteration > entries[k - 1].iteration + 1), None)
+
+
+def run_start(entries: list[Entry], f: int) -> Optional[int]:
+    """The earliest start of a run of consecutive iterations in ``entries`` that reaches ``f``; None: f is not there."""
+    best = start = None
+    for k, e in enumerate(entries):
+        if k == 0 or e.iteration != entries[k - 1].iteration + 1:
+            start = e.iteration
+        if e.iteration == f:
+            best = start if best is None else min(best, start)
+    return best
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What the journals say: each rank's plausible entries, f, and what was wrong with them."""
+
+    entries: dict[int, list[Entry]]
+    reached: Optional[int]  # f: the last iteration every rank finished; None: none ran one
+    problems: tuple[str, ...] = ()
+
+    def covered_from(self, f: int) -> Optional[int]:
+        """Where every rank's record of consecutive iterations up to f starts at the latest; None: a rank lacks f."""
+        starts = [run_start(entries, f) for entries in self.entries.values() if entries]
+        return None if not starts or None in starts else max(starts)
+
+
+def plausible(path: str, entries: list[Entry]) -> tuple[list[Entry], Optional[str]]:
+    """``entries`` up to a forward jump, and the problem the jump is."""
+    k = forward_jump(entries)
+    if k is None:
+        return entries, None
+    before, jump = entries[k - 1], entries[k]
+    return entries[:k], (f"journal {path} line {jump.line} jumps from iteration {before.iteration} to "
+                         f"{jump.iteration}: ignoring this line and every line after it")
+
+
+def agreed_reach(reached: dict[int, int]) -> tuple[Optional[int], Optional[str]]:
+    """f from each rank's last iteration: the slowest rank's, and the problem if the ranks are too far apart."""
+    if not reached:
+        return None, None
+    slow, fast = min(reached, key=reached.get), max(reached, key=reached.get)
+    f = reached[slow]
+    if reached[fast] - f <= MAX_RANK_SKEW:
+        return f, None
+    return f, (f"the ranks' journals disagree: rank {fast} reached iteration {reached[fast]}, rank {slow} {f} "
+               f"(more than {MAX_RANK_SKEW} apart); using the slowest rank's, {f}")
+
+
+def read_progress(directory: str) -> Progress:
+    entries, problems = {}, []
     for path in sorted(glob.glob(os.path.join(directory, JOURNAL_DIR, "rank*.csv"))):
-        rank = int(os.path.basename(path)[4:-4])
-        found[rank] = read_journal(path)
-    return found
+        name = JOURNAL_NAME_RE.match(os.path.basename(path))
+        if name is None:
+            continue
+        rank = int(name.group(1))
+        try:
+            entries[rank], problem = plausible(path, read_journal(path))
+        except OSError as err:
+            entries[rank], problem = [], f"journal {path} cannot be read ({err}): ignoring it"
+        if problem:
+            problems.append(problem)
+    f, disagreement = agreed_reach({rank: max(e.iteration for e in es) for rank, es in entries.items() if es})
+    if disagreement:
+        problems.append(disagreement)
+    return Progress(entries, f, tuple(problems))
 
 
 def reached_iteration(directory: str) -> int | None:
-    """The last iteration every rank finished, or None for a job that never ran one."""
-    reached = [max(e.iteration for e in entries) for entries in rank_journals(directory).values() if entries]
-    return min(reached) if reached else None
+    """The last iteration every rank finished by their plausible journals, or None for a job that never ran one."""
+    return read_progress(directory).reached
 
 
 VALIDATION_FILE = "validation.csv"
