@@ -339,7 +339,7 @@ def deepspeed_factory_for(strategy: str):
         yield
         return
     ours, ds_own = cpsr_ds.plugin.deepspeed_factory, ds_engine.create_checkpoint_engine
-    cpsr_ds.plugin.deepspeed_factory = lambda cfg: ds_own
+    cpsr_ds.plugin.deepspeed_factory = lambda cfg, **_: ds_own
     try:
         yield
     finally:

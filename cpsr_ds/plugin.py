@@ -135,13 +135,6 @@ def _ds_config(bound: inspect.BoundArguments) -> dict:
     return load_ds_config(os.fspath(config) if isinstance(config, os.PathLike) else config)
 
 
-def _checkpoint_engine_factory(cfg: CPSRConfig, attempt: int):
-    kwargs = {"attempt": attempt, "min_keep": cfg.predictor.history}
-    if "attempt" not in inspect.signature(deepspeed_factory).parameters:  # a factory from before attempts
-        kwargs = {}
-    return deepspeed_factory(cfg.checkpoint, **kwargs)
-
-
 @contextmanager
 def _installed(cfg: CPSRConfig, attempt: int):
     """Our engine class and checkpoint engine, for one ``deepspeed.initialize`` call.
@@ -151,7 +144,9 @@ def _installed(cfg: CPSRConfig, attempt: int):
     """
     original = deepspeed.PipelineEngine, ds_engine.create_checkpoint_engine
     deepspeed.PipelineEngine = CPSRPipelineEngine
-    ds_engine.create_checkpoint_engine = _checkpoint_engine_factory(cfg, attempt)
+    # Freeing space on a full disk must leave the predictor its history.
+    ds_engine.create_checkpoint_engine = deepspeed_factory(cfg.checkpoint, attempt=attempt,
+                                                           min_keep=cfg.predictor.history)
     try:
         yield
     finally:
