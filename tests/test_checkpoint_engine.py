@@ -397,6 +397,8 @@ def test_cleanup_waits_for_hung_storage_at_most_commit_timeout_s(tmp_path, engin
 
 def _persist_forever(d, seed, strategy):
     """Child process: two ranks checkpointing as fast as they can, until killed."""
+    # OpenMP's thread pools do not survive fork(): a parallel op here could abort the child.
+    torch.set_num_threads(1)
     random.seed(seed)
     cfg = config(d, keep_last=2, chunk_mb=1, max_in_flight=2, strategy=strategy)
     rank0 = create_engine(cfg, 0, 2)
