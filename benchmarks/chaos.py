@@ -20,7 +20,7 @@ does not finish in time is one too (a hang). Faults, keyed as in the JSON:
   name. ``inspect`` must not crash; the restart must load an undamaged checkpoint.
 - ``damaged_data``: a checkpoint's metadata deleted and a random file truncated at a
   random length, for the ``cpsr`` and ``torch`` strategies. The restart must not load it.
-- ``full_disk``: a tmpfs of 8 MB filled at a random moment and freed later. Training
+- ``full_disk``: a 12 MB tmpfs (about 7 checkpoints) filled at a random moment and freed later. Training
   must keep its speed, given-up checkpoints must not stay, checkpointing must resume.
 - ``rank_write``: one rank's file of a random checkpoint blocked by a directory in its
   way (two ranks' engines in one process). Flushing must not wait for the commit
@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import errno
 import json
 import os
 import random
@@ -486,6 +487,18 @@ def small_tmpfs(path: str, size: str):
         subprocess.run(["umount", "-l", path], capture_output=True)
 
 
+def fill(path: str, nbytes: int) -> None:
+    """Write up to ``nbytes`` into ``path``; the job writing beside it may fill the disk first."""
+    with open(path, "wb") as f:
+        try:
+            for _ in range(max(0, nbytes) >> 16):
+                f.write(bytes(1 << 16))
+            f.flush()
+        except OSError as err:
+            if err.errno != errno.ENOSPC:
+                raise
+
+
 def fault_full_disk(rng: random.Random, trial_dir: str) -> str:
     mount = os.path.join(trial_dir, "disk")
     with small_tmpfs(mount, "12m"):
@@ -499,8 +512,7 @@ def fault_full_disk(rng: random.Random, trial_dir: str) -> str:
         time.sleep(rng.uniform(0.3, 1.5))
         filler = os.path.join(mount, "filler")
         free = os.statvfs(mount).f_bavail * os.statvfs(mount).f_frsize
-        with open(filler, "wb") as f:
-            f.write(bytes(max(0, free - rng.randrange(0, 512 << 10))))
+        fill(filler, free - rng.randrange(0, 512 << 10))
         full_from = time.time()
         time.sleep(rng.uniform(1.5, 3.0))
         os.unlink(filler)

@@ -127,8 +127,14 @@ def test_damaged_latest_is_named_and_counts_as_none(two_checkpoints, monkeypatch
     assert report["latest"] is None and report["usable"] == NEW
 
 
-def test_damaged_latest_is_replaced_by_the_next_commit(two_checkpoints):
-    write(os.path.join(two_checkpoints, store.LATEST), b"\xff\xfe")
+@pytest.mark.parametrize("damage", ["binary", "directory"])
+def test_damaged_latest_is_replaced_by_the_next_commit(two_checkpoints, damage):
+    path = os.path.join(two_checkpoints, store.LATEST)
+    if damage == "binary":
+        write(path, b"\xff\xfe")
+    else:
+        os.unlink(path)
+        os.makedirs(os.path.join(path, "inside"))
     make_checkpoint(two_checkpoints, "global_step15")
     assert store.read_latest(two_checkpoints) == "global_step15"
     make_checkpoint(two_checkpoints, "global_step30")

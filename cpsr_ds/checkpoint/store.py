@@ -435,7 +435,12 @@ def commit_checkpoint(ckpt_dir: str, tag: str, record: dict) -> bool:
     current = _sound(ckpt_dir, read_latest(ckpt_dir))
     moved = current is None or current.tag == tag or order_key(*_iteration_attempt(tag, record)) >= current.key
     if moved:
-        write_atomic(os.path.join(ckpt_dir, LATEST), [tag.encode()])
+        path = os.path.join(ckpt_dir, LATEST)
+        if os.path.isdir(path) and not os.path.islink(path):
+            # No rename can replace a directory: out of the way with it, as with a checkpoint.
+            log.warning("%s: a directory where the latest tag belongs; removing it", path)
+            remove_checkpoint(ckpt_dir, LATEST)
+        write_atomic(path, [tag.encode()])
     return moved
 
 
