@@ -43,6 +43,7 @@ from deepspeed.utils import (
     safe_set_full_optimizer_state,
 )
 
+from cpsr_ds.checkpoint.fileformat import is_finite
 from cpsr_ds.checkpoint.journal import Progress, journal_path, plausible, read_journal, read_progress
 from cpsr_ds.checkpoint.store import loadable_checkpoints
 from cpsr_ds.config import CPSRConfig, RecoveryConfig
@@ -204,7 +205,7 @@ def planned_iterations(engine) -> int | None:
 
 def nonfinite_tensor(state: dict[str, torch.Tensor]) -> str | None:
     """The key of the first floating tensor of ``state`` holding a NaN or an infinity."""
-    return next((k for k, t in state.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())), None)
+    return next((k for k, t in state.items() if t.is_floating_point() and not is_finite(t)), None)
 
 
 def on_any_rank(local: str | None) -> str | None:
