@@ -489,11 +489,10 @@ def small_tmpfs(path: str, size: str):
 
 def fill(path: str, nbytes: int) -> None:
     """Write up to ``nbytes`` into ``path``; the job writing beside it may fill the disk first."""
-    with open(path, "wb") as f:
+    with open(path, "wb", buffering=0) as f:
         try:
             for _ in range(max(0, nbytes) >> 16):
                 f.write(bytes(1 << 16))
-            f.flush()
         except OSError as err:
             if err.errno != errno.ENOSPC:
                 raise
