@@ -20,7 +20,7 @@ from cpsr_ds.checkpoint import store
 from cpsr_ds.checkpoint.checkfreq import CheckFreqEngine
 from cpsr_ds.checkpoint.factory import create_engine
 from cpsr_ds.checkpoint.fileformat import CheckpointError
-from cpsr_ds.checkpoint.persist import describe_error
+from cpsr_ds.checkpoint.store import describe_error
 from cpsr_ds.checkpoint.snapshot import HostBuffers, snapshot_file
 from cpsr_ds.config import CheckpointConfig
 from test_checkpoint_store import assert_same, nested_state

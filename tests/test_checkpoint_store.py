@@ -13,7 +13,8 @@ from cpsr_ds.__main__ import main
 from cpsr_ds.checkpoint import store
 from cpsr_ds.checkpoint.checkfreq import profiled_interval
 from cpsr_ds.checkpoint.fileformat import ALIGN, CheckpointError, TensorRef, flatten, layout, read_snapshot, unflatten
-from cpsr_ds.checkpoint.persist import RetryPolicy, describe_error, with_retries
+from cpsr_ds.checkpoint.persist import RetryPolicy, with_retries
+from cpsr_ds.checkpoint.store import describe_error
 from cpsr_ds.checkpoint.snapshot import HostBuffers, plan, snapshot_file
 
 Pair = collections.namedtuple("Pair", "a b")

@@ -1,3 +1,4 @@
+import errno
 import logging
 import os
 import shutil
@@ -142,3 +143,30 @@ def test_a_deleted_run_directory_is_reported_once(tmp_path, cpsr_logs):
     journal.close()
     warnings = [r.getMessage() for r in cpsr_logs.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and f"the run directory {run_dir} is gone" in warnings[0]
+
+
+def test_a_failing_write_keeps_training_and_the_journal_contiguous(tmp_path, cpsr_logs, monkeypatch):
+    journal = ProgressJournal(str(tmp_path), rank=0)
+    journal.append(1, 1.0)
+    real_write = os.write
+    state = {"full": True, "short": True}
+
+    def write(fd, data):
+        if fd == journal._fd and state["full"]:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), journal.path)
+        if fd == journal._fd and state["short"]:
+            state["short"] = False
+            return real_write(fd, data[:len(data) - 5])  # the disk fills mid-line
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", write)
+    for i in range(2, 6):
+        journal.append(i, 1.0)  # must not raise
+    state["full"] = False
+    journal.append(6, 1.0)
+    journal.append(7, 1.0)
+    journal.close()
+    assert [e.iteration for e in read_journal(journal.path)] == list(range(1, 8))
+    warnings = [r.getMessage() for r in cpsr_logs.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2 and "ENOSPC" in warnings[0] and journal.path in warnings[0]
+    assert "written again, nothing lost" in warnings[1]

@@ -27,8 +27,9 @@ import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
 from cpsr_ds.checkpoint import store
-from cpsr_ds.checkpoint.persist import BufferPool, Committer, Job, RetryPolicy, Writer, describe_error
+from cpsr_ds.checkpoint.persist import BufferPool, Committer, Job, RetryPolicy, Writer
 from cpsr_ds.checkpoint.snapshot import Copier, HostBuffers, snapshot_file
+from cpsr_ds.checkpoint.store import describe_error
 from cpsr_ds.config import CheckpointConfig
 
 log = logging.getLogger(__name__)

@@ -4,7 +4,9 @@ It is how a restarted job knows how far the failed one got (the failure point f
 of the paper's Section IV). One ``write`` on an ``O_APPEND`` descriptor per
 iteration, no fsync: a killed process loses nothing the kernel already has, and
 the journal only has to survive process failures, not power loss. A line cut short
-by a crash is skipped when reading.
+by a crash is skipped when reading. A write that fails (a full disk) does not stop
+training: the lines not written are kept, up to ``MAX_BACKLOG``, and go out with the
+next append that succeeds, so the journal stays contiguous.
 
 A journal is trusted only as far as it is plausible: each entry follows the one
 before it (+1) or goes back (a restart resumed at an earlier checkpoint); an entry
@@ -22,6 +24,8 @@ import time
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
+from cpsr_ds.checkpoint.store import describe_error
+
 log = logging.getLogger(__name__)
 
 JOURNAL_DIR = "journal"
@@ -29,6 +33,7 @@ JOURNAL_NAME_RE = re.compile(r"^rank(\d+)\.csv$")
 # A rank journals iteration i once its train_batch returned, which needs every rank's
 # part of i; a rank killed before its own append is then one iteration behind.
 MAX_RANK_SKEW = 1
+MAX_BACKLOG = 100_000  # journal lines kept while writes fail; beyond it the oldest go, leaving a gap
 
 
 class Entry(NamedTuple):
@@ -49,22 +54,44 @@ class ProgressJournal:
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
         self._gone = False
+        self._backlog: list[bytes] = []  # lines, or the rest of one, that a failed write left
+        self._failing = False
         # A line a killed job cut short must not run into the first line of this one.
         size = os.fstat(self._fd).st_size
         if size and os.pread(self._fd, 1, size - 1) != b"\n":
-            os.write(self._fd, b"\n")
+            self._backlog.append(b"\n")
 
     def append(self, iteration: int, loss: float) -> None:
         # repr keeps every bit of the float: the journal doubles as the loss record.
-        os.write(self._fd, f"{iteration},{loss!r},{time.time()!r}\n".encode())
+        self._backlog.append(f"{iteration},{loss!r},{time.time()!r}\n".encode())
+        self._write_backlog()
         # A deleted run directory leaves the descriptor writing into an unlinked file.
         if not self._gone and os.fstat(self._fd).st_nlink == 0:
             self._gone = True
             log.warning("cpsr journal: the run directory %s is gone (%s was deleted): progress and checkpoints "
                         "are no longer recorded there", self.directory, self.path)
 
+    def _write_backlog(self) -> None:
+        data = b"".join(self._backlog)
+        try:
+            written = os.write(self._fd, data)
+        except OSError as err:
+            if not self._failing:
+                log.warning("cpsr journal: cannot write %s (%s): training goes on, the lines are kept until a "
+                            "write succeeds", self.path, describe_error(err))
+            self._failing = True
+            del self._backlog[:-MAX_BACKLOG]
+            return
+        # A short write (the disk filled mid-line) leaves the rest of the line for next time.
+        self._backlog = [data[written:]] if written < len(data) else []
+        if self._failing and not self._backlog:
+            self._failing = False
+            log.warning("cpsr journal: %s written again, nothing lost", self.path)
+
     def close(self) -> None:
         if self._fd >= 0:
+            if self._backlog:
+                self._write_backlog()
             os.close(self._fd)
             self._fd = -1
 

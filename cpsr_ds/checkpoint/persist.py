@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from cpsr_ds.checkpoint import store
+from cpsr_ds.checkpoint.store import describe_error
 from cpsr_ds.checkpoint.snapshot import HostBuffers, SnapshotFile
 
 log = logging.getLogger(__name__)
@@ -43,18 +44,6 @@ class RetryPolicy:
 
     def delays(self) -> list[float]:
         return [self.backoff_s * 2 ** i for i in range(self.retries)]
-
-
-def describe_error(err: OSError) -> str:
-    """``ENOSPC No space left on device: /ckpt/x`` -- the cause an operator can act on.
-
-    A failed rename names both paths (``tmp -> destination``): the destination is often the one in the way.
-    """
-    code = errno.errorcode.get(err.errno, "") if err.errno else ""
-    where = f": {err.filename}" if err.filename else ""
-    if err.filename2:
-        where += f" -> {err.filename2}"
-    return f"{code} {err.strerror or err}{where}".strip()
 
 
 def with_retries(action: Callable, policy: RetryPolicy, what: str, sleep: Callable = time.sleep,

@@ -217,6 +217,18 @@ def write_json_atomic(path: str, obj: Any) -> None:
     write_atomic(path, [json.dumps(obj, indent=1, sort_keys=True).encode()])
 
 
+def describe_error(err: OSError) -> str:
+    """``ENOSPC No space left on device: /ckpt/x`` -- the cause an operator can act on.
+
+    A failed rename names both paths (``tmp -> destination``): the destination is often the one in the way.
+    """
+    code = errno.errorcode.get(err.errno, "") if err.errno else ""
+    where = f": {err.filename}" if err.filename else ""
+    if err.filename2:
+        where += f" -> {err.filename2}"
+    return f"{code} {err.strerror or err}{where}".strip()
+
+
 def _cause(err: OSError) -> str:
     """``EACCES Permission denied``: what went wrong, for a message that names the path itself."""
     return f"{errno.errorcode.get(err.errno, '')} {err.strerror or err}".strip()

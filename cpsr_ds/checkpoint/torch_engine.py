@@ -31,7 +31,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 
 from cpsr_ds.checkpoint import store
 from cpsr_ds.checkpoint.fileformat import flatten, nonfinite_tensors
-from cpsr_ds.checkpoint.persist import describe_error
+from cpsr_ds.checkpoint.store import describe_error
 from cpsr_ds.config import CheckpointConfig
 
 log = logging.getLogger(__name__)
