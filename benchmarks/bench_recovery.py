@@ -35,6 +35,13 @@ The final validation loss is compared with the reference's at the end of the mea
 window (f + 4d) for every method, and for the default also at the end of training
 (not with ``--quick``).
 
+A case whose lag the reference's fit cannot tell (the fit flat or rising around the
+window, or a loss beyond its range: ``cpsr_ds.lag.Unmeasurable``) has no lag, only the
+reason; the summary counts such cases per method and reason and keeps them out of the
+median, the mean and its interval. Their loss excess at f + 4d is reported all the same.
+``--merge`` estimates every stored case again from its validation curve, so that
+results measured before a change to the estimator are summarised by the current one.
+
 Methods: ``recompute`` (RB-R; its cost is d by construction: verified once per seed by
 comparing the recomputed losses with the reference's), each predictor forced to PB-R,
 and ``default`` (the config's defaults, ``recovery.mode: auto``: the controlled choice;
@@ -49,7 +56,9 @@ import dataclasses
 import json
 import math
 import os
+import re
 import shutil
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -72,7 +81,8 @@ from cpsr_ds.config import CPSRConfig, PredictorConfig  # noqa: E402
 from cpsr_ds.data.corpus import Batches, load_corpus  # noqa: E402
 from cpsr_ds.models.gpt import GPTConfig, gpt_pipeline  # noqa: E402
 from cpsr_ds.plugin import Runtime  # noqa: E402
-from cpsr_ds.lag import fit_curve, late_lag, mean_ci95, transient  # noqa: E402
+from cpsr_ds.lag import Unmeasurable, fit_curve, late_lag, transient  # noqa: E402
+from cpsr_ds.lag import summarize as summarize_values  # noqa: E402
 
 PREDICTORS = tuple(predictor.PREDICTORS)
 NEVER = 10**9  # a checkpoint interval that never comes: recovered runs write no checkpoints
@@ -85,16 +95,19 @@ class Case:
     Tc: int
     c: int
     d: int
-    lag_iters: float  # the protocol's estimate, the primary figure
-    reduction: float  # 1 - lag_iters / d
-    lag_paired_iters: float  # paired with the reference's deviation at the same iteration (lag.lag_at)
-    reduction_paired: float
+    # The lag fields are None where the lag is unmeasurable.
+    lag_iters: float | None  # the protocol's estimate, the primary figure
+    reduction: float | None  # 1 - lag_iters / d
+    lag_paired_iters: float | None  # paired with the reference's deviation at the same iteration (lag.lag_at)
+    reduction_paired: float | None
     gap_after_restore: float  # validation loss right after restoring minus the reference's at f
-    transient_iters: int
+    transient_iters: int | None
     window_end_excess: float  # (recovered - reference) / reference validation loss at f + 4d
     decision: str = ""
     final_loss_excess: float | None = None  # the same at the end of training (the default's runs go on to it)
     curve: dict = field(default_factory=dict)  # k -> validation loss
+    unmeasurable: str = ""  # why there is no lag (Unmeasurable.kind); "" where there is one
+    unmeasurable_reason: str = ""  # the same in full
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -244,6 +257,26 @@ def recomputed(seed: int, method: str, Tc: int, c: int, d: int, decision: str) -
     return Case(seed, method, Tc, c, d, float(d), 0.0, float(d), 0.0, 0.0, 0, 0.0, decision, 0.0)
 
 
+def reference_fit(eval_every: int, reference: dict, Tc: int, c: int, d: int):
+    """The reference's validation curve fitted over a span around a failure at c + d."""
+    its, losses = zip(*sorted(reference.items()))
+    return fit_curve(its, losses, lo=max(eval_every, c - 2 * Tc), hi=c + 5 * d + Tc)
+
+
+def estimate(fit, f: int, d: int, curve: dict[int, float], reference: dict[int, float], margin: float) -> dict:
+    """A case's lag fields from a recovered run's validation ``curve`` (k -> loss); None and the reason where
+    the lag is unmeasurable."""
+    try:
+        lag = late_lag(fit, f, d, curve, margin)
+        paired = late_lag(fit, f, d, curve, margin, reference=reference)
+    except Unmeasurable as why:
+        return dict(lag_iters=None, reduction=None, lag_paired_iters=None, reduction_paired=None,
+                    transient_iters=None, unmeasurable=why.kind, unmeasurable_reason=str(why))
+    return dict(lag_iters=lag, reduction=1.0 - lag / d, lag_paired_iters=paired, reduction_paired=1.0 - paired / d,
+                transient_iters=transient(fit, f, d, curve, paired, margin, reference=reference),
+                unmeasurable="", unmeasurable_reason="")
+
+
 def measure(seed: Seed, fit, method: str, cpsr: dict, c: int, d: int, margin: float, to_end: bool = False) -> Case:
     """Recover a failure at f = c + d as ``cpsr`` configures, train to f + 4d (``to_end``: to the end)."""
     f, Tc = c + d, seed.Tc
@@ -255,12 +288,10 @@ def measure(seed: Seed, fit, method: str, cpsr: dict, c: int, d: int, margin: fl
     curve = seed.train(f, end if to_end else f + 4 * d, evaluate_at={f + k for k in evaluation_points(d)} | {end})
     curve = {i - f: loss for i, loss in curve.items()}
     ref = seed.reference
-    lag = late_lag(fit, f, d, curve, margin)
-    paired = late_lag(fit, f, d, curve, margin, reference=ref)
     excess = lambda i: (curve[i - f] - ref[i]) / ref[i]  # noqa: E731
-    return Case(seed.seed, method, Tc, c, d, lag, 1.0 - lag / d, paired, 1.0 - paired / d, curve[0] - ref[f],
-                transient(fit, f, d, curve, paired, margin, reference=ref), excess(f + 4 * d), report.describe(),
-                excess(end) if to_end else None, curve)
+    return Case(seed.seed, method, Tc, c, d, **estimate(fit, f, d, curve, ref, margin),
+                gap_after_restore=curve[0] - ref[f], window_end_excess=excess(f + 4 * d), decision=report.describe(),
+                final_loss_excess=excess(end) if to_end else None, curve=curve)
 
 
 def failures(args, Tc: int) -> list[tuple[int, int]]:
@@ -279,25 +310,31 @@ def run(args) -> dict:
             seed = Seed(args, number, Tc, corpus)
             seed.run_reference(failures(args, Tc))
             references[f"{seed.seed}-Tc{Tc}"] = seed.reference
-            its, losses = zip(*sorted(seed.reference.items()))
+            losses = [loss for _, loss in sorted(seed.reference.items())]
             print(f"seed {seed.seed} T_c {Tc}: reference {seed.train_iters} iterations in {time.time() - t0:.0f} s, "
                   f"validation {losses[0]:.3f} -> {losses[-1]:.3f}", flush=True)
             verified.append((seed.seed, Tc, verify_recompute(seed, *failures(args, Tc)[0])))
             for c, d in failures(args, Tc):
-                cases += measure_failure(args, seed, its, losses, c, d)
+                cases += measure_failure(args, seed, c, d)
             seed.close()
     return summarize(args, cases, verified, references)
 
 
-def measure_failure(args, seed: Seed, its, losses, c: int, d: int) -> list[Case]:
+def predicted_with(decision: str) -> str | None:
+    """The predictor a recovery's decision names, None where it recomputed."""
+    found = re.search(r"predict \(PB-R\) with (\w+):", decision)
+    return found and found.group(1)
+
+
+def measure_failure(args, seed: Seed, c: int, d: int) -> list[Case]:
     """Every method on one failure: recompute, each predictor forced to PB-R, and the default."""
     Tc, margin = seed.Tc, 2 * seed.Tc
-    fit = fit_curve(its, losses, lo=max(args.eval_every, c - 2 * Tc), hi=c + 5 * d + Tc)
+    fit = reference_fit(args.eval_every, seed.reference, Tc, c, d)
     # The product's defaults, recovery.mode auto: the controlled choice.
     default = measure(seed, fit, "default", {}, c, d, margin, to_end=not args.quick)
     here = [recomputed(seed.seed, "recompute", Tc, c, d, "RB-R")]
     for method in args.methods:
-        if f"predict (PB-R) with {method}:" in default.decision:
+        if predicted_with(default.decision) == method:
             # Same predictor, same history, same failure: the very state the default run restored.
             here.append(Case(**{**asdict(default), "method": method, "final_loss_excess": None}))
             continue
@@ -311,17 +348,33 @@ def measure_failure(args, seed: Seed, its, losses, c: int, d: int) -> list[Case]
 
 def print_cases(cases) -> None:
     for case in cases:
-        print(f"  seed {case.seed} Tc {case.Tc:4d} c {case.c:5d} d {case.d:3d} {case.method:10s} lag {case.lag_iters:6.1f} "
-              f"(paired {case.lag_paired_iters:6.1f}) gap {case.gap_after_restore:+.4f} "
-              f"transient {case.transient_iters:4d} at f+4d {case.window_end_excess:+.3%}"
+        lag = (f"lag unmeasurable ({case.unmeasurable})" if case.unmeasurable else
+               f"lag {case.lag_iters:6.1f} (paired {case.lag_paired_iters:6.1f})")
+        transient_iters = "-" if case.transient_iters is None else case.transient_iters
+        print(f"  seed {case.seed} Tc {case.Tc:4d} c {case.c:5d} d {case.d:3d} {case.method:10s} {lag} "
+              f"gap {case.gap_after_restore:+.4f} transient {transient_iters:>4} at f+4d {case.window_end_excess:+.3%}"
               + ("" if case.final_loss_excess is None else f" at the end {case.final_loss_excess:+.3%}")
-              + ("" if case.curve else f" | {case.decision}"), flush=True)
+              + ("" if case.curve else f" | {case.decision}")
+              + (f" | {case.unmeasurable_reason}" if case.unmeasurable else ""), flush=True)
 
 
-def reduction_summary(cases, field: str) -> tuple[float, list[float], float]:
-    """Mean reduction, its 95 % interval, and the interval's half-width (in units of d: the mean lag/d's too)."""
-    mean, lo, hi = mean_ci95([getattr(c, field) for c in cases])
-    return mean, [lo, hi], (hi - lo) / 2 if math.isfinite(hi) else math.inf
+def reduction_summary(cases, field: str) -> dict:
+    """The summary of the reductions in ``field`` (lag.summarize), with the 95 % interval's half-width
+    (in units of d: the mean lag/d's too)."""
+    out = summarize_values([getattr(c, field) for c in cases if not c.unmeasurable],
+                           [c.unmeasurable for c in cases if c.unmeasurable])
+    lo, hi = out["ci95"] or (None, None)
+    out["half"] = None if lo is None else (hi - lo) / 2 if math.isfinite(hi) else math.inf
+    return out
+
+
+def pct(value: float | None, width: int, spec: str = ".1%") -> str:
+    return f"{'-':>{width}s}" if value is None else f"{value:{width}{spec}}"
+
+
+def interval(summary: dict) -> str:
+    lo, hi = summary["ci95"] or (None, None)
+    return f"{pct(summary['mean'], 7)} [{pct(lo, 7)}, {pct(hi, 7)}] {pct(summary['half'], 6)}"
 
 
 def end_excess(rows) -> str:
@@ -329,25 +382,36 @@ def end_excess(rows) -> str:
     return f"{max(finals):+.3%}" if finals else "-"
 
 
+def unmeasurable_text(counts: dict) -> str:
+    return ", ".join(f"{n} {kind}" for kind, n in counts["by_reason"].items()) or "-"
+
+
 def summarize(args, cases, verified, references) -> dict:
     methods = ["recompute", *args.methods, "default"]
-    out = {"mean_reduction": {}, "ci95_reduction": {}, "ci95_half_width_over_d": {},
-           "mean_reduction_paired": {}, "ci95_reduction_paired": {}, "ci95_half_width_over_d_paired": {},
-           "worst_final_loss_excess": {}, "lag_beyond_d_plus_ci": {}}
+    out = {"median_reduction": {}, "mean_reduction": {}, "ci95_reduction": {}, "ci95_half_width_over_d": {},
+           "median_reduction_paired": {}, "mean_reduction_paired": {}, "ci95_reduction_paired": {},
+           "ci95_half_width_over_d_paired": {}, "median_window_end_excess": {}, "worst_final_loss_excess": {},
+           "lag_beyond_d_plus_ci": {}, "unmeasurable": {}}
     print()
-    print(f"{'method':10s} | {'mean reduction [95% CI]':>30s} {'half/d':>7s} | {'paired: mean [95% CI]':>30s} "
-          f"{'half/d':>7s} | {'worst loss excess at f+4d / end':>31s} {'lag > d + CI':>12s} {'cases':>5s}")
+    print("Reductions (1 - lag/d) over the cases with a measurable lag; the loss excess at f + 4d over every case.")
+    print(f"{'method':10s} | {'median':>7s} {'mean [95% CI]':>26s} {'half/d':>6s} | {'paired: median':>14s} "
+          f"{'mean [95% CI]':>26s} {'half/d':>6s} | {'loss excess at f+4d: median, worst / end':>40s} "
+          f"{'lag > d + CI':>12s} {'cases':>5s} | unmeasurable")
     for method in methods:
         rows = [c for c in cases if c.method == method]
-        mean, ci, half = reduction_summary(rows, "reduction")
-        pmean, pci, phalf = reduction_summary(rows, "reduction_paired")
-        worse = sum(c.lag_iters > c.d * (1 + half) for c in rows)
-        finals = [c.window_end_excess for c in rows] + [c.final_loss_excess for c in rows if c.final_loss_excess is not None]
-        for key, value in zip(out, (mean, ci, half, pmean, pci, phalf, max(finals), worse)):
+        plain, paired = reduction_summary(rows, "reduction"), reduction_summary(rows, "reduction_paired")
+        half = math.inf if plain["half"] is None else plain["half"]
+        worse = sum(c.lag_iters > c.d * (1 + half) for c in rows if not c.unmeasurable)
+        at_end = [c.window_end_excess for c in rows]
+        finals = at_end + [c.final_loss_excess for c in rows if c.final_loss_excess is not None]
+        median_excess = statistics.median(at_end)
+        values = (plain["median"], plain["mean"], plain["ci95"], plain["half"], paired["median"], paired["mean"],
+                  paired["ci95"], paired["half"], median_excess, max(finals), worse, plain["unmeasurable"])
+        for key, value in zip(out, values):
             out[key][method] = value
-        print(f"{method:10s} | {mean:8.1%} [{ci[0]:7.1%}, {ci[1]:7.1%}] {half:7.1%} | {pmean:8.1%} [{pci[0]:7.1%}, "
-              f"{pci[1]:7.1%}] {phalf:7.1%} | {max(c.window_end_excess for c in rows):+15.3%} / {end_excess(rows):>13s} "
-              f"{worse:12d} {len(rows):5d}")
+        print(f"{method:10s} | {pct(plain['median'], 7)} {interval(plain)} | {pct(paired['median'], 14)} "
+              f"{interval(paired)} | {median_excess:+17.3%}, {max(at_end):+8.3%} / {end_excess(rows):>9s} "
+              f"{worse:12d} {len(rows):5d} | {unmeasurable_text(plain['unmeasurable'])}")
     print(f"\nrecompute verified equal to the reference (rel. 1e-6) on seeds: {verified}")
     return {
         "cases": [{k: v for k, v in asdict(c).items() if k != "curve"} for c in cases],
@@ -412,11 +476,29 @@ def merge(args) -> dict:
     cases = {case_key(case): case for part in parts for case in part["cases"]}
     verified = {tuple(v[:2]): tuple(v) for part in parts for v in part["recompute_verified"]}
     references = {k: v for part in parts for k, v in part["references"].items()}
-    result = summarize(args, [Case(**case) for case in cases.values()], list(verified.values()), references)
-    result["curves"] = list({case_key(curve): curve for part in parts for curve in part["curves"]}.values())
+    curves = {case_key(curve): curve for part in parts for curve in part["curves"]}
+    eval_every = sorted({part["settings"]["eval_every"] for part in parts})
+    if len(eval_every) > 1:
+        raise SystemExit(f"--merge: the parts evaluate their references at different intervals {eval_every}")
+    estimated = [reestimate(case, curves, references, eval_every[0]) for case in cases.values()]
+    result = summarize(args, estimated, list(verified.values()), references)
+    result["curves"] = list(curves.values())
     result["seconds"] = sum(part["seconds"] for part in parts)
     result["settings"] = {**parts[0]["settings"], "merged": args.merge}
     return result
+
+
+def reestimate(case: dict, curves: dict, references: dict, eval_every: int) -> Case:
+    """A stored case with its lag estimated again from its validation curve (as stored where it has none: RB-R)."""
+    method = case["method"] if case["method"] != "default" else predicted_with(case["decision"])
+    stored = curves.get((*case_key(case)[:4], method))
+    if stored is None:
+        return Case(**case)
+    seed, Tc, c, d, _ = case_key(case)
+    reference = {int(i): loss for i, loss in references[f"{seed}-Tc{Tc}"].items()}
+    curve = {int(k): loss for k, loss in stored["curve"].items()}
+    fit = reference_fit(eval_every, reference, Tc, c, d)
+    return Case(**{**case, **estimate(fit, c + d, d, curve, reference, 2 * Tc)})
 
 
 def main(argv=None) -> None:

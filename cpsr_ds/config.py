@@ -43,6 +43,11 @@ class CheckpointConfig(_Strict):
     chunk_mb: int = Field(64, gt=0, description="pccheck: chunk size of the pipelined copy and write in MiB.")
     commit_timeout_s: float = Field(600.0, gt=0.0, le=86400.0, description="Seconds rank 0 waits for every rank's manifest before giving a checkpoint up.")
     checksum: Literal["xxh3_64", "xxh3_128"] = Field("xxh3_64", description="xxhash algorithm of the per-file checksums in the manifests.")
+    write_mbps: Optional[float] = Field(
+        None, gt=0.0,
+        description="Cap on the rate every checkpoint file of a process is written at, in MB/s (10^6 bytes/s), "
+        "shared by all of that process's checkpoints in flight; null: unlimited.",
+    )
 
     @field_validator("dir")
     @classmethod

@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
-from cpsr_ds.checkpoint import store
+from cpsr_ds.checkpoint import store, throttle
 from cpsr_ds.checkpoint.persist import BufferPool, Committer, Job, RetryPolicy, Writer
 from cpsr_ds.checkpoint.snapshot import Copier, HostBuffers, snapshot_file
 from cpsr_ds.checkpoint.store import describe_error
@@ -87,7 +87,7 @@ class AsyncCheckpointEngine(CheckpointEngine):
                                      self._storage_error, self._finish)
                            if rank == 0 else None)
         self._writer = Writer(rank, world_size, cfg.checksum, policy, overlap, self._pool, self._storage_error,
-                              self._persisted)
+                              self._persisted, throttle.shared(cfg.write_mbps))
         self._closed = False
         # A script that ends without cleanup() still gets its last checkpoint committed.
         ref = weakref.ref(self)

@@ -31,6 +31,7 @@ from typing import Callable, Optional
 from cpsr_ds.checkpoint import store
 from cpsr_ds.checkpoint.store import describe_error
 from cpsr_ds.checkpoint.snapshot import HostBuffers, SnapshotFile
+from cpsr_ds.checkpoint.throttle import Throttle
 
 log = logging.getLogger(__name__)
 
@@ -188,11 +189,16 @@ class Concurrent:
 
 
 class Writer:
-    """Writes the jobs of one rank in order: every file, then the rank's manifest."""
+    """Writes the jobs of one rank in order: every file, then the rank's manifest.
+
+    ``throttle``: the process's write-rate limit; this thread waits on it, training never does.
+    """
 
     def __init__(self, rank: int, world_size: int, checksum: str, policy: RetryPolicy, overlap: bool,
-                 pool: BufferPool, on_error: Callable[[Job, OSError], None], persisted: Callable[[Job], None]):
+                 pool: BufferPool, on_error: Callable[[Job, OSError], None], persisted: Callable[[Job], None],
+                 throttle: Optional[Throttle] = None):
         self.rank = rank
+        self.throttle = throttle
         self.overlap = overlap
         self.world_size = world_size
         self.checksum = checksum
@@ -292,7 +298,8 @@ class Writer:
         # Checking for NaN and Inf beside the write, not after it, keeps it off the persist time.
         check = Concurrent(snap.nonfinite)
         try:
-            size, digest = store.write_atomic(path, snap.chunks(), self.checksum, direct=True)
+            size, digest = store.write_atomic(path, snap.chunks(), self.checksum, direct=True,
+                                              throttle=self.throttle)
         finally:
             # The check reads the host buffers, which go to the next checkpoint after this.
             check.join()

@@ -35,13 +35,14 @@ import re
 import shutil
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from cpsr_ds.checkpoint.fileformat import (MAGIC, PAGE, CheckpointError, check_size, new_hasher, read_snapshot,
                                            scan_file)
+from cpsr_ds.checkpoint.throttle import Throttle
 from cpsr_ds.config import CheckpointConfig
 
 log = logging.getLogger(__name__)
@@ -97,13 +98,14 @@ def temp_name(path: str) -> str:
 
 
 def write_atomic(path: str, chunks: Iterable, algorithm: Optional[str] = None,
-                 direct: bool = False) -> tuple[int, Optional[str]]:
+                 direct: bool = False, throttle: Optional[Throttle] = None) -> tuple[int, Optional[str]]:
     """Write ``chunks`` (bytes-like) to ``path`` durably and atomically.
 
     Returns (size, hex digest or None). On any error the temporary file is removed and
     the error propagates; ``path`` is then untouched. ``direct``: bypass the page cache
     (O_DIRECT) for chunks that start on a page and span whole pages, as host arenas do;
     the rest of the file, and file systems without direct I/O, go through it.
+    ``throttle``: the write rate limit, waited on piece by piece.
     """
     tmp = temp_name(path)
     hashing = _Hashing(algorithm) if algorithm else None
@@ -114,10 +116,11 @@ def write_atomic(path: str, chunks: Iterable, algorithm: Optional[str] = None,
             data = np.frombuffer(chunk, dtype=np.uint8)
             if hashing is not None:
                 hashing.put(data)
-            if direct:
-                direct = _write_direct(fd, data)
-            else:
-                _write_all(fd, data)
+            for piece in _paced(data, throttle):
+                if direct:
+                    direct = _write_direct(fd, piece)
+                else:
+                    _write_all(fd, piece)
             size += len(data)
         digest = hashing.digest() if hashing is not None else None
         os.fsync(fd)
@@ -175,6 +178,18 @@ class _Hashing:
                     self._hasher.update(data)
                 except BaseException as err:
                     self._error = err
+
+
+def _paced(data: np.ndarray, throttle: Optional[Throttle]) -> Iterator[np.ndarray]:
+    """``data`` in pieces, each once ``throttle`` lets it pass; whole pages but the last, so O_DIRECT stays on."""
+    if throttle is None:
+        yield data
+        return
+    step = max(PAGE, throttle.burst - throttle.burst % PAGE)
+    for start in range(0, len(data), step):
+        piece = data[start:start + step]
+        throttle.take(len(piece))
+        yield piece
 
 
 def _open_for_writing(path: str, direct: bool) -> tuple[int, bool]:

@@ -29,7 +29,7 @@ import torch
 from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
 
-from cpsr_ds.checkpoint import store
+from cpsr_ds.checkpoint import store, throttle
 from cpsr_ds.checkpoint.fileformat import flatten, nonfinite_tensors
 from cpsr_ds.checkpoint.store import describe_error
 from cpsr_ds.config import CheckpointConfig
@@ -64,6 +64,8 @@ class TorchEngine(TorchCheckpointEngine):
         self.world_size = world_size
         self.attempt = attempt
         self.min_keep = min_keep
+        # Writes happen here, in the training loop: with a rate limit, training waits for it.
+        self.throttle = throttle.shared(cfg.write_mbps)
         self._open: Optional[_Open] = None
         # A script that ends without cleanup() still gets its last checkpoint committed.
         ref = weakref.ref(self)
@@ -85,7 +87,7 @@ class TorchEngine(TorchCheckpointEngine):
         torch.save(state_dict, buf, _use_new_zipfile_serialization=self.zipfile_serialization)
         if ckpt is None:
             # Outside create()/commit(), as DeepSpeed's engine allows: atomic, but part of no checkpoint.
-            store.write_atomic(path, [buf.getbuffer()])
+            store.write_atomic(path, [buf.getbuffer()], throttle=self.throttle)
             return
         rel = os.path.relpath(path, ckpt.tag_dir)
         try:
@@ -127,7 +129,7 @@ class TorchEngine(TorchCheckpointEngine):
     def _write(self, ckpt: _Open, path: str, buf: io.BytesIO) -> tuple[int, str]:
         def write():
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            return store.write_atomic(path, [buf.getbuffer()], self.cfg.checksum)
+            return store.write_atomic(path, [buf.getbuffer()], self.cfg.checksum, throttle=self.throttle)
 
         try:
             return write()
