@@ -13,9 +13,10 @@ setup(
         "deepspeed>=0.19,<0.20",
         "megatron-core>=0.16",
         "numpy",
+        "scipy",
         "pydantic>=2",
         "xxhash",
         "tqdm",
     ],
-    extras_require={"test": ["pytest", "scipy"], "bench": ["scipy", "matplotlib"]},
+    extras_require={"test": ["pytest"], "bench": ["matplotlib"]},
 )
