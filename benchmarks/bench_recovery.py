@@ -42,6 +42,18 @@ median, the mean and its interval. Their loss excess at f + 4d is reported all t
 ``--merge`` estimates every stored case again from its validation curve, so that
 results measured before a change to the estimator are summarised by the current one.
 
+The recovery cost models (``cpsr_ds.cost_model``) are checked against the measured lags:
+for every case a predictor recovered, each model's estimate of the lag is stored beside
+it (``cost_model`` in the case's record, with the paper model's inputs), and the summary
+reports per model and predictor Spearman's rank correlation and the median ratio
+estimate / measured (JSON field ``cost_model``). The paper model's inputs come offline
+from the reference, which keeps every checkpoint: Eq. 11 fitted on the reference's
+training losses up to f, Eq. 8 on the predictor's held-out errors (Eq. 9) at the last
+``HELD_OUT_POINTS`` checkpoints up to c, each predicted by a fresh predictor from the
+checkpoints before it, and xi (Eq. 7) of checkpoint c. ``vitp`` has no paper estimate:
+its held-out error needs a trained network at every checkpoint. The empirical model's
+rho were measured on this benchmark's cases, so its correlation is in-sample.
+
 Methods: ``recompute`` (RB-R; its cost is d by construction: verified once per seed by
 comparing the recomputed losses with the reference's), each predictor forced to PB-R,
 and ``default`` (the config's defaults, ``recovery.mode: auto``: the controlled choice;
@@ -74,18 +86,26 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import cpsr_ds  # noqa: E402
+from cpsr_ds import cost_model  # noqa: E402
 from cpsr_ds.checkpoint.journal import ProgressJournal, journal_path, read_journal  # noqa: E402
 from cpsr_ds.checkpoint.store import list_checkpoints  # noqa: E402
 from cpsr_ds import predictor  # noqa: E402
+from cpsr_ds.predictor import NotReady  # noqa: E402
 from cpsr_ds.config import CPSRConfig, PredictorConfig  # noqa: E402
+from cpsr_ds.fitter import fit_loss_o, fit_loss_p, held_out_error, stage_xi  # noqa: E402
 from cpsr_ds.data.corpus import Batches, load_corpus  # noqa: E402
 from cpsr_ds.models.gpt import GPTConfig, gpt_pipeline  # noqa: E402
 from cpsr_ds.plugin import Runtime  # noqa: E402
+from cpsr_ds.recovery import engine_state, new_predictor  # noqa: E402
 from cpsr_ds.lag import Unmeasurable, fit_curve, late_lag, transient  # noqa: E402
 from cpsr_ds.lag import summarize as summarize_values  # noqa: E402
 
 PREDICTORS = tuple(predictor.PREDICTORS)
 NEVER = 10**9  # a checkpoint interval that never comes: recovered runs write no checkpoints
+# The paper model's accuracy fit takes the held-out errors at the last 8 checkpoints up to c:
+# each costs loading the checkpoints a fresh predictor learns from, and Eq. 8 is fitted on a recent window.
+HELD_OUT_POINTS = 8
+NEEDS_TRAINING = {"vitp": "vitp's held-out error needs a trained network at every checkpoint"}
 
 
 @dataclass
@@ -108,6 +128,9 @@ class Case:
     curve: dict = field(default_factory=dict)  # k -> validation loss
     unmeasurable: str = ""  # why there is no lag (Unmeasurable.kind); "" where there is one
     unmeasurable_reason: str = ""  # the same in full
+    # A predicting case's cost-model check: "estimates" (model -> lag or None), "reasons" (why None),
+    # "inputs" (the paper model's fits, or why it has none); {} where the method did not predict.
+    cost_model: dict = field(default_factory=dict)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -185,6 +208,20 @@ class Seed:
         # One stage: evaluation takes micro-batches of any size, and larger ones run faster.
         self.validation = dataclasses.replace(self.batches, micro_batch=64).validation()
         self.reference: dict[int, float] = {}
+        self.states: dict[int, dict] = {}
+
+    def checkpoint_state(self, iteration: int) -> dict:
+        """The reference's checkpoint at ``iteration`` as recovery loads it (``engine_state``), loaded once."""
+        if iteration not in self.states:
+            tags = {ck.iteration: ck.tag for ck in list_checkpoints(self.ref_dir, read_data=False) if ck.valid}
+            load_path, _ = self.engine.load_checkpoint(self.ref_dir, tag=tags[iteration])
+            if load_path is None:
+                raise RuntimeError(f"could not load the reference's checkpoint {tags[iteration]} in {self.ref_dir}")
+            self.states[iteration] = engine_state(self.engine)
+        return self.states[iteration]
+
+    def checkpoint_iterations(self) -> list[int]:
+        return sorted(ck.iteration for ck in list_checkpoints(self.ref_dir, read_data=False) if ck.valid)
 
     def evaluate(self) -> float:
         return float(self.engine.eval_batch(iter(self.validation), num_micro_batches=len(self.validation)))
@@ -326,6 +363,65 @@ def predicted_with(decision: str) -> str | None:
     return found and found.group(1)
 
 
+def predictor_block(method: str) -> dict:
+    """The ``cpsr.predictor`` block a forced prediction with ``method`` runs with."""
+    return {"name": method, **({"history": 8} if method == "vitp" else {})}
+
+
+def held_out_points(make, checkpoints: list[int], state_at, c: int, last: int = HELD_OUT_POINTS) -> list:
+    """(k, Eq. 9 error of predicting checkpoint k) for the ``last`` checkpoints k <= c, each predicted by a
+    fresh predictor (``make()``) fed the checkpoints before k; k without enough of them is left out."""
+    upto = [k for k in checkpoints if k <= c]
+    points = []
+    for j in range(max(0, len(upto) - last), len(upto)):
+        predictor = make()
+        before = upto[max(0, j - predictor.history.capacity):j]
+        if len(before) < predictor.min_history:
+            continue
+        for k in before:
+            predictor.observe(k, state_at(k))
+        try:
+            predicted = predictor.predict(upto[j])
+        except NotReady:
+            continue
+        points.append((upto[j], held_out_error(predicted, state_at(upto[j]))))
+    return points
+
+
+def fit_record(fit) -> dict:
+    return {"fitted": bool(fit), **asdict(fit)}
+
+
+def cost_model_record(method: str, f: int, c: int, Tc: int, losses: dict, points, curvature) -> dict:
+    """Each model's estimate of a predicting case's lag, and the paper model's inputs (``points``: held-out
+    errors, None where the method's need training)."""
+    models = [cost_model.EmpiricalModel()]
+    inputs = {"skipped": NEEDS_TRAINING.get(method, "")}
+    if points is not None:
+        loss, accuracy = fit_loss_o(losses, f), fit_loss_p(points, Tc)
+        inputs = {"held_out": [list(p) for p in points], "loss_o": fit_record(loss),
+                  "loss_p": fit_record(accuracy), "xi": fit_record(curvature)}
+        models += [cost_model.paper_model(loss, accuracy, curvature, exact) for exact in (True, False)]
+    estimates = {model.name: model.estimate(f, c, method) for model in models}
+    return {"estimates": {name: e.lag for name, e in estimates.items()},
+            "reasons": {name: e.reason for name, e in estimates.items() if not e},
+            "inputs": inputs}
+
+
+def with_cost_model(seed: Seed, case: Case) -> Case:
+    """``case`` with its cost-model record where its method predicted."""
+    if predicted_with(case.decision) != case.method:
+        return case
+    c, f = case.c, case.c + case.d
+    points = None
+    if case.method not in NEEDS_TRAINING:
+        make = lambda: new_predictor(CPSRConfig.parse_block({"predictor": predictor_block(case.method)}))  # noqa: E731
+        points = held_out_points(make, seed.checkpoint_iterations(), seed.checkpoint_state, c)
+    curvature = stage_xi(seed.checkpoint_state(c))
+    return dataclasses.replace(case, cost_model=cost_model_record(
+        case.method, f, c, seed.Tc, {i: v for i, v in seed.ref_losses.items() if i <= f}, points, curvature))
+
+
 def measure_failure(args, seed: Seed, c: int, d: int) -> list[Case]:
     """Every method on one failure: recompute, each predictor forced to PB-R, and the default."""
     Tc, margin = seed.Tc, 2 * seed.Tc
@@ -338,9 +434,9 @@ def measure_failure(args, seed: Seed, c: int, d: int) -> list[Case]:
             # Same predictor, same history, same failure: the very state the default run restored.
             here.append(Case(**{**asdict(default), "method": method, "final_loss_excess": None}))
             continue
-        cpsr = {"predictor": {"name": method, **({"history": 8} if method == "vitp" else {})},
-                "recovery": {"mode": "predict"}}
+        cpsr = {"predictor": predictor_block(method), "recovery": {"mode": "predict"}}
         here.append(measure(seed, fit, method, cpsr, c, d, margin))
+    here = [with_cost_model(seed, case) if case.method in PREDICTORS else case for case in here]
     here.append(default)
     print_cases(here)
     return here
@@ -386,6 +482,38 @@ def unmeasurable_text(counts: dict) -> str:
     return ", ".join(f"{n} {kind}" for kind, n in counts["by_reason"].items()) or "-"
 
 
+def cost_model_check(cases) -> dict:
+    """``cost_model.evaluate`` over the predicting cases: all predictors together, and per predictor."""
+    checked = [cost_model.Case(c.method, c.lag_iters, c.cost_model["estimates"]) for c in cases if c.cost_model]
+    return {"all": cost_model.evaluate(checked),
+            "by_predictor": {p: cost_model.evaluate([c for c in checked if c.predictor == p])
+                             for p in dict.fromkeys(c.predictor for c in checked)},
+            "in_sample": ["empirical"],
+            "held_out_points": HELD_OUT_POINTS,
+            "no_paper_estimate": NEEDS_TRAINING}
+
+
+def print_cost_model(check: dict) -> None:
+    print("\nRecovery cost models against the measured lags (cases a predictor recovered; Spearman's rho and the "
+          "median ratio estimate / measured).")
+    print(f"The empirical model's rho were measured on these same cases: its correlation is in-sample. The paper "
+          f"model's accuracy fit uses the held-out errors at the last {HELD_OUT_POINTS} checkpoints up to c.")
+    for method, why in NEEDS_TRAINING.items():
+        print(f"{method}: no paper estimate ({why}).")
+    print(f"{'model':10s} {'predictor':9s} | {'n':>3s} {'spearman':>8s} {'median est/meas':>15s} | "
+          f"{'no estimate':>11s} {'unmeasurable':>12s}")
+    rows = [("all", check["all"]), *check["by_predictor"].items()]
+    for model in sorted(check["all"]):
+        for predictor_name, report in rows:
+            r = report.get(model)
+            if r is None:
+                continue
+            rho = "-" if r["spearman"] is None else f"{r['spearman']:+.2f}"
+            ratio = "-" if r["median_ratio"] is None else f"{r['median_ratio']:.3g}"
+            print(f"{model:10s} {predictor_name:9s} | {r['n']:3d} {rho:>8s} {ratio:>15s} | "
+                  f"{r['no_estimate']:11d} {r['unmeasurable']:12d}")
+
+
 def summarize(args, cases, verified, references) -> dict:
     methods = ["recompute", *args.methods, "default"]
     out = {"median_reduction": {}, "mean_reduction": {}, "ci95_reduction": {}, "ci95_half_width_over_d": {},
@@ -413,7 +541,10 @@ def summarize(args, cases, verified, references) -> dict:
               f"{interval(paired)} | {median_excess:+17.3%}, {max(at_end):+8.3%} / {end_excess(rows):>9s} "
               f"{worse:12d} {len(rows):5d} | {unmeasurable_text(plain['unmeasurable'])}")
     print(f"\nrecompute verified equal to the reference (rel. 1e-6) on seeds: {verified}")
+    check = cost_model_check(cases)
+    print_cost_model(check)
     return {
+        "cost_model": check,
         "cases": [{k: v for k, v in asdict(c).items() if k != "curve"} for c in cases],
         **out,
         "default_method": "default",

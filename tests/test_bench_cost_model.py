@@ -1,0 +1,103 @@
+"""bench_recovery's check of the recovery cost models against measured lags, on synthetic cases."""
+
+import importlib.util
+import json
+import math
+import os
+import sys
+from dataclasses import asdict
+
+import pytest
+import torch
+
+from cpsr_ds.fitter import stage_xi
+from cpsr_ds.predictor import make_predictor
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_recovery", os.path.join(ROOT, "benchmarks", "bench_recovery.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def drifting_state(t: int) -> dict:
+    """A stage whose parameters move by 0.01 per iteration; the moments are constant."""
+    w = torch.linspace(-1, 1, 12) + 0.01 * t
+    return {"param/w": w, "exp_avg/w": torch.full((12,), 0.1), "exp_avg_sq/w": torch.full((12,), 1e-4)}
+
+
+CHECKPOINTS = list(range(10, 210, 10))
+
+
+def test_held_out_points_are_the_last_checkpoints_each_predicted_from_the_ones_before(bench):
+    loaded = []
+
+    def state_at(k):
+        loaded.append(k)
+        return drifting_state(k)
+
+    skip = bench.held_out_points(lambda: make_predictor("skip", history=4), CHECKPOINTS, state_at, c=150, last=8)
+    assert [k for k, _ in skip] == list(range(80, 160, 10))
+    # skip copies the checkpoint 10 iterations before: off by 0.1 per parameter, Eq. 9 = 0.01
+    assert [e for _, e in skip] == pytest.approx([0.01] * 8, rel=1e-5)
+    assert max(loaded) == 150 and min(loaded) == 40  # k's history of 4 checkpoints, nothing after c
+    trend = bench.held_out_points(lambda: make_predictor("trend", history=4), CHECKPOINTS, drifting_state, c=150)
+    assert len(trend) == 8 and all(e < 1e-8 for _, e in trend)  # a linear drift is extrapolated exactly
+
+
+def test_held_out_points_leave_out_checkpoints_without_enough_history(bench):
+    points = bench.held_out_points(lambda: make_predictor("linear", history=4), CHECKPOINTS, drifting_state, c=40)
+    assert [k for k, _ in points] == [30, 40]  # linear needs 2 checkpoints before k
+
+
+def falling_losses(f: int) -> dict:
+    return {t: 3.0 * math.exp(-0.002 * t) for t in range(1, f + 1)}
+
+
+def test_cost_model_record_has_every_models_estimate_and_the_paper_models_inputs(bench):
+    points = [(k, 0.01 * math.exp(-0.1 * k / 10)) for k in range(80, 160, 10)]
+    record = bench.cost_model_record("trend", 155, 150, 10, falling_losses(155), points, stage_xi(drifting_state(150)))
+    json.dumps(record)  # stored in the results as it is
+    assert set(record["estimates"]) == {"empirical", "paper", "paper-eq14"}
+    assert record["estimates"]["empirical"] == pytest.approx((1 - 0.690) * 5)
+    assert all(lag is not None and lag > 0 for lag in record["estimates"].values()), record["reasons"]
+    assert record["inputs"]["loss_o"]["alpha1"] == pytest.approx(0.002, rel=1e-3)
+    assert record["inputs"]["loss_p"]["tau1"] == pytest.approx(0.1, rel=1e-3)
+    assert record["inputs"]["xi"] == {"fitted": True, "xi": pytest.approx(1e-4), "n_p": 12}
+    assert record["inputs"]["held_out"] == [list(p) for p in points]
+
+
+def test_cost_model_record_says_why_a_model_has_no_estimate(bench):
+    vitp = bench.cost_model_record("vitp", 155, 150, 10, falling_losses(155), None, stage_xi(drifting_state(150)))
+    assert set(vitp["estimates"]) == {"empirical"} and "trained network" in vitp["inputs"]["skipped"]
+    short = bench.cost_model_record("trend", 155, 150, 10, falling_losses(155), [(150, 0.01)],
+                                    stage_xi(drifting_state(150)))
+    assert short["estimates"]["paper"] is None and "accuracy curve" in short["reasons"]["paper"]
+
+
+def case(bench, method, measured, estimates, decision=None):
+    return bench.Case(1, method, 50, 500, 25, measured, None, measured, None, 0.0, None, 0.0,
+                      decision or f"predict (PB-R) with {method}: resuming", cost_model={"estimates": estimates}
+                      if estimates else {})
+
+
+def test_cost_model_check_per_model_and_predictor_survives_the_json_round_trip(bench):
+    lags = [5.0, 9.0, 14.0, 20.0]
+    cases = [case(bench, "trend", lag, {"empirical": 7.75, "paper": 2 * lag}) for lag in lags]
+    cases += [case(bench, "linear", lag, {"empirical": 12.9, "paper": 30.0 - lag}) for lag in lags]
+    cases += [case(bench, "linear", None, {"empirical": 12.9, "paper": 1.0})]  # unmeasurable
+    cases += [case(bench, "recompute", 25.0, {}, "RB-R")]
+    stored = [bench.Case(**json.loads(json.dumps(asdict(c)))) for c in cases]
+    check = bench.cost_model_check(stored)
+    assert check == bench.cost_model_check(cases)
+    assert set(check["by_predictor"]) == {"trend", "linear"}
+    trend, linear = check["by_predictor"]["trend"], check["by_predictor"]["linear"]
+    assert trend["paper"]["spearman"] == pytest.approx(1.0) and trend["paper"]["median_ratio"] == pytest.approx(2.0)
+    assert linear["paper"]["spearman"] == pytest.approx(-1.0) and linear["paper"]["unmeasurable"] == 1
+    assert trend["empirical"]["spearman"] is None  # a constant estimate ranks nothing
+    assert check["all"]["paper"]["n"] == 8 and check["in_sample"] == ["empirical"]
