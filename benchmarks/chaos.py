@@ -264,6 +264,14 @@ def last_report(run_dir: str) -> dict:
         return json.loads(f.read().splitlines()[-1])
 
 
+def restart(trial_dir: str, config: str, run_dir: str, iters: int) -> dict:
+    """Restart the job and train to ``iters``: it must leave a sound directory and finish. Its recovery report."""
+    run(trial_dir, config, iters, "restart")
+    check_directory(run_dir)
+    check_finished(run_dir, iters)
+    return last_report(run_dir)
+
+
 # ---------------------------------------------------------------- faults
 
 def tamper_snapshot(path: str, rng: random.Random) -> str:
@@ -322,12 +330,10 @@ def fault_nonfinite(rng: random.Random, trial_dir: str) -> str:
         spec = tamper_snapshot(path, rng)
         rechecksum(os.path.join(run_dir, tag), path)
         what = f"non-finite value in {tag}/{os.path.basename(path)} ({spec})"
-    run(trial_dir, config, first + 10, "restart")
+    restart(trial_dir, config, run_dir, first + 10)
     losses = [e.loss for e in read_journal(journal_path(run_dir, 0))[-10:]]
     if not all(torch.isfinite(torch.tensor(losses))):
         raise Violation(f"training resumed from a non-finite state: losses {losses}")
-    check_directory(run_dir)
-    check_finished(run_dir, first + 10)
     return f"{what}, mode {mode}"
 
 
@@ -353,14 +359,11 @@ def fault_journal(rng: random.Random, trial_dir: str) -> str:
         if binary:
             f.write(bytes(rng.randrange(256) for _ in range(40)))
     t0 = time.monotonic()
-    run(trial_dir, config, first + 8, "restart")
-    report = last_report(run_dir)
+    report = restart(trial_dir, config, run_dir, first + 8)
     if report["reached"] is not None and report["reached"] > f_true:
         raise Violation(f"recovery believed the job reached {report['reached']}, it reached {f_true}")
     if report["resume_iteration"] > f_true:
         raise Violation(f"resumed at {report['resume_iteration']}, past the true failure point {f_true}")
-    check_directory(run_dir)
-    check_finished(run_dir, first + 8)
     return f"appended {[line.split(',')[0] for line in injected]}{' + binary' if binary else ''}; " \
            f"restart took {time.monotonic() - t0:.1f} s"
 
@@ -437,12 +440,9 @@ def fault_metadata(rng: random.Random, trial_dir: str) -> str:
     expected = tag if metadata_intact else tags[-2][1]
     if usable != expected:
         raise Violation(f"'{damage}': inspect would load {usable}, expected {expected}")
-    run(trial_dir, config, first + 7, "restart")
-    resumed = last_report(run_dir)
+    resumed = restart(trial_dir, config, run_dir, first + 7)
     if resumed["checkpoint"] is not None and resumed["checkpoint"] > (newest if metadata_intact else tags[-2][0]):
         raise Violation(f"'{damage}': the restart loaded checkpoint {resumed['checkpoint']}")
-    check_directory(run_dir)
-    check_finished(run_dir, first + 7)
     return f"{damage} of {tag}"
 
 
@@ -467,12 +467,9 @@ def fault_damaged_data(rng: random.Random, trial_dir: str) -> str:
     usable = inspect_report(run_dir)["usable"]
     if usable == tag:
         raise Violation(f"inspect would load the damaged {tag}")
-    run(trial_dir, config, first + 7, "restart")
-    resumed = last_report(run_dir)
+    resumed = restart(trial_dir, config, run_dir, first + 7)
     if resumed["checkpoint"] == newest and tag == tags[-1][1]:
         raise Violation(f"the restart loaded the damaged checkpoint {tag}")
-    check_directory(run_dir)
-    check_finished(run_dir, first + 7)
     return f"{strategy}: {tag}/{os.path.basename(path)} cut from {size} bytes" + \
            (", metadata deleted" if drop_metadata else "")
 
