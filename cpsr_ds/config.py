@@ -8,13 +8,17 @@ key path, before any training starts.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 BLOCK = "cpsr"
 VITP_MIN_HISTORY = 6  # its FFT window of 5 checkpoints plus one held out
 NAME_MAX = 255  # bytes in one path component, on every common Linux file system
+
+
+def _whole_positive(value: Any) -> bool:
+    return type(value) is int and value > 0
 
 
 class ConfigError(ValueError):
@@ -28,7 +32,12 @@ class _Strict(BaseModel):
 
 class CheckpointConfig(_Strict):
     dir: str = Field("checkpoints", min_length=1, description="Directory for checkpoints, the progress journal and fault markers.")
-    interval: int = Field(50, gt=0, description="T_c: iterations between checkpoints (strategy cpsr; the first interval of checkfreq and pccheck before they have profiled one checkpoint).")
+    interval: Union[int, Literal["auto"]] = Field(
+        "auto",
+        description="T_c: iterations between checkpoints, fixed; auto: chosen by the strategy's own rule from the "
+        "measured costs (cpsr: the planner; torch, checkfreq and pccheck: the overhead_budget rule), "
+        "planner.first_interval until one checkpoint has been measured.",
+    )
     strategy: Literal["torch", "checkfreq", "pccheck", "cpsr"] = Field(
         "cpsr",
         description="Checkpoint engine: torch = DeepSpeed's synchronous torch.save; checkfreq = snapshot/persist pipelined, "
@@ -49,6 +58,13 @@ class CheckpointConfig(_Strict):
         "shared by all of that process's checkpoints in flight; null: unlimited.",
     )
 
+    @field_validator("interval", mode="before")
+    @classmethod
+    def _interval_or_auto(cls, value: Any) -> Any:
+        if value != "auto" and not _whole_positive(value):
+            raise ValueError(f'expected a whole number of iterations > 0 or "auto" (got {value!r})')
+        return value
+
     @field_validator("dir")
     @classmethod
     def _dir_can_exist(cls, value: str) -> str:
@@ -62,7 +78,19 @@ class CheckpointConfig(_Strict):
 
 class FaultConfig(_Strict):
     kill_rank: int = Field(0, ge=0, description="Global rank that the iteration-triggered failure kills.")
-    kill_at_iteration: Optional[int] = Field(None, gt=0, description="SIGKILL kill_rank right after this iteration; null: never.")
+    kill_at_iteration: Union[None, int, list[int]] = Field(
+        None, description="SIGKILL kill_rank right after this iteration, or after each of a list of iterations "
+        "(a failure trace); each fires once per run directory; null: never.")
+
+    @field_validator("kill_at_iteration", mode="before")
+    @classmethod
+    def _iterations(cls, value: Any) -> Any:
+        if value is None or _whole_positive(value):
+            return value
+        if not isinstance(value, list) or not all(_whole_positive(v) for v in value):
+            raise ValueError(f"expected an iteration > 0, a list of them or null (got {value!r})")
+        return value
+
     poisson_rate_per_hour: float = Field(0.0, ge=0.0, description="lambda: failures per hour of wall time on a random rank; 0: off.")
     seed: int = Field(0, ge=0, description="Seed of the Poisson failure times and of the rank they hit.")
 
@@ -93,39 +121,50 @@ class RecoveryConfig(_Strict):
     mode: Literal["auto", "predict", "recompute"] = Field(
         "auto",
         description="auto: predict (PB-R) unless the predictor is not ready, its held-out error reaches "
-        "max_relative_error or a pessimistic lag (guard_reduction) would cost more than max_loss_excess, else "
-        "recompute (RB-R); predict: PB-R whenever the predictor is ready; recompute: always RB-R.",
+        "max_relative_error, the cost model (planner.cost_model) estimates a lag not below the d lost iterations, "
+        "or a pessimistic lag would cost more than max_loss_excess, else recompute (RB-R); predict: PB-R whenever "
+        "the predictor is ready; recompute: always RB-R.",
     )
     max_relative_error: float = Field(
         1.5, gt=0.0,
         description="auto: PB-R only if the predictor's held-out error, relative to not predicting, is below this: "
         "a guard against diverging predictions.",
     )
-    expected_reduction: float = Field(
-        0.7, ge=0.0, lt=1.0,
-        description="The share of the d lost iterations a prediction is expected to save: PB-R's estimated cost is "
-        "(1 - expected_reduction) * d. Calibrated on benchmarks/bench_recovery.py, where the default predictor "
-        "saved 69 % on average over 36 failures.",
-    )
     max_loss_excess: float = Field(
         0.005, ge=0.0,
-        description="auto: PB-R only if the loss the run had (1 - guard_reduction) * d iterations before the failure "
-        "is at most this share above the loss at the failure (by the job's loss curve): under a decaying learning rate "
-        "a lag stays as a loss excess to the end of training.",
-    )
-    guard_reduction: float = Field(
-        0.5, ge=0.0, lt=1.0,
-        description="auto: the share of d the max_loss_excess guard assumes a prediction saves, at most "
-        "expected_reduction: one recovery's lag varies far more than the mean, and on benchmarks/bench_recovery.py "
-        "28 of the default predictor's 36 recoveries lagged less than d / 2.",
+        description="auto: PB-R only if the loss the run had a pessimistic lag (the cost model's estimate times "
+        "cost_model.PESSIMISM) before the failure is at most this share above the loss at the failure (by the job's "
+        "loss curve): under a decaying learning rate a lag stays as a loss excess to the end of training.",
     )
 
-    @model_validator(mode="after")
-    def _guard_is_pessimistic(self) -> "RecoveryConfig":
-        if self.guard_reduction > self.expected_reduction:
-            raise ValueError(f"guard_reduction ({self.guard_reduction}) must not exceed expected_reduction "
-                             f"({self.expected_reduction}): the guard assumes the pessimistic case")
-        return self
+
+class PlannerConfig(_Strict):
+    failure_rate_per_hour: float = Field(
+        0.08, gt=0.0,
+        description="lambda before the job has failed: failures per hour of the whole job (all its ranks), the "
+        "paper's 0.08 by default (one in 12.5 h, from production traces). Take your cluster's record for jobs of "
+        "this many servers: failures per hour of running. The job's own restarts in recovery.jsonl update it.",
+    )
+    cost_model: Literal["empirical", "paper", "paper-eq14"] = Field(
+        "empirical",
+        description="The recovery cost model both the recovery decision and the planner use: empirical, "
+        "T_p = (1 - rho) d with rho measured per predictor by benchmarks/bench_recovery.py; paper: Eq. 13; "
+        "paper-eq14: its linearisation, Eq. 14.",
+    )
+    phase_threshold: float = Field(
+        0.05, gt=0.0,
+        description="A new training phase, and a new plan, begins once xi's accumulated relative change since the "
+        "phase began exceeds this (0.05 = 5 %, the paper's).",
+    )
+    replan_drift: float = Field(
+        0.2, gt=0.0,
+        description="Re-plan when a measured input (iteration time, T_s, persist time, lambda) has moved by more "
+        "than this share since the last plan.",
+    )
+    first_interval: int = Field(
+        50, gt=0, description="Iterations between checkpoints with checkpoint.interval auto, until the first "
+        "checkpoint's costs have been measured.")
+    max_interval: int = Field(10_000, gt=0, description="The longest interval auto plans, iterations.")
 
 
 class CPSRConfig(_Strict):
@@ -134,6 +173,7 @@ class CPSRConfig(_Strict):
     faults: FaultConfig = Field(default_factory=FaultConfig)
     predictor: PredictorConfig = Field(default_factory=PredictorConfig)
     recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)
+    planner: PlannerConfig = Field(default_factory=PlannerConfig)
 
     @model_validator(mode="after")
     def _history_is_retained(self) -> "CPSRConfig":

@@ -42,6 +42,8 @@ class FaultInjector:
         check_kill_rank(cfg, world_size)
         self.cfg = cfg
         self.rank = rank
+        at = cfg.kill_at_iteration
+        self.kill_at = frozenset([] if at is None else [at] if isinstance(at, int) else at)
         self.markers = os.path.join(directory, FAULTS_DIR)
         os.makedirs(self.markers, exist_ok=True)
         self.poisson = None
@@ -52,7 +54,7 @@ class FaultInjector:
 
     def check(self, iteration: int) -> None:
         """Called after every iteration; may not return."""
-        if self.cfg.kill_at_iteration == iteration and self.rank == self.cfg.kill_rank:
+        if iteration in self.kill_at and self.rank == self.cfg.kill_rank:
             self._fire(f"iteration-{iteration}-rank-{self.rank}", iteration)
         if self.poisson is not None:
             name, deadline, victim = self.poisson

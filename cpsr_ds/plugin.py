@@ -73,7 +73,8 @@ class Runtime:
             self.diverged_at = iteration
             logger.error("cpsr: the training loss is %s at iteration %d: training diverged; no checkpoint is saved "
                          "at an iteration whose loss is not finite", loss, iteration)
-        if iteration % self.cfg.checkpoint.interval == 0:
+        interval = self.cfg.checkpoint.interval
+        if iteration % (self.cfg.planner.first_interval if interval == "auto" else interval) == 0:
             if finite:
                 engine.save_checkpoint(self.directory, client_state=self._train_predictor(engine, iteration))
             else:

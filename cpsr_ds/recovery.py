@@ -11,18 +11,16 @@ checkpoint is c <= f, d = f - c iterations were lost. Two ways back (Section IV)
   engine and resume at batch f. Costs the lag T_p the prediction error causes
   (Eq. 13-14), which training heals by itself.
 
-"Controlled": the choice is made by a cost estimate and logged with its numbers.
-PB-R's cost is estimated as T_p = (1 - rho) * d, rho = ``recovery.expected_reduction``
-calibrated on the recovery benchmark (the planner issue replaces it with Eq. 13-14).
-The predictor's held-out error ``r`` (predicting the newest retained checkpoint from
-the older ones, relative to not predicting at all) did not predict the measured lag
-there (correlation -0.01 over 96 cases), so it serves as a guard against a diverging
-prediction: ``r >= max_relative_error`` means RB-R. The lag a prediction leaves is a
-lasting loss excess under a decaying learning rate, the loss the run had that many
-iterations before f. One recovery's lag varies far more than the mean, so the guard
-takes a pessimistic lag, (1 - ``guard_reduction``) * d; where the job's own loss
-curve says its excess exceeds ``max_loss_excess`` (early in training, where the loss
-falls fast), RB-R is chosen. An unready predictor means RB-R too.
+"Controlled": the choice is made by the recovery cost model (cost_model.py, the model
+``planner.cost_model`` names) and logged with its numbers: PB-R when its estimated lag
+T_p is below d and a pessimistic lag (cost_model.PESSIMISM times T_p) leaves a loss
+excess at f of at most ``max_loss_excess`` by the job's own loss curve (under a
+decaying learning rate a lag stays as a loss excess to the end of training; early in
+training, where the loss falls fast, this means RB-R). The predictor's held-out error
+``r`` (predicting the newest retained checkpoint from the older ones, relative to not
+predicting at all) did not predict the measured lag on the recovery benchmark
+(correlation -0.01 over 96 cases), so it serves as a guard against a diverging
+prediction: ``r >= max_relative_error`` means RB-R. An unready predictor means RB-R too.
 """
 
 from __future__ import annotations
@@ -47,6 +45,7 @@ from cpsr_ds.checkpoint.fileformat import is_finite
 from cpsr_ds.checkpoint.journal import Progress, journal_path, plausible, read_journal, read_progress
 from cpsr_ds.checkpoint.store import loadable_checkpoints
 from cpsr_ds.config import CPSRConfig, RecoveryConfig
+from cpsr_ds.cost_model import PESSIMISM, RECOMPUTE, Choice, EmpiricalModel, recovery_choice
 from cpsr_ds.fitter import fit_recent, loss_excess, recent_losses
 from cpsr_ds.predictor import NotReady, make_predictor
 
@@ -69,6 +68,7 @@ class RecoveryReport:
     predictor: str | None = None
     relative_error: float | None = None  # r: the predictor's held-out error
     estimated_cost: float | None = None  # T_p estimate, iterations
+    cost_model: str | None = None  # the model that estimated it (planner.cost_model)
     guard_lag: float | None = None  # the pessimistic lag the loss-excess guard assumes, iterations
     loss_excess: float | None = None  # the relative loss excess guard_lag iterations of lag leave at f
 
@@ -336,11 +336,13 @@ def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int) -> R
     if predictor.ready():
         held_out = predictor.validation_error()
         r = None if held_out is None else held_out.relative
-        lag = (1.0 - cfg.recovery.guard_reduction) * d
-        excess = expected_loss_excess(cfg.checkpoint.dir, f, lag)
-        numbers.update(relative_error=r, estimated_cost=(1.0 - cfg.recovery.expected_reduction) * d, guard_lag=lag,
-                       loss_excess=excess)
-        why, predicted = _prediction(cfg.recovery, predictor, f, r, lag, excess)
+        model = EmpiricalModel()
+        choice = recovery_choice(model.estimate(f, c, predictor.name), d,
+                                 lambda lag: expected_loss_excess(cfg.checkpoint.dir, f, lag),
+                                 cfg.recovery.max_loss_excess, PESSIMISM)
+        numbers.update(relative_error=r, estimated_cost=choice.estimate.lag, cost_model=model.name,
+                       guard_lag=choice.guard_lag, loss_excess=choice.loss_excess)
+        why, predicted = _prediction(cfg.recovery, predictor, f, r, choice)
     else:
         why, predicted = f"predictor {predictor.name} not ready", None
     # Readiness and the held-out error are each rank's own (its stage, its shard): one
@@ -350,16 +352,15 @@ def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int) -> R
         return RecoveryReport("recompute", f, c, c, reason=why, **numbers)
     load_engine_state(engine, predicted)
     advance_counters(engine, d)
-    reason = "recovery.mode is predict" if cfg.recovery.mode == "predict" else (
-        f"held-out error r = {r:.3f}" + ("" if excess is None else f", loss excess at a lag of {lag:.1f}: {excess:.2%}"))
+    reason = "recovery.mode is predict" if cfg.recovery.mode == "predict" else f"held-out error r = {r:.3f}, {choice.reason}"
     return RecoveryReport("predict", f, c, f, reason=reason, **numbers)
 
 
-def _prediction(rc: RecoveryConfig, predictor, f: int, r: float | None, lag: float,
-                excess: float | None) -> tuple[str | None, dict | None]:
+def _prediction(rc: RecoveryConfig, predictor, f: int, r: float | None,
+                choice: Choice) -> tuple[str | None, dict | None]:
     """This rank's (reason to recompute, None) or (None, the predicted state at f)."""
     if rc.mode == "auto":
-        why = fallback_reason(rc, r, lag, excess)
+        why = fallback_reason(rc, r, choice)
         if why is not None:
             return why, None
     try:
@@ -372,22 +373,18 @@ def _prediction(rc: RecoveryConfig, predictor, f: int, r: float | None, lag: flo
     return None, predicted
 
 
-def fallback_reason(rc: RecoveryConfig, r: float | None, lag: float, excess: float | None) -> str | None:
+def fallback_reason(rc: RecoveryConfig, r: float | None, choice: Choice) -> str | None:
     """Why ``recovery.mode: auto`` recomputes rather than predicts with a ready predictor; None: predict.
 
-    ``r``: the held-out error; ``lag``: the guard's pessimistic lag, iterations; ``excess``:
-    the relative loss excess that lag leaves (None where the journal is too short to tell).
-    A NaN in either recomputes: every comparison is written so that NaN fails it.
+    ``r``: the held-out error (a NaN fails the comparison, so recomputes); ``choice``: the
+    cost model's, with its loss-excess guard.
     """
     if r is None:
         return "the predictor has no held-out checkpoint to check it against"
     if not r < rc.max_relative_error:
         return f"held-out error r = {r:.3f}, not below max_relative_error {rc.max_relative_error}: a diverging prediction"
-    if excess is not None and not math.isfinite(excess):
-        return f"the loss excess a lag of {lag:.1f} iterations leaves is {excess} (non-finite losses in the journal)"
-    if excess is not None and excess > rc.max_loss_excess:
-        return (f"a lag of {lag:.1f} iterations would leave the loss {excess:.2%} higher, "
-                f"above max_loss_excess {rc.max_loss_excess:.2%}")
+    if choice.method == RECOMPUTE:
+        return choice.reason
     return None
 
 

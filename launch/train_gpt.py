@@ -61,9 +61,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     model.add_argument("--seq-length", type=int)
     cpsr = p.add_argument_group("cpsr (overrides the config's \"cpsr\" block)")
     cpsr.add_argument("--checkpoint-dir", help="cpsr.checkpoint.dir")
-    cpsr.add_argument("--checkpoint-interval", type=int, help="cpsr.checkpoint.interval")
+    cpsr.add_argument("--checkpoint-interval", type=interval, help='cpsr.checkpoint.interval: iterations, or "auto"')
     cpsr.add_argument("--kill-rank", type=int, help="cpsr.faults.kill_rank")
-    cpsr.add_argument("--kill-at-iteration", type=int, help="cpsr.faults.kill_at_iteration")
+    cpsr.add_argument("--kill-at-iteration", type=int, nargs="+", metavar="K",
+                      help="cpsr.faults.kill_at_iteration: one iteration or several (a failure trace)")
     cpsr.add_argument("--poisson-rate-per-hour", type=float, help="cpsr.faults.poisson_rate_per_hour")
     deepspeed.add_config_arguments(p)
     return p.parse_args(argv)
@@ -77,6 +78,11 @@ def _override(config: dict, path: str, value) -> None:
     for name in parents:
         config = config.setdefault(name, {})
     config[key] = value
+
+
+def interval(text: str) -> int | str:
+    """An argparse type: "auto" or an integer (the config's check names a bad one)."""
+    return text if text == "auto" else int(text)
 
 
 def build_config(args: argparse.Namespace) -> dict:

@@ -14,7 +14,7 @@ from cpsr_ds.config import FaultConfig
 @pytest.mark.parametrize(
     "block, message",
     [
-        ({"bogus": 1}, r"cpsr\.bogus: unknown key \(allowed: enabled, checkpoint, faults, predictor, recovery\)"),
+        ({"bogus": 1}, r"cpsr\.bogus: unknown key \(allowed: enabled, checkpoint, faults, predictor, recovery, planner\)"),
         ({"predictor": {"name": "lstm"}}, r"cpsr\.predictor\.name: Input should be 'skip', 'linear', 'trend', 'damped', 'ridge' or 'vitp'"),
         ({"recovery": {"mode": "guess"}}, r"cpsr\.recovery\.mode: Input should be 'auto', 'predict' or 'recompute'"),
         ({"recovery": {"max_relative_error": 0}}, r"cpsr\.recovery\.max_relative_error: Input should be greater than 0"),
@@ -22,13 +22,17 @@ from cpsr_ds.config import FaultConfig
          r"cpsr: checkpoint\.keep_last \(3\) must be at least predictor\.history \(5\)"),
         ({"checkpoint": {"keep_last": 8}, "predictor": {"name": "vitp", "history": 4}},
          r"cpsr: predictor\.history \(4\) must be at least 6 for vitp"),
-        ({"recovery": {"guard_reduction": 0.8}},
-         r"cpsr\.recovery: guard_reduction \(0\.8\) must not exceed expected_reduction \(0\.7\)"),
+        ({"recovery": {"guard_reduction": 0.5}}, r"cpsr\.recovery\.guard_reduction: unknown key"),
+        ({"planner": {"cost_model": "oracle"}},
+         r"cpsr\.planner\.cost_model: Input should be 'empirical', 'paper' or 'paper-eq14'"),
+        ({"planner": {"failure_rate_per_hour": 0}}, r"cpsr\.planner\.failure_rate_per_hour: Input should be greater than 0"),
+        ({"faults": {"kill_at_iteration": [30, 0]}},
+         r"cpsr\.faults\.kill_at_iteration: expected an iteration > 0, a list of them or null \(got \[30, 0\]\)"),
         ({"predictor": {"train_budget_s": None}},
          r"cpsr\.predictor: train_budget_s and train_steps are both null"),
         ({"checkpoint": {"intervall": 5}}, r"cpsr\.checkpoint\.intervall: unknown key \(allowed: dir, interval"),
-        ({"checkpoint": {"interval": 0}}, r"cpsr\.checkpoint\.interval: Input should be greater than 0 \(got 0\)"),
-        ({"checkpoint": {"interval": "50"}}, r"cpsr\.checkpoint\.interval: Input should be a valid integer"),
+        ({"checkpoint": {"interval": 0}}, r'cpsr\.checkpoint\.interval: expected a whole number of iterations > 0 or "auto" \(got 0\)'),
+        ({"checkpoint": {"interval": "50"}}, r'cpsr\.checkpoint\.interval: expected a whole number of iterations > 0 or "auto" \(got \'50\'\)'),
         ({"checkpoint": {"strategy": "fast"}}, r"cpsr\.checkpoint\.strategy: Input should be 'torch', 'checkfreq', 'pccheck' or 'cpsr'"),
         ({"faults": {"kill_rank": -1}}, r"cpsr\.faults\.kill_rank: Input should be greater than or equal to 0"),
         ({"faults": {"poisson_rate_per_hour": -0.5}}, r"cpsr\.faults\.poisson_rate_per_hour: Input should be greater than or equal to 0"),
@@ -87,7 +91,7 @@ def test_launcher_rejects_a_bad_block_before_training(tmp_path):
         capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONWARNINGS="ignore"),
     )  # fmt: skip
     assert result.returncode != 0
-    assert "cpsr.checkpoint.interval: Input should be greater than 0" in result.stderr
+    assert 'cpsr.checkpoint.interval: expected a whole number of iterations > 0 or "auto" (got 0)' in result.stderr
     assert "iteration" not in result.stdout
 
 

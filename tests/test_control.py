@@ -11,6 +11,7 @@ from deepspeed.runtime.lr_schedules import WarmupCosineLR, WarmupLR
 
 from cpsr_ds.checkpoint.journal import Entry, ProgressJournal, Progress
 from cpsr_ds.config import RecoveryConfig
+from cpsr_ds.cost_model import PESSIMISM, Estimate, recovery_choice
 from cpsr_ds.fitter import MIN_POINTS, fit_recent, loss_excess
 from cpsr_ds.lag import CurveFit
 from cpsr_ds.recovery import advance_counters, expected_loss_excess, fallback_reason, implausible_reach
@@ -54,6 +55,12 @@ def test_a_rerun_iteration_counts_once_and_a_short_journal_gives_no_estimate(tmp
     assert expected_loss_excess(journal(tmp_path / "short", {i: 3.0 for i in range(1, MIN_POINTS)}), 20, 5) is None
 
 
+def choice(excess):
+    """The empirical model's choice for a failure that lost 25 iterations, the guard's excess given."""
+    return recovery_choice(Estimate("empirical", 7.75), 25, lambda lag: excess, RecoveryConfig().max_loss_excess,
+                           PESSIMISM)
+
+
 @pytest.mark.parametrize("r, excess, recomputes", [
     (None, 0.001, "no held-out checkpoint"),
     (1.6, 0.001, "diverging"),
@@ -65,7 +72,7 @@ def test_a_rerun_iteration_counts_once_and_a_short_journal_gives_no_estimate(tmp
     (0.9, math.inf, "non-finite losses"),
 ])
 def test_auto_recomputes_for_an_unchecked_or_diverging_predictor_or_too_much_loss(r, excess, recomputes):
-    why = fallback_reason(RecoveryConfig(), r, lag=12.5, excess=excess)
+    why = fallback_reason(RecoveryConfig(), r, choice(excess))
     assert why is None if recomputes is None else recomputes in why
 
 
@@ -74,7 +81,7 @@ def test_a_nan_loss_where_the_fit_looks_gives_no_finite_estimate_and_auto_recomp
     directory = journal(tmp_path, {**losses, 390: math.nan})
     excess = expected_loss_excess(directory, 400, 10)
     assert math.isnan(excess)
-    assert "non-finite losses" in fallback_reason(RecoveryConfig(), 0.5, lag=10, excess=excess)
+    assert "non-finite losses" in fallback_reason(RecoveryConfig(), 0.5, choice(excess))
     # Outside the span the fit reads (f/2..f) a diverged loss changes nothing.
     assert math.isfinite(expected_loss_excess(journal(tmp_path / "early", {**losses, 20: math.nan}), 400, 10))
 

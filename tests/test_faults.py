@@ -42,6 +42,13 @@ def test_kill_fires_once_per_run_directory(tmp_path):
     assert second.returncode == 0 and last_iteration(second.stdout) == 199
 
 
+def test_a_failure_trace_fires_each_iteration_once_in_order(tmp_path):
+    stops = [last_iteration(run_child(tmp_path, rank=1, kill_at=[7, 3, 12]).stdout) for _ in range(3)]
+    assert stops == [2, 6, 11]
+    assert sorted(os.listdir(tmp_path / "faults")) == ["iteration-12-rank-1", "iteration-3-rank-1", "iteration-7-rank-1"]
+    assert run_child(tmp_path, rank=1, kill_at=[7, 3, 12]).returncode == 0
+
+
 def test_other_ranks_are_not_killed(tmp_path):
     assert run_child(tmp_path, rank=0).returncode == 0
 
