@@ -1,4 +1,5 @@
 """Command line: ``python -m cpsr_ds inspect CKPT_DIR`` lists checkpoints and journal progress;
+``python -m cpsr_ds plan RUN_DIR [--plot FILE.png]`` shows a run's plans beside the checkpoints it took;
 ``python -m cpsr_ds plan --lambda L --ts S --alpha1 ...`` plans a checkpoint interval for given inputs."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import os
 import sys
 from typing import Optional
 
-from cpsr_ds import planner
+from cpsr_ds import plan_report, planner
 from cpsr_ds.checkpoint import store
 from cpsr_ds.checkpoint.journal import reached_iteration
 
@@ -61,14 +62,57 @@ def _emit(report: dict, as_json: bool, print_text) -> int:
     return 0
 
 
-def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+# The what-if plan's inputs: (flag, dest, help); all are needed.
+WHAT_IF_INPUTS = (("--lambda", "lam", "failures per iteration"), ("--ts", "ts", "T_s: checkpoint cost"),
+                  ("--alpha1", "alpha1", "loss curve exp(-alpha1 t + alpha2) (Eq. 11)"),
+                  ("--alpha2", "alpha2", "loss curve (Eq. 11)"),
+                  ("--tau1", "tau1", "predictor error exp(-tau1 t / T_c + tau2) (Eq. 8)"),
+                  ("--tau2", "tau2", "predictor error (Eq. 8)"), ("--xi", "xi", "curvature (Eq. 7)"),
+                  ("--np", "np", "N_p: parameters of the stage"))
+# The what-if plan's options: (flag, dest, type, default, help).
+WHAT_IF_OPTIONS = (("--t", "t", float, None, "report Delta F and T_p for a failure at this iteration"),
+                   ("--persist", "persist", float, 0.0, "persist time of one checkpoint"),
+                   ("--in-flight", "in_flight", int, 1, "checkpoints persisting at once"),
+                   ("--budget", "budget", float, 0.02, "CheckFreq's and PCcheck's overhead budget"),
+                   ("--max-interval", "max_interval", float, planner.MAX_INTERVAL, "longest interval planned"))
+
+
+def _what_if(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    missing = [flag for flag, dest, _ in WHAT_IF_INPUTS if getattr(args, dest) is None]
+    if missing:
+        parser.error(f"give RUN_DIR, or every what-if input: missing {', '.join(missing)}")
+    options = {dest: default if getattr(args, dest) is None else getattr(args, dest)
+               for _, dest, _, default, _ in WHAT_IF_OPTIONS}
     try:
         p = planner.PbrParams(args.alpha1, args.alpha2, args.tau1, args.tau2, args.xi, args.np)
-        report = planner.what_if(args.lam, args.ts, p, t=args.t, persist=args.persist, in_flight=args.in_flight,
-                                 budget=args.budget, max_interval=args.max_interval)
+        report = planner.what_if(args.lam, args.ts, p, **options)
     except ValueError as e:
         parser.error(str(e))
     return _emit(report, args.json, _print_plan)
+
+
+def _run_plans(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    if not os.path.isdir(args.run_dir):
+        parser.error(f"{args.run_dir}: not a directory")
+    report = plan_report.run_report(args.run_dir)
+    if args.plot:
+        try:
+            plan_report.plot_run(args.run_dir, report, args.plot)
+        except (plan_report.PlotUnavailable, OSError) as err:
+            print(f"python -m cpsr_ds plan: cannot plot to {args.plot}: {err}", file=sys.stderr)
+            return 1
+    return _emit(report, args.json, plan_report.print_report)
+
+
+def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    given = [flag for flag, dest, *_ in WHAT_IF_INPUTS + WHAT_IF_OPTIONS if getattr(args, dest) is not None]
+    if args.run_dir is None:
+        if args.plot:
+            parser.error("--plot needs RUN_DIR")
+        return _what_if(parser, args)
+    if given:
+        parser.error(f"give RUN_DIR ({args.run_dir}) or the what-if inputs ({', '.join(given)}), not both")
+    return _run_plans(parser, args)
 
 
 def _inspect(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -84,22 +128,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     insp.add_argument("ckpt_dir")
     insp.add_argument("--json", action="store_true", help="print the report as JSON")
     insp.add_argument("--no-checksums", action="store_true", help="check sizes only, do not read the data")
-    plan = sub.add_parser("plan", help="plan the checkpoint interval for given inputs (times in iterations)")
-    for flag, dest, text in (("--lambda", "lam", "failures per iteration"), ("--ts", "ts", "T_s: checkpoint cost"),
-                             ("--alpha1", "alpha1", "loss curve exp(-alpha1 t + alpha2) (Eq. 11)"),
-                             ("--alpha2", "alpha2", "loss curve (Eq. 11)"),
-                             ("--tau1", "tau1", "predictor error exp(-tau1 t / T_c + tau2) (Eq. 8)"),
-                             ("--tau2", "tau2", "predictor error (Eq. 8)"), ("--xi", "xi", "curvature (Eq. 7)"),
-                             ("--np", "np", "N_p: parameters of the stage")):
-        plan.add_argument(flag, dest=dest, type=float, required=True, help=text)
-    plan.add_argument("--t", type=float, help="report Delta F and T_p for a failure at this iteration")
-    plan.add_argument("--persist", type=float, default=0.0, help="persist time of one checkpoint")
-    plan.add_argument("--in-flight", type=int, default=1, help="checkpoints persisting at once")
-    plan.add_argument("--budget", type=float, default=0.02, help="CheckFreq's and PCcheck's overhead budget")
-    plan.add_argument("--max-interval", type=float, default=planner.MAX_INTERVAL, help="longest interval planned")
-    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan = sub.add_parser("plan", help="a run's plans and checkpoints (RUN_DIR), or a what-if plan for given "
+                                        "inputs (times in iterations)")
+    plan.add_argument("run_dir", nargs="?", metavar="RUN_DIR", help="a run directory (checkpoint.dir)")
+    plan.add_argument("--plot", metavar="FILE.png", help="with RUN_DIR: plot the losses, the plans' fits, the "
+                                                         "checkpoints and the planned interval")
+    for flag, dest, text in WHAT_IF_INPUTS:
+        plan.add_argument(flag, dest=dest, type=float, help=text)
+    for flag, dest, kind, default, text in WHAT_IF_OPTIONS:
+        plan.add_argument(flag, dest=dest, type=kind, help=text if default is None else f"{text} (default {default:g})")
+    plan.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
-    return (_plan if args.command == "plan" else _inspect)(parser, args)
+    return _plan(plan, args) if args.command == "plan" else _inspect(insp, args)
 
 
 if __name__ == "__main__":
