@@ -31,6 +31,12 @@ which fit_loss_p fits on errors of predicting one interval ahead. At a failure:
 Hence T_p = ln(1 + x) / alpha1 (Eq. 13), or x / alpha1 (Eq. 14), with
 x = exp(alpha1 f - alpha2) * xi N_p exp(-tau1 c / T_c + tau2) (d / T_c)^2 / 2.
 
+Why the paper model estimates about 1/1000 of the measured lags (bench_recovery --quick, N_p = 136,960,
+xi ~ 7.3e-6): Eq. 10 drops Eq. 6's first-order term, gradient x deviation, as small beside the second on
+GPT3-3.35B; for a deviation uncorrelated with the gradient their ratio is about 2 / sqrt(N_p xi loss_p), which
+grows as N_p shrinks and is 900 to 1300 on that benchmark, and the measured loss gap right after restoring is
+1,200 (ridge) to 10,600 (linear) times Eq. 10's deviation, growing as d^1.5 to d^1.7 (second order alone: d^2).
+
 The loss-excess guard belongs to the model: :func:`recovery_choice` predicts only where
 the estimate is below d and a pessimistic lag (``pessimism`` times the estimate) leaves
 a relative loss excess at f (by the job's loss curve: fitter.loss_excess) of at most the

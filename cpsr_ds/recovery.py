@@ -30,6 +30,7 @@ import logging
 import math
 import os
 from dataclasses import asdict, dataclass
+from statistics import median
 
 import torch
 import torch.distributed as dist
@@ -45,9 +46,21 @@ from cpsr_ds.checkpoint.fileformat import is_finite
 from cpsr_ds.checkpoint.journal import Progress, journal_path, plausible, read_journal, read_progress
 from cpsr_ds.checkpoint.store import loadable_checkpoints
 from cpsr_ds.config import CPSRConfig, RecoveryConfig
-from cpsr_ds.cost_model import PESSIMISM, RECOMPUTE, Choice, EmpiricalModel, recovery_choice
-from cpsr_ds.fitter import fit_recent, loss_excess, recent_losses
+from cpsr_ds.cost_model import PESSIMISM, RECOMPUTE, Choice, CostModel, EmpiricalModel, paper_model, recovery_choice
+from cpsr_ds.fitter import (
+    MIN_CHECKPOINTS,
+    TOO_FEW,
+    AccuracyFit,
+    NoFit,
+    fit_loss_o,
+    fit_loss_p,
+    fit_recent,
+    loss_excess,
+    recent_losses,
+    stage_xi,
+)
 from cpsr_ds.predictor import NotReady, make_predictor
+from cpsr_ds.runlog import MEASUREMENTS_DIR, held_out_errors, read_measurements
 
 log = logging.getLogger(__name__)
 
@@ -310,7 +323,8 @@ def recover(engine, cfg: CPSRConfig, predictor) -> RecoveryReport:
         predictor.load_state_dict(client_state[PREDICTOR_STATE])
     for iteration, state in history:
         predictor.observe(iteration, state)
-    return _decide(engine, cfg, predictor, progress, engine.global_steps)
+    # The newest of the history is c's state, the one the engine holds.
+    return _decide(engine, cfg, predictor, progress, engine.global_steps, history[-1][1])
 
 
 def implausible_reach(progress: Progress, c: int, planned: int | None) -> str | None:
@@ -325,7 +339,8 @@ def implausible_reach(progress: Progress, c: int, planned: int | None) -> str | 
     return None
 
 
-def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int) -> RecoveryReport:
+def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int, state: dict) -> RecoveryReport:
+    """PB-R or RB-R for a failure at the journal's f, the engine holding checkpoint c, ``state`` its engine_state."""
     f = progress.reached
     d = f - c
     implausible = implausible_reach(progress, c, planned_iterations(engine))
@@ -336,7 +351,7 @@ def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int) -> R
     if predictor.ready():
         held_out = predictor.validation_error()
         r = None if held_out is None else held_out.relative
-        model = EmpiricalModel()
+        model = recovery_model(cfg.planner.cost_model, cfg.checkpoint.dir, engine.stage_id, predictor.name, f, c, state)
         choice = recovery_choice(model.estimate(f, c, predictor.name), d,
                                  lambda lag: expected_loss_excess(cfg.checkpoint.dir, f, lag),
                                  cfg.recovery.max_loss_excess, PESSIMISM)
@@ -388,16 +403,56 @@ def fallback_reason(rc: RecoveryConfig, r: float | None, choice: Choice) -> str 
     return None
 
 
+def journal_losses(directory: str) -> dict[int, float]:
+    """Rank 0's journaled losses by iteration: every rank reads the same, so that all make the same choice."""
+    path = journal_path(directory, 0)
+    entries, _ = plausible(path, read_journal(path))
+    return {e.iteration: e.loss for e in entries}
+
+
 def expected_loss_excess(directory: str, f: int, lag: float) -> float | None:
     """The relative loss excess a lag of ``lag`` iterations costs at f, by the journal's losses (None: too few).
 
-    Every rank reads rank 0's journal, so that all make the same choice. A non-finite
-    loss where the fit looks gives NaN, not a fit: the run diverged there.
+    A non-finite loss where the fit looks gives NaN, not a fit: the run diverged there.
     """
-    path = journal_path(directory, 0)
-    entries, _ = plausible(path, read_journal(path))
-    recent = recent_losses({e.iteration: e.loss for e in entries}, f)
+    recent = recent_losses(journal_losses(directory), f)
     if not all(math.isfinite(loss) for loss in recent.values()):
         return math.nan
     curve = fit_recent(recent, f)
     return None if curve is None else loss_excess(curve, f, lag)
+
+
+# ---------------------------------------------------------------- the cost model
+
+
+def recovery_model(name: str, directory: str, stage: int, predictor: str, f: int, c: int, state: dict) -> CostModel:
+    """The recovery cost model ``planner.cost_model`` names, for a failure at f restored from checkpoint c.
+
+    The paper's (Eq. 13; Eq. 14 for ``paper-eq14``) is built from the run's own records:
+    Eq. 11 over rank 0's journal losses up to f (the recent window fit_loss_o takes),
+    Eq. 8 over the held-out errors the measurements hold for ``stage`` and ``predictor``
+    at the checkpoints up to c, and xi and N_p (Eq. 7) of ``state``, the stage's state at c.
+    Each error was measured predicting a checkpoint one interval ahead; under interval
+    auto the intervals differ, so T_c is the median spacing of the checkpoints the
+    errors were measured at. A missing input (no measurements: a run from before they
+    were recorded, or one in recovery.mode recompute) or a NoFit leaves the model
+    without params, and its estimate says why.
+    """
+    if name == "empirical":
+        return EmpiricalModel()
+    if name not in ("paper", "paper-eq14"):
+        raise ValueError(f"planner.cost_model {name!r}: not a recovery cost model (empirical, paper, paper-eq14)")
+    rows, problems = read_measurements(directory)
+    for problem in problems:
+        log.warning("cpsr recovery: skipping a damaged measurement: %s", problem)
+    whose = f"{predictor} for stage {stage} up to iteration {c} in {os.path.join(directory, MEASUREMENTS_DIR)}"
+    accuracy = accuracy_fit(held_out_errors(rows, stage, predictor, upto=c), whose)
+    return paper_model(fit_loss_o(journal_losses(directory), f), accuracy, stage_xi(state), exact=name == "paper")
+
+
+def accuracy_fit(points: list[tuple[int, float]], where: str) -> AccuracyFit | NoFit:
+    """Eq. 8 over (checkpoint iteration, held-out error) ``points`` at their median spacing; ``where``: whose."""
+    if len(points) < MIN_CHECKPOINTS:
+        return NoFit(TOO_FEW, f"{len(points)} held-out errors of {where}, need at least {MIN_CHECKPOINTS}")
+    iterations = [t for t, _ in points]
+    return fit_loss_p(points, float(median(b - a for a, b in zip(iterations, iterations[1:]))))

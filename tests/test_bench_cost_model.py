@@ -100,4 +100,33 @@ def test_cost_model_check_per_model_and_predictor_survives_the_json_round_trip(b
     assert trend["paper"]["spearman"] == pytest.approx(1.0) and trend["paper"]["median_ratio"] == pytest.approx(2.0)
     assert linear["paper"]["spearman"] == pytest.approx(-1.0) and linear["paper"]["unmeasurable"] == 1
     assert trend["empirical"]["spearman"] is None  # a constant estimate ranks nothing
-    assert check["all"]["paper"]["n"] == 8 and check["in_sample"] == ["empirical"]
+    assert check["all"]["paper"]["n"] == 8 and check["in_sample"] == []
+
+
+def predicted(bench, seed, method, lag, d=25):
+    measured = None if lag is None else 1 - lag / d
+    return bench.Case(seed, method, 50, 500, d, lag, measured, lag, measured, 0.0, None, 0.0,
+                      f"predict (PB-R) with {method}: resuming", cost_model={"estimates": {"empirical": 1.0}})
+
+
+def test_the_empirical_model_is_checked_with_rho_from_the_other_seeds(bench):
+    # trend saves 90 % of d on seed 1, 50 % on seed 2, 10 % on seed 3: one rho from all seeds would estimate
+    # every case alike, the rho of the other seeds ranks them backwards.
+    lags = {1: (2.5, 3.0), 2: (12.5, 13.0), 3: (22.5, 23.0)}
+    cases = [predicted(bench, seed, "trend", lag) for seed, pair in lags.items() for lag in pair]
+    cases += [predicted(bench, 1, "trend", None), predicted(bench, 2, "skip", 20.0)]  # unmeasurable; one seed only
+    cases += [case(bench, "recompute", 25.0, {}, "RB-R")]
+    rho = bench.out_of_seed_reductions(cases)
+    assert rho[1]["trend"] == pytest.approx(sum(1 - lag / 25 for s in (2, 3) for lag in lags[s]) / 4)
+    assert rho[3]["trend"] == pytest.approx(sum(1 - lag / 25 for s in (1, 2) for lag in lags[s]) / 4)
+    assert "skip" not in rho[2] and rho[1]["skip"] == pytest.approx(0.2)
+    checked = bench.with_out_of_seed_empirical(cases, rho)
+    estimates = [c.cost_model["estimates"]["empirical"] for c in checked[:6]]
+    assert estimates == pytest.approx([(1 - rho[seed]["trend"]) * 25 for seed in (1, 1, 2, 2, 3, 3)])
+    skip = checked[7].cost_model
+    assert skip["estimates"]["empirical"] is None and "no measured reduction for predictor 'skip'" in \
+        skip["reasons"]["empirical"]
+    trend = bench.cost_model_check(checked)["by_predictor"]["trend"]["empirical"]
+    assert trend["n"] == 6 and trend["unmeasurable"] == 1 and trend["spearman"] < -0.9
+    # In sample, one rho per predictor: a constant estimate, which ranks nothing.
+    assert bench.cost_model_check(cases)["by_predictor"]["trend"]["empirical"]["spearman"] is None

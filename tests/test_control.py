@@ -9,12 +9,20 @@ import pytest
 import torch
 from deepspeed.runtime.lr_schedules import WarmupCosineLR, WarmupLR
 
+from cpsr_ds import runlog
 from cpsr_ds.checkpoint.journal import Entry, ProgressJournal, Progress
-from cpsr_ds.config import RecoveryConfig
-from cpsr_ds.cost_model import PESSIMISM, Estimate, recovery_choice
+from cpsr_ds.config import CPSRConfig, RecoveryConfig
+from cpsr_ds.cost_model import MEASURED_REDUCTION, PESSIMISM, EmpiricalModel, Estimate, recovery_choice
 from cpsr_ds.fitter import MIN_POINTS, fit_recent, loss_excess
 from cpsr_ds.lag import CurveFit
-from cpsr_ds.recovery import advance_counters, expected_loss_excess, fallback_reason, implausible_reach
+from cpsr_ds.recovery import (
+    _decide,
+    advance_counters,
+    expected_loss_excess,
+    fallback_reason,
+    implausible_reach,
+    recovery_model,
+)
 
 
 def journal(tmp_path, losses):
@@ -128,3 +136,120 @@ def test_counters_advance_in_one_step_of_a_deepspeed_schedule(scheduler_class, p
     advance_counters(jumped, 99999999999)
     assert time.perf_counter() - start < 1.0
     assert jumped.lr_scheduler.last_batch_iteration == stepped.lr_scheduler.last_batch_iteration + 99999999999
+
+
+# ---------------------------------------------------------------- the model planner.cost_model names
+
+ALPHA1, ALPHA2, TAU1, TAU2 = 2e-4, 1.0, 0.1, 0.5
+C, F = 400, 420
+# Checkpoints the held-out errors were measured at, unevenly spaced as under interval auto: median spacing 50.
+MEASURED_AT = (100, 150, 200, 300, 350, 400)
+
+
+def stage_state(second_moment=0.01):
+    """A stage of 4 parameters; exp_avg_sq None: an optimizer without a second moment."""
+    state = {"param/weight": torch.ones(2, 2), "exp_avg/weight": torch.zeros(2, 2)}
+    if second_moment is not None:
+        state["exp_avg_sq/weight"] = torch.full((2, 2), second_moment)
+    return state
+
+
+def held_out(t, T_c=50.0):
+    return math.exp(-TAU1 * t / T_c + TAU2)
+
+
+def record(directory, errors, stage=0, predictor="trend"):
+    for t, error in errors:
+        runlog.append(runlog.measurements_path(str(directory), stage), runlog.StateRow(
+            t, stage, stage, 0, predictor, n_p=4, xi=0.01, held_out_error=error, relative_error=0.5))
+
+
+def run_dir(tmp_path, errors=None):
+    """A run that failed after F: rank 0's journal on Eq. 11, and (``errors``, default Eq. 8's) stage 0's measurements."""
+    directory = journal(tmp_path, {i: math.exp(-ALPHA1 * i + ALPHA2) for i in range(1, F + 1)})
+    record(directory, [(t, held_out(t)) for t in MEASURED_AT] if errors is None else errors)
+    return directory
+
+
+def eq13(exact=True):
+    """The lag Eq. 13 (Eq. 14) gives at F from C with xi 0.01 over 4 parameters and T_c 50, by hand."""
+    x = math.exp(ALPHA1 * F - ALPHA2) * 0.01 * 4 * held_out(C) * ((F - C) / 50) ** 2 / 2
+    return (math.log1p(x) if exact else x) / ALPHA1
+
+
+def test_paper_model_is_built_from_the_runs_journal_measurements_and_state(tmp_path):
+    directory = run_dir(tmp_path)
+    record(directory, [(450, 1e3)])  # after c: not seen at c
+    record(directory, [(t, 1e3 * held_out(t)) for t in MEASURED_AT], predictor="linear")
+    record(directory, [(t, 1e3 * held_out(t)) for t in MEASURED_AT], stage=1)
+    model = recovery_model("paper", directory, 0, "trend", F, C, stage_state())
+    assert model.T_c == 50.0 and model.exact
+    p = model.params
+    assert (p.alpha1, p.alpha2, p.tau1, p.tau2) == pytest.approx((ALPHA1, ALPHA2, TAU1, TAU2), rel=1e-6)
+    assert (p.xi, p.N_p) == (pytest.approx(0.01), 4)
+    assert not recovery_model("paper-eq14", directory, 0, "trend", F, C, stage_state()).exact
+    assert recovery_model("empirical", directory, 0, "trend", F, C, stage_state()) == EmpiricalModel()
+    with pytest.raises(ValueError, match="'eq13'"):
+        recovery_model("eq13", directory, 0, "trend", F, C, stage_state())
+
+
+class FixedPredictor:
+    """A ready predictor whose prediction is ``state``; held-out error r = 0.5."""
+
+    name = "trend"
+
+    def __init__(self, state):
+        self.state = state
+
+    def ready(self):
+        return True
+
+    def validation_error(self):
+        return SimpleNamespace(relative=0.5)
+
+    def predict(self, f):
+        return {key: value.clone() for key, value in self.state.items()}
+
+
+def small_engine(stage=0):
+    """The engine surface recovery writes a prediction into: one 2 x 2 weight under AdamW, one step taken."""
+    module = torch.nn.Linear(2, 2, bias=False)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=0.001)
+    module(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    return SimpleNamespace(module=module, optimizer=optimizer, lr_scheduler=None, stage_id=stage, global_steps=C,
+                           global_samples=C * 8, train_batch_size=lambda: 8)
+
+
+def decide(directory, name, engine=None, state=None):
+    cfg = CPSRConfig.parse_block({"checkpoint": {"dir": directory}, "planner": {"cost_model": name}})
+    state = stage_state() if state is None else state
+    progress = Progress({0: [Entry(i, 1.0, 0.0) for i in range(1, F + 1)]}, F)
+    return _decide(engine or small_engine(), cfg, FixedPredictor(state), progress, C, state)
+
+
+@pytest.mark.parametrize("name, lag", [
+    ("empirical", (1 - MEASURED_REDUCTION["trend"]) * (F - C)),
+    ("paper", eq13()),
+    ("paper-eq14", eq13(exact=False)),
+])
+def test_the_decision_uses_the_model_planner_cost_model_names(tmp_path, name, lag):
+    report = decide(run_dir(tmp_path), name)
+    assert report.method == "predict" and report.resume_iteration == F
+    assert report.cost_model == name
+    assert report.estimated_cost == pytest.approx(lag, rel=1e-6)
+    assert f"{name} estimates a lag of {lag:.1f}" in report.reason
+
+
+@pytest.mark.parametrize("errors, stage, second_moment, why", [
+    ([], 0, 0.01, "0 held-out errors of trend for stage 0 up to iteration 400"),  # no measurements file
+    (None, 1, 0.01, "0 held-out errors of trend for stage 1"),  # another stage's only
+    ([(t, 1e-4) for t in MEASURED_AT], 0, 0.01, "held-out errors do not fall measurably"),
+    (None, 0, None, "xi (Eq. 7): no exp_avg_sq"),
+])
+def test_without_the_paper_models_inputs_the_decision_recomputes_saying_why(tmp_path, errors, stage, second_moment,
+                                                                            why):
+    report = decide(run_dir(tmp_path, errors), "paper", small_engine(stage), stage_state(second_moment))
+    assert report.method == "recompute" and report.resume_iteration == C
+    assert report.cost_model == "paper" and report.estimated_cost is None
+    assert report.reason.startswith("no paper estimate: ") and why in report.reason
