@@ -179,9 +179,9 @@ class Runtime:
     def _checkpoint(self, engine: PipelineEngine, iteration: int) -> None:
         """Save, feed the predictor, record the state; the time it all takes is the checkpoint's own."""
         t0 = time.perf_counter()
-        state = engine_state(engine) if self.observing or self.learning else None
+        state = self._state(engine, iteration) if self.observing or self.learning else None
         client_state = {}
-        if self.predictor is not None:
+        if self.predictor is not None and state is not None:
             self.predictor.observe(iteration, state)
             if self.learning:
                 # A learning predictor trains a little; its weights go with the checkpoint.
@@ -189,9 +189,19 @@ class Runtime:
                                     n_steps=self.cfg.predictor.train_steps)
                 client_state = {PREDICTOR_STATE: self.predictor.state_dict(include_history=False)}
         engine.save_checkpoint(self.directory, client_state=client_state)
-        if self.observing:
+        if self.observing and state is not None:
             self._record_state(iteration, state)
         self.meter.start(iteration, f"global_step{iteration}", time.perf_counter() - t0)
+
+    @staticmethod
+    def _state(engine: PipelineEngine, iteration: int) -> dict | None:
+        """The stage's state for the predictor and the StateRow; None before the optimizer's first step."""
+        try:
+            return engine_state(engine)
+        except KeyError as err:  # the same on every rank: no step has made Adam's moments yet
+            logger.warning("cpsr: no state recorded at the checkpoint of iteration %d: the optimizer has no %s yet",
+                           iteration, err)
+            return None
 
     def _record_state(self, iteration: int, state: dict) -> None:
         curvature = stage_xi(state)
