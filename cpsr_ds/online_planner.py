@@ -475,11 +475,13 @@ def _plan(job: JobInputs, stages: Sequence[StageInputs], excess_at, lam: float, 
 def describe(reason: str, planned: Planned, model: str, phase: int) -> str:
     """The plan's log line."""
     def number(v):
+        if isinstance(v, str):
+            return v
         if isinstance(v, list):
             return "[" + ", ".join(number(x) for x in v) + "]"
         return f"{v:.4g}" if _finite(v) else str(v)
 
     said = [f"{k} {number(v)}" for k, v in planned.inputs.items()
-            if k in ("lambda_per_hour", "iteration_time_s", "T_s", "persist", "alpha1", "xi", "N_p")]
+            if k in ("lambda_per_hour", "iteration_time_s", "T_s", "persist", "alpha1", "xi", "N_p", "drift")]
     return "; ".join(filter(None, [f"cpsr plan ({reason}, phase {phase}, {model} model): T_c = {planned.T_c} iterations, "
                       f"planned for {planned.recovery}", ", ".join(said), planned.fallback]))

@@ -305,7 +305,7 @@ class Runtime:
                         cfg.recovery.max_loss_excess, cfg.planner.max_interval, self.interval, n, hours)
         planned = plan(job, stages, lambda lag: expected_loss_excess(self.directory, iteration, lag))
         if moved:
-            planned = replace(planned, fallback="; ".join(filter(None, ["drift: " + ", ".join(moved), planned.fallback])))
+            planned = replace(planned, inputs={**planned.inputs, "drift": moved})
         self._write_plan(iteration, reason, phase, planned)
         self.planned, self.planned_phase = now, phase
         return planned.T_c
