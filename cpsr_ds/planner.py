@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Callable, Optional, Sequence
 
 import numpy as np
@@ -212,15 +213,34 @@ def pbr_cost_rate(T_c, lam: float, T_s: float, p: PbrParams, persist: float = 0.
     return checkpoints + lam * expected_pbr_cost(T_c, lam, p, exact)
 
 
+def _checkpoint_and_lost(T_c, lam, T_s, persist, in_flight):
+    """Eq. 15's two terms under recomputing: lambda T_s' / (exp(lambda P) - 1), the checkpoints, and
+    1 - lambda P / (exp(lambda P) - 1), the work lost since the last one (P = T_c + T_s')."""
+    lam, T_s_eff, period = _period_costs(T_c, lam, T_s, persist, in_flight)
+    with np.errstate(over="ignore"):  # exp(lambda P) = inf: no checkpoint completes before a failure
+        growth = np.expm1(lam * period)
+        return lam * T_s_eff / growth, 1.0 - lam * period / growth
+
+
 def recompute_cost_rate(T_c, lam: float, T_s: float, persist: float = 0.0, in_flight: int = 1) -> np.ndarray:
     """The cost rate of recomputing-based recovery at interval T_c (Eq. 15 with T_r = t - i P).
 
     Checkpoints plus the work lost since the last one: 1 - lambda T_c / (exp(lambda P) - 1),
     P = T_c + T_s'. Young's and Daly's intervals approximate its minimum.
     """
-    lam, _, period = _period_costs(T_c, lam, T_s, persist, in_flight)
-    with np.errstate(over="ignore"):
-        return 1.0 - lam * _intervals(T_c) / np.expm1(lam * period)
+    return empirical_cost_rate(T_c, lam, T_s, 0.0, persist, in_flight)
+
+
+def empirical_cost_rate(T_c, lam: float, T_s: float, rho: float, persist: float = 0.0,
+                        in_flight: int = 1) -> np.ndarray:
+    """The cost rate under the empirical recovery model T_p = (1 - rho) d: recompute_cost_rate's
+    checkpoint term plus (1 - rho) times its lost-work term. rho = 0 is recompute_cost_rate; its
+    minimum lies near Young's interval for lambda (1 - rho), sqrt(2 T_s / ((1 - rho) lambda)).
+    """
+    if not 0 <= _finite("rho", rho) < 1:
+        raise ValueError(f"rho must be in [0, 1), got {rho!r}")
+    checkpoints, lost = _checkpoint_and_lost(T_c, lam, T_s, persist, in_flight)
+    return checkpoints + (1.0 - rho) * lost
 
 
 def minimize_interval(cost: Callable, max_interval: float = MAX_INTERVAL) -> float:
@@ -398,27 +418,71 @@ def plan_stage(lam: float, costs: StageCosts, p: PbrParams, max_interval: float 
 
 
 @dataclass(frozen=True)
+class EmpiricalPlan:
+    """One stage's interval under the empirical model (rho: the predictor's measured reduction,
+    0 for recomputing); T_c_young: Young's interval at lambda (1 - rho), for comparison."""
+
+    T_c: int
+    method: str  # "empirical", or "recompute" where rho = 0
+    rho: float
+    T_c_young: float
+    cost_rate: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
 class JobPlan:
     """Each stage's own plan, and the one interval the job checkpoints at (iterations)."""
 
     T_c: int
     cost_rate: float
-    stages: tuple[Plan, ...]
+    stages: tuple  # Plan per stage (plan_job) or EmpiricalPlan (plan_job_empirical)
+
+
+def _job(costs: Sequence[Callable], stages: tuple, max_interval: float) -> JobPlan:
+    """The job-wide T_c minimising the summed cost rates ``costs`` of its stages."""
+    if not costs:
+        raise ValueError("stages is empty: a job has at least one stage")
+
+    def cost(T_c):
+        return sum(c(T_c) for c in costs)
+
+    T_c = _whole(minimize_interval(cost, max_interval), cost, max_interval)
+    return JobPlan(T_c=T_c, cost_rate=float(cost(np.array([T_c]))[0]), stages=stages)
 
 
 def plan_job(lam: float, stages: Sequence[tuple[StageCosts, PbrParams]],
              max_interval: float = MAX_INTERVAL) -> JobPlan:
     """Per task (Section III-D): every stage's optimal interval from its own N_p and costs, and the
     job-wide T_c minimising the summed cost rate. ``lam``: failures per iteration of one stage."""
-    if not stages:
-        raise ValueError("stages is empty: a job has at least one stage")
+    costs = [partial(_pbr_rate, lam=lam, c=c, p=p) for c, p in stages]
+    return _job(costs, tuple(plan_stage(lam, c, p, max_interval) for c, p in stages), max_interval)
 
-    def cost(T_c):
-        return sum(pbr_cost_rate(T_c, lam, c.T_s, p, c.persist, c.in_flight) for c, p in stages)
 
+def _pbr_rate(T_c, lam, c: StageCosts, p: PbrParams):
+    return pbr_cost_rate(T_c, lam, c.T_s, p, c.persist, c.in_flight)
+
+
+def _empirical_rate(T_c, lam, c: StageCosts, rho: float):
+    return empirical_cost_rate(T_c, lam, c.T_s, rho, c.persist, c.in_flight)
+
+
+def plan_stage_empirical(lam: float, costs: StageCosts, rho: float, max_interval: float = MAX_INTERVAL) -> EmpiricalPlan:
+    """One stage's numerical minimum of empirical_cost_rate, rounded to the better whole number."""
+    cost = partial(_empirical_rate, lam=lam, c=costs, rho=rho)
     T_c = _whole(minimize_interval(cost, max_interval), cost, max_interval)
-    return JobPlan(T_c=T_c, cost_rate=float(cost(np.array([T_c]))[0]),
-                   stages=tuple(plan_stage(lam, c, p, max_interval) for c, p in stages))
+    young = young_interval((1.0 - rho) * _positive("lambda", lam), costs.T_s, max_interval)
+    return EmpiricalPlan(T_c=T_c, method="empirical" if rho else "recompute", rho=rho, T_c_young=young,
+                         cost_rate=float(cost(np.array([T_c]))[0]))
+
+
+def plan_job_empirical(lam: float, stages: Sequence[tuple[StageCosts, float]],
+                       max_interval: float = MAX_INTERVAL) -> JobPlan:
+    """plan_job under the empirical model: (costs, rho) per stage; rho = 0 plans for recomputing."""
+    costs = [partial(_empirical_rate, lam=lam, c=c, rho=rho) for c, rho in stages]
+    return _job(costs, tuple(plan_stage_empirical(lam, c, rho, max_interval) for c, rho in stages), max_interval)
 
 
 def what_if(lam: float, T_s: float, p: PbrParams, t: Optional[float] = None, persist: float = 0.0,

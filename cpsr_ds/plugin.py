@@ -2,8 +2,8 @@
 
 With a ``"cpsr"`` block in the DeepSpeed config (and ``"enabled": true``) the
 engine DeepSpeed builds is a subclass that, after every training iteration,
-appends to the progress journal, takes a checkpoint every ``interval``
-iterations and gives fault injection its chance; before returning, the engine is
+appends to the progress journal, takes a checkpoint when the schedule says
+(:class:`Runtime`), measures what checkpoints cost and gives fault injection its chance; before returning, the engine is
 restored from the run directory if an earlier run left progress there
 (``engine.cpsr.recovery`` says how, and ``engine.global_steps`` is where to resume).
 Without the block it is ``deepspeed.initialize`` itself.
@@ -16,7 +16,9 @@ import logging
 import math
 import os
 import sys
+import time
 from contextlib import contextmanager
+from dataclasses import replace
 
 import deepspeed
 import deepspeed.runtime.engine as ds_engine
@@ -29,12 +31,40 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.module import PipelineModule
 from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
 
+from cpsr_ds import planner, runlog
 from cpsr_ds.checkpoint.factory import deepspeed_factory
-from cpsr_ds.checkpoint.journal import ProgressJournal
+from cpsr_ds.checkpoint.journal import ProgressJournal, journal_path, plausible, read_journal
 from cpsr_ds.config import CPSRConfig
 from cpsr_ds.faults import FaultInjector, check_kill_rank
-from cpsr_ds.recovery import PREDICTOR_STATE, append_report, engine_state, new_predictor, recover
+from cpsr_ds.fitter import fit_loss_o, next_phase, stage_xi
+from cpsr_ds.online_planner import (
+    Cost,
+    CostMeter,
+    JobInputs,
+    Planned,
+    StageInputs,
+    accuracy_fit,
+    describe,
+    drift,
+    failure_rate_per_hour,
+    failures,
+    plan,
+    replan_reason,
+    running_hours,
+    smoothed_costs,
+    watched,
+)
+from cpsr_ds.recovery import (
+    PREDICTOR_STATE,
+    append_report,
+    engine_state,
+    expected_loss_excess,
+    new_predictor,
+    read_reports,
+    recover,
+)
 from cpsr_ds.rundir import RunDirLock, claim
+from cpsr_ds.runlog import CostRow, PlanRow, StateRow
 
 logger = logging.getLogger("cpsr_ds")
 if not logger.handlers:
@@ -46,9 +76,24 @@ if not logger.handlers:
 
 
 class Runtime:
-    """CPSR's per-engine state: config, journal, fault injector, how the job recovered.
+    """CPSR's per-engine state: config, journal, fault injector, how the job recovered, the checkpoint schedule.
 
     ``lock``: the run directory's lock, held (on rank 0) until :meth:`close`.
+
+    Checkpoints: with a fixed ``checkpoint.interval`` N at the multiples of N; with "auto"
+    the first at ``planner.first_interval`` iterations after the start, then each at the
+    interval the strategy's rule gives at the checkpoint before (cpsr: the online planner,
+    :mod:`cpsr_ds.online_planner`; torch, checkfreq, pccheck: the engine's overhead_budget
+    rule on the measured iteration time), decided on rank 0 and broadcast so that every
+    rank takes the same checkpoints.
+
+    Every checkpoint is measured (runlog.CostRow on the measuring ranks, the first
+    data-parallel rank of each stage) and, unless recovery.mode is recompute, its state
+    (runlog.StateRow: xi, and the held-out error of the configured predictor). The
+    measuring ranks keep that predictor observing every checkpoint: in host memory
+    ``predictor.history`` copies of the stage's fp32 parameters and both Adam moments,
+    12 bytes per parameter each (e.g. 4 x 12 x 350M = 17 GB for all of GPT2-0.35B in one
+    stage); vitp keeps the same on every rank, as it did to learn.
     """
 
     def __init__(self, engine: PipelineEngine, cfg: CPSRConfig, lock: RunDirLock | None = None):
@@ -57,15 +102,39 @@ class Runtime:
         self.directory = cfg.checkpoint.dir
         self.diverged_at = None  # the first iteration whose loss was not finite
         rank, world = engine.global_rank, engine.world_size
+        self.rank, self.world = rank, world
+        self.stage = engine.stage_id
+        self.measuring = engine.grid.get_data_parallel_rank() == 0 and engine.grid.get_slice_parallel_rank() == 0
+        self.attempt = lock.attempt if lock is not None else 0
         self.journal = ProgressJournal(self.directory, rank)
         self.faults = FaultInjector(cfg.faults, self.directory, rank, world)
         self.predictor = new_predictor(cfg)
         self.recovery = recover(engine, cfg, self.predictor)
-        if not hasattr(self.predictor, "step"):
-            # Simple predictors fit at recovery time; only a network learns during the run.
+        self.learning = hasattr(self.predictor, "step")
+        self.observing = cfg.recovery.mode != "recompute"
+        if not self.learning and not (self.observing and self.measuring):
+            # Simple predictors fit at recovery time; a measuring rank's keeps observing for the held-out error.
             self.predictor = None
+        self.monitor = engine.monitor if rank == 0 and engine.monitor.enabled else None
+        self.meter = CostMeter()
+        self._last_end = None
+        self._load_measurements(engine.global_steps)
+        self._lambda = self._failure_history() if rank == 0 else None
+        self.planned = None  # the watched inputs of the last plan
+        self.planned_phase = 0
+        self.interval = cfg.planner.first_interval
+        self.next_checkpoint = engine.global_steps + self.interval
+        if self.auto and cfg.checkpoint.strategy == "cpsr":
+            self._schedule(engine, engine.global_steps, start=True)
+
+    @property
+    def auto(self) -> bool:
+        return self.cfg.checkpoint.interval == "auto"
 
     def after_iteration(self, engine: PipelineEngine, loss: float) -> None:
+        now = time.perf_counter()
+        if self._last_end is not None:
+            self.meter.iteration(now - self._last_end)
         iteration = engine.global_steps
         self.journal.append(iteration, loss)
         finite = math.isfinite(loss)
@@ -73,13 +142,16 @@ class Runtime:
             self.diverged_at = iteration
             logger.error("cpsr: the training loss is %s at iteration %d: training diverged; no checkpoint is saved "
                          "at an iteration whose loss is not finite", loss, iteration)
-        interval = self.cfg.checkpoint.interval
-        if iteration % (self.cfg.planner.first_interval if interval == "auto" else interval) == 0:
+        self._settle_costs(engine)
+        if self._due(iteration):
             if finite:
-                engine.save_checkpoint(self.directory, client_state=self._train_predictor(engine, iteration))
+                self._checkpoint(engine, iteration)
             else:
                 logger.warning("cpsr: checkpoint of iteration %d skipped: the loss is %s", iteration, loss)
+            if self.auto:
+                self._schedule(engine, iteration)
         self.faults.check(iteration)
+        self._last_end = time.perf_counter()
 
     def close(self) -> None:
         """Close the journal and give the run directory free for another job."""
@@ -87,13 +159,219 @@ class Runtime:
         if self.lock is not None:
             self.lock.release()
 
-    def _train_predictor(self, engine: PipelineEngine, iteration: int) -> dict:
-        """Feed the checkpoint to a learning predictor, train it a little; its weights go with the checkpoint."""
-        if self.predictor is None:
-            return {}
-        self.predictor.observe(iteration, engine_state(engine))
-        self.predictor.step(budget_s=self.cfg.predictor.train_budget_s, n_steps=self.cfg.predictor.train_steps)
-        return {PREDICTOR_STATE: self.predictor.state_dict(include_history=False)}
+    def monitor_recovery(self) -> None:
+        """The recovery decision of this start, to DeepSpeed's monitor."""
+        report = self.recovery
+        if report.reached is None:
+            return
+        events = [("cpsr/recovery/predict", float(report.method == "predict")),
+                  ("cpsr/recovery/d", float(report.lost_iterations))]
+        if report.estimated_cost is not None:
+            events.append(("cpsr/recovery/estimated_cost", float(report.estimated_cost)))
+        self._monitor(events, report.resume_iteration)
+
+    # ------------------------------------------------------------ checkpoints
+
+    def _due(self, iteration: int) -> bool:
+        interval = self.cfg.checkpoint.interval
+        return iteration >= self.next_checkpoint if interval == "auto" else iteration % interval == 0
+
+    def _checkpoint(self, engine: PipelineEngine, iteration: int) -> None:
+        """Save, feed the predictor, record the state; the time it all takes is the checkpoint's own."""
+        t0 = time.perf_counter()
+        state = self._state(engine, iteration) if self.observing or self.learning else None
+        client_state = {}
+        if self.predictor is not None and state is not None:
+            self.predictor.observe(iteration, state)
+            if self.learning:
+                # A learning predictor trains a little; its weights go with the checkpoint.
+                self.predictor.step(budget_s=self.cfg.predictor.train_budget_s,
+                                    n_steps=self.cfg.predictor.train_steps)
+                client_state = {PREDICTOR_STATE: self.predictor.state_dict(include_history=False)}
+        engine.save_checkpoint(self.directory, client_state=client_state)
+        if self.observing and state is not None:
+            self._record_state(iteration, state)
+        self.meter.start(iteration, f"global_step{iteration}", time.perf_counter() - t0)
+
+    @staticmethod
+    def _state(engine: PipelineEngine, iteration: int) -> dict | None:
+        """The stage's state for the predictor and the StateRow; None before the optimizer's first step."""
+        try:
+            return engine_state(engine)
+        except KeyError as err:  # the same on every rank: no step has made Adam's moments yet
+            logger.warning("cpsr: no state recorded at the checkpoint of iteration %d: the optimizer has no %s yet",
+                           iteration, err)
+            return None
+
+    def _record_state(self, iteration: int, state: dict) -> None:
+        curvature = stage_xi(state)
+        if not self.measuring:
+            return
+        held_out = self.predictor.validation_error() if self.predictor is not None else None
+        row = StateRow(iteration, self.stage, self.rank, self.attempt, self.cfg.predictor.name,
+                       curvature.n_p if curvature else sum(t.numel() for k, t in state.items() if k.startswith("param/")),
+                       xi=curvature.xi if curvature else None,
+                       held_out_error=None if held_out is None else held_out.mse.get("param"),
+                       relative_error=None if held_out is None else held_out.relative)
+        self._add_state(row)
+        runlog.append(runlog.measurements_path(self.directory, self.rank), row)
+
+    def _add_state(self, row: StateRow) -> None:
+        self.states.append(row)
+        if row.xi is not None:
+            self.phase = next_phase(self.phase, row.iteration, row.xi, self.cfg.planner.phase_threshold)
+
+    def _settle_costs(self, engine: PipelineEngine) -> None:
+        """Write the costs of the checkpoints that persisted since the last iteration."""
+        stats = getattr(engine.checkpoint_engine, "stats", None)
+        if stats is None:
+            return
+        self.meter.stalled(stats.last_stall_s)
+        for window in list(self.meter.pending):
+            cost = self.meter.settle(window.tag, stats.outcome(window.tag))
+            if cost is None:
+                continue
+            self.costs.append(cost)
+            if self.measuring:
+                runlog.append(runlog.measurements_path(self.directory, self.rank),
+                              CostRow(cost.iteration, self.stage, self.rank, self.attempt, cost.iteration_time_s,
+                                      cost.stall_s, cost.slowdown_s, cost.persist_s, cost.nbytes))
+            self._monitor([(f"cpsr/checkpoint/{name}", getattr(cost, name))
+                           for name in ("slowdown_s", "stall_s", "persist_s")], cost.iteration)
+
+    # ------------------------------------------------------------ the schedule
+
+    def _schedule(self, engine: PipelineEngine, iteration: int, start: bool = False) -> None:
+        """The next checkpoint, by the strategy's rule, the same on every rank; ``start``: of this attempt."""
+        if self.cfg.checkpoint.strategy == "cpsr":
+            stages = self._gather(self._stage_inputs(engine))
+            interval = self._on_rank0(lambda: self._plan(engine, iteration, stages, start))
+        else:
+            interval = self._on_rank0(lambda: engine.checkpoint_engine.interval(self.meter.baseline()))
+        self.interval = int(planner.clamp_interval(interval or self.cfg.planner.first_interval,
+                                                   self.cfg.planner.max_interval))
+        self.next_checkpoint = iteration + self.interval
+
+    def _stage_inputs(self, engine: PipelineEngine) -> StageInputs | None:
+        if not self.measuring:
+            return None
+        costs = smoothed_costs(self.costs)
+        latest = self.states[-1] if self.states else None
+        errors = [(r.iteration, r.held_out_error) for r in self.states if r.held_out_error is not None]
+        return StageInputs(self.stage, **costs, in_flight=getattr(engine.checkpoint_engine, "_max_in_flight", 1),
+                           n_p=latest and latest.n_p, xi=latest and latest.xi, accuracy=accuracy_fit(errors),
+                           relative_error=latest and latest.relative_error,
+                           phase=self.phase.index if self.phase is not None else 0)
+
+    def _gather(self, local):
+        """Every rank's ``local``, on every rank (a collective where the job has several ranks)."""
+        if self.world == 1:
+            return [local]
+        found = [None] * self.world
+        dist.all_gather_object(found, local)
+        return found
+
+    def _on_rank0(self, decide):
+        """Rank 0's ``decide()``, on every rank. A failure there is logged and gives None (no rank may wait forever)."""
+        result = None
+        if self.rank == 0:
+            try:
+                result = decide()
+            except Exception:
+                logger.exception("cpsr: choosing the next checkpoint interval failed; keeping %d", self.interval)
+        if self.world == 1:
+            return result
+        box = [result]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _plan(self, engine: PipelineEngine, iteration: int, gathered: list, start: bool) -> int:
+        """Rank 0: plan if it is time to (first measurements, a restart, a new phase, a drift), else keep the interval."""
+        stages = sorted({s.stage: s for s in gathered if s is not None}.values(), key=lambda s: s.stage)
+        measured = len(stages) == engine.num_stages and all(s.measured for s in stages)
+        lambda_per_hour, n, hours = self._failure_rate()
+        now = watched(lambda_per_hour, stages)
+        phase = max((s.phase for s in stages), default=0)
+        moved = drift(self.planned, now, self.cfg.planner.replan_drift) if self.planned is not None else []
+        reason = replan_reason(self.planned, phase, self.planned_phase, measured, moved, start)
+        if reason is None:
+            if start:
+                self._write_plan(iteration, "warm-up", phase, Planned(self.interval, "recompute", {}, [],
+                                                                     "nothing measured yet: planner.first_interval"))
+            return self.interval
+        cfg = self.cfg
+        job = JobInputs(iteration, lambda_per_hour, fit_loss_o(self._losses(), iteration), cfg.planner.cost_model,
+                        cfg.predictor.name, cfg.recovery.mode, cfg.recovery.max_relative_error,
+                        cfg.recovery.max_loss_excess, cfg.planner.max_interval, self.interval, n, hours)
+        planned = plan(job, stages, lambda lag: expected_loss_excess(self.directory, iteration, lag))
+        if moved:
+            planned = replace(planned, inputs={**planned.inputs, "drift": moved})
+        self._write_plan(iteration, reason, phase, planned)
+        self.planned, self.planned_phase = now, phase
+        return planned.T_c
+
+    def _write_plan(self, iteration: int, reason: str, phase: int, planned: Planned) -> None:
+        row = PlanRow(iteration, self.attempt, time.time(), reason, phase, self.cfg.planner.cost_model,
+                      planned.recovery, planned.T_c, planned.inputs, planned.stages, planned.fallback)
+        runlog.append(runlog.plans_path(self.directory), row)
+        logger.info(describe(reason, planned, self.cfg.planner.cost_model, phase))
+        numbers = {f"cpsr/plan/{k}": v for k, v in planned.inputs.items() if isinstance(v, (int, float))}
+        for k, values in planned.inputs.items():
+            if isinstance(values, list):
+                numbers.update({f"cpsr/plan/{k}/stage{s}": v for s, v in enumerate(values)
+                                if isinstance(v, (int, float))})
+        self._monitor([("cpsr/plan/T_c", planned.T_c), *numbers.items()], iteration)
+
+    # ------------------------------------------------------------ the run's history
+
+    def _load_measurements(self, resumed_at: int) -> None:
+        """This stage's earlier measurements (up to where the job resumed) and its phase."""
+        self.costs, self.states, self.phase = [], [], None
+        if not self.measuring:
+            return
+        rows, problems = runlog.read_measurements(self.directory)
+        for problem in problems:
+            logger.warning("cpsr: %s", problem)
+        for row in rows:
+            if row.stage != self.stage or row.iteration > resumed_at:
+                continue
+            if isinstance(row, StateRow) and row.predictor == self.cfg.predictor.name:
+                self._add_state(row)
+            elif isinstance(row, CostRow):
+                self.costs.append(Cost(row.iteration, row.iteration_time_s, row.stall_s, row.slowdown_s,
+                                       row.persist_s, row.nbytes))
+
+    def _failure_history(self) -> tuple[int, float, float]:
+        """Rank 0: (the job's failures, its hours of running before this attempt, when this attempt began)."""
+        try:
+            reached = [r.reached for r in read_reports(self.directory)]
+        except FileNotFoundError:
+            reached = []
+        path = journal_path(self.directory, 0)
+        entries, _ = plausible(path, read_journal(path)) if os.path.exists(path) else ([], None)
+        return (failures([*reached, self.recovery.reached]),
+                running_hours([(e.iteration, e.wall_time) for e in entries]), time.time())
+
+    def _failure_rate(self) -> tuple[float, int, float]:
+        """lambda per hour now, the failures and the hours it is based on."""
+        n, before, began = self._lambda
+        hours = before + (time.time() - began) / 3600
+        return failure_rate_per_hour(self.cfg.planner.failure_rate_per_hour, n, hours), n, hours
+
+    def _losses(self) -> dict[int, float]:
+        """Rank 0's journal losses by iteration, the newest entry of each iteration."""
+        path = journal_path(self.directory, 0)
+        entries, _ = plausible(path, read_journal(path))
+        return {e.iteration: e.loss for e in entries}
+
+    def _monitor(self, events: list, step: int) -> None:
+        """``events`` ((name, value)) to DeepSpeed's monitor, where the config enables one (rank 0)."""
+        if self.monitor is None:
+            return
+        try:
+            self.monitor.write_events([(name, value, step) for name, value in events])
+        except Exception as err:  # a monitor's failure must not stop training
+            logger.warning("cpsr: writing to DeepSpeed's monitor failed: %s", err)
 
 
 class CPSRPipelineEngine(PipelineEngine):
@@ -208,4 +486,5 @@ def initialize(*args, **kwargs):
     if engine.global_rank == 0:
         logger.info(engine.cpsr.recovery.describe())
         append_report(cfg.checkpoint.dir, engine.cpsr.recovery)
+        engine.cpsr.monitor_recovery()
     return engine, optimizer, dataloader, scheduler

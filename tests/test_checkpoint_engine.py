@@ -179,6 +179,22 @@ def test_profiled_interval_follows_measured_costs(tmp_path, engines):
     assert engines(d, strategy="cpsr", interval=17).interval(1e-6) == 17
 
 
+@pytest.mark.parametrize("strategy", ["torch", "checkfreq", "pccheck"])
+def test_with_interval_auto_the_budget_rule_starts_once_a_checkpoint_is_measured(tmp_path, engines, strategy):
+    d = str(tmp_path)
+    eng = engines(d, strategy=strategy, interval="auto", overhead_budget=0.5)
+    assert eng.interval(0.5) is None and eng.stats.outcome("global_step1") is None
+    tag = checkpoint(eng, d, 1, states())
+    if strategy != "torch":  # torch's save is durable when commit returns
+        assert eng.flush(30)
+    nbytes, persist_s = eng.stats.outcome(tag)
+    assert nbytes > 0 and eng.stats.last_stall_s > 0
+    assert (persist_s == 0) == (strategy == "torch")
+    # The stall within half of the iteration time: a stall of 100 iterations needs 200 between checkpoints.
+    assert eng.interval(eng.stats.last_stall_s / 100) >= 200
+    assert engines(d, strategy="cpsr", interval="auto").interval(1.0) is None
+
+
 @pytest.mark.parametrize("strategy", ["checkfreq", "pccheck", "cpsr"])
 def test_records_carry_iteration_and_attempt(tmp_path, engines, strategy):
     d = str(tmp_path)

@@ -14,6 +14,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from conftest import ROOT, TEST_MODEL, free_port, tiny_config
 import cpsr_ds
+from cpsr_ds import runlog
 from cpsr_ds.models.gpt import GPTConfig, gpt_pipeline
 from cpsr_ds.plugin import CPSRPipelineEngine
 from cpsr_ds.rundir import LOCK, RunDirectoryBusy
@@ -155,3 +156,68 @@ def test_a_kill_rank_beyond_the_world_size_is_rejected_before_the_engine_is_buil
     with pytest.raises(ValueError, match=r"cpsr\.faults\.kill_rank: 1 is not a rank of this job \(world size 1"):
         build(config)
     assert not (tmp_path / "run").exists()
+
+
+def checkpoint_iterations(rows, kind):
+    return sorted({r.iteration for r in rows if isinstance(r, kind)})
+
+
+def test_interval_auto_checkpoints_at_the_planned_intervals_and_records_plans_costs_and_states(tmp_path):
+    run_dir = tmp_path / "run"
+    config = tiny_config(run_dir, stages=1, predictor={"name": "linear", "history": 3},
+                         planner={"first_interval": 3, "max_interval": 5, "failure_rate_per_hour": 3600.0})
+    config["cpsr"]["checkpoint"]["interval"] = "auto"
+    config["csv_monitor"] = {"enabled": True, "output_path": str(tmp_path / "csv"), "job_name": "job"}
+    engine, *_ = build(config)
+    batches = random_batches(engine)
+    for _ in range(30):
+        engine.train_batch(iter(batches))
+    assert engine.checkpoint_engine.flush(timeout_s=60)
+    engine.train_batch(iter(batches))  # the costs are written once seen persisted
+    last = engine.global_steps
+    engine.destroy()
+
+    plans, problems = runlog.read_plans(str(run_dir))
+    rows, more = runlog.read_measurements(str(run_dir))
+    assert not problems and not more
+    assert (plans[0].reason, plans[0].iteration, plans[0].T_c) == ("warm-up", 0, 3)
+    assert plans[1].reason == "first" and plans[1].model == "empirical"
+    for name in ("lambda_per_hour", "lambda", "iteration_time_s", "T_s", "persist", "xi", "N_p"):
+        assert plans[1].inputs[name] not in (None, [None]), name
+    checkpoints = checkpoint_iterations(rows, runlog.StateRow)
+    assert checkpoints[:2] == [3, 6]
+    for before, after in zip(checkpoints, checkpoints[1:]):
+        in_force = [p for p in plans if p.iteration <= before][-1]
+        assert after - before == in_force.T_c, (before, after, plans)
+    assert all(1 <= p.T_c <= 5 for p in plans)
+    states = [r for r in rows if isinstance(r, runlog.StateRow)]
+    assert all(r.xi > 0 and r.n_p > 0 and r.predictor == "linear" for r in states)
+    # linear predicts from 2 checkpoints: a held-out error from the third on.
+    assert [r.held_out_error is not None for r in states] == [False, False] + [True] * (len(states) - 2)
+    assert all(r.relative_error > 0 for r in states[2:])
+    costs = [r for r in rows if isinstance(r, runlog.CostRow)]
+    assert checkpoint_iterations(rows, runlog.CostRow) == [c for c in checkpoints if c < last]
+    assert all(c.slowdown_s >= c.stall_s > 0 and c.persist_s > 0 and c.nbytes > 0 and c.iteration_time_s > 0
+               for c in costs)
+    monitored = tmp_path / "csv" / "job"
+    for name in ("cpsr_plan_T_c", "cpsr_plan_lambda_per_hour", "cpsr_checkpoint_slowdown_s",
+                 "cpsr_checkpoint_stall_s", "cpsr_checkpoint_persist_s"):
+        lines = (monitored / f"{name}.csv").read_text().splitlines()
+        assert len(lines) >= 3, name
+    assert len((monitored / "cpsr_checkpoint_slowdown_s.csv").read_text().splitlines()) == len(costs) + 1
+
+
+def test_a_fixed_interval_checkpoints_at_its_multiples_and_measures_each(tmp_path):
+    run_dir = tmp_path / "run"
+    config = tiny_config(run_dir, stages=1, recovery={"mode": "recompute"})
+    config["cpsr"]["checkpoint"].update(interval=4, strategy="torch")
+    engine, *_ = build(config)
+    batches = random_batches(engine)
+    for _ in range(13):
+        engine.train_batch(iter(batches))
+    engine.destroy()
+    rows, _ = runlog.read_measurements(str(run_dir))
+    assert checkpoint_iterations(rows, runlog.CostRow) == [4, 8, 12]
+    assert not checkpoint_iterations(rows, runlog.StateRow)  # no predictor in use
+    assert all(r.persist_s == 0 and r.slowdown_s >= r.stall_s > 0 for r in rows)
+    assert not (run_dir / runlog.PLANS).exists()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from cpsr_ds.checkpoint.engine import AsyncCheckpointEngine
+from cpsr_ds.checkpoint.engine import AsyncCheckpointEngine, CheckpointStats, fixed_interval
 from cpsr_ds.config import CheckpointConfig
 
 
@@ -26,14 +26,22 @@ def profiled_interval(iteration_time_s: float, stall_s: float, persist_s: float,
     return max(1, math.ceil(by_budget), math.ceil(by_persist))
 
 
+def measured_interval(cfg: CheckpointConfig, stats: CheckpointStats, iteration_time_s: Optional[float],
+                      in_flight: int) -> Optional[int]:
+    """The overhead_budget rule on the last checkpoint's stall and persist time; before one is measured
+    (or without a positive iteration time), the fixed ``checkpoint.interval`` (None with "auto")."""
+    if (iteration_time_s is None or not math.isfinite(iteration_time_s) or iteration_time_s <= 0
+            or stats.last_stall_s is None or stats.last_persist_s is None):
+        return fixed_interval(cfg)
+    return profiled_interval(iteration_time_s, stats.last_stall_s, stats.last_persist_s, cfg.overhead_budget,
+                             in_flight)
+
+
 class ProfiledIntervalEngine(AsyncCheckpointEngine):
     """An engine whose interval follows its own measured stall and persist times."""
 
-    def interval(self, iteration_time_s: Optional[float] = None) -> int:
-        if iteration_time_s is None or self.stats.last_stall_s is None or self.stats.last_persist_s is None:
-            return self.cfg.interval
-        return profiled_interval(iteration_time_s, self.stats.last_stall_s, self.stats.last_persist_s,
-                                 self.cfg.overhead_budget, self._max_in_flight)
+    def interval(self, iteration_time_s: Optional[float] = None) -> Optional[int]:
+        return measured_interval(self.cfg, self.stats, iteration_time_s, self._max_in_flight)
 
 
 class CheckFreqEngine(ProfiledIntervalEngine):

@@ -50,6 +50,21 @@ class CheckpointStats:
     last_bytes: int = 0
     # (tag, bytes, persist seconds) of the last persisted checkpoints, oldest first.
     recent: deque = field(default_factory=lambda: deque(maxlen=64))
+    # Tags of the last checkpoints given up (failed or skipped), oldest first.
+    given_up: deque = field(default_factory=lambda: deque(maxlen=64))
+
+    def outcome(self, tag: str) -> Optional[tuple[int, float]] | bool:
+        """(bytes, persist seconds) of a persisted checkpoint, False for one given up, None while pending."""
+        # Snapshots: the persisting threads append while training reads.
+        found = [(nbytes, persist_s) for t, nbytes, persist_s in tuple(self.recent) if t == tag]
+        if found:
+            return found[-1]
+        return False if tag in tuple(self.given_up) else None
+
+
+def fixed_interval(cfg: CheckpointConfig) -> Optional[int]:
+    """``checkpoint.interval`` where it is a number of iterations; None for "auto"."""
+    return cfg.interval if isinstance(cfg.interval, int) else None
 
 
 class AsyncCheckpointEngine(CheckpointEngine):
@@ -201,9 +216,10 @@ class AsyncCheckpointEngine(CheckpointEngine):
                 return False
         return True
 
-    def interval(self, iteration_time_s: Optional[float] = None) -> int:
-        """Iterations until the next checkpoint."""
-        return self.cfg.interval
+    def interval(self, iteration_time_s: Optional[float] = None) -> Optional[int]:
+        """Iterations until the next checkpoint by this engine's own rule: the fixed ``checkpoint.interval``;
+        None with "auto" (the planner chooses for cpsr)."""
+        return fixed_interval(self.cfg)
 
     # ------------------------------------------------------------ internals
 
@@ -242,8 +258,9 @@ class AsyncCheckpointEngine(CheckpointEngine):
             self.stats.last_persist_s = job.persist_s
             self.stats.last_bytes = job.nbytes
             self.stats.recent.append((job.tag, job.nbytes, job.persist_s))
-        elif not job.skipped:
-            self.stats.failed += 1
+        else:
+            self.stats.failed += not job.skipped
+            self.stats.given_up.append(job.tag)
         job.finished.set()
         with self._lock:
             self._jobs.remove(job)

@@ -30,6 +30,8 @@ from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
 
 from cpsr_ds.checkpoint import store, throttle
+from cpsr_ds.checkpoint.checkfreq import measured_interval
+from cpsr_ds.checkpoint.engine import CheckpointStats
 from cpsr_ds.checkpoint.fileformat import flatten, nonfinite_tensors
 from cpsr_ds.checkpoint.store import describe_error
 from cpsr_ds.config import CheckpointConfig
@@ -53,7 +55,11 @@ class _Open:
 
 
 class TorchEngine(TorchCheckpointEngine):
-    """``torch.save`` files, each written atomically and listed in its rank's manifest; committed like the others."""
+    """``torch.save`` files, each written atomically and listed in its rank's manifest; committed like the others.
+
+    ``stats`` as the asynchronous engines keep them: the stall is the whole save (create,
+    save and commit), the persist time 0 (durable when the stall ends).
+    """
 
     def __init__(self, cfg: CheckpointConfig, rank: int, world_size: int, config_params: Any = None, *,
                  attempt: int = 0, min_keep: int = 1):
@@ -67,6 +73,8 @@ class TorchEngine(TorchCheckpointEngine):
         # Writes happen here, in the training loop: with a rate limit, training waits for it.
         self.throttle = throttle.shared(cfg.write_mbps)
         self._open: Optional[_Open] = None
+        self.stats = CheckpointStats()
+        self._stall_s = 0.0
         # A script that ends without cleanup() still gets its last checkpoint committed.
         ref = weakref.ref(self)
         atexit.register(lambda: ref() is not None and ref().cleanup())
@@ -76,10 +84,20 @@ class TorchEngine(TorchCheckpointEngine):
     def create(self, info: CheckpointCommitInfo):
         if self._open is not None:
             self.commit(self._open.info)  # no optimizer step since the last save
+        t0 = time.perf_counter()
         store.forget_metadata(os.path.join(info.save_dir, info.tag), self.rank)
         self._open = _Open(info)
+        self.stats.started += 1
+        self._stall_s = time.perf_counter() - t0
 
     def save(self, state_dict, path: str):
+        t0 = time.perf_counter()
+        try:
+            self._save(state_dict, path)
+        finally:
+            self._stall_s += time.perf_counter() - t0
+
+    def _save(self, state_dict, path: str):
         ckpt = self._open
         if ckpt is not None and ckpt.failed is not None:
             return
@@ -105,12 +123,14 @@ class TorchEngine(TorchCheckpointEngine):
 
     def commit(self, info: CheckpointCommitInfo):
         """Write this rank's manifest; on rank 0 commit the checkpoint once every rank's is there."""
+        t0 = time.perf_counter()
         ckpt, self._open = self._open, None
         if ckpt is None:
             return True
         problem = self._write_manifest(ckpt)
-        if self.rank == 0:
-            self._commit(ckpt, problem)
+        problem = self._commit(ckpt, problem) if self.rank == 0 else problem or ckpt.failed
+        self._settle(ckpt.info.tag, problem, sum(f["size"] for f in ckpt.files.values()),
+                     self._stall_s + time.perf_counter() - t0)
         return True
 
     def is_decoupled(self):
@@ -124,7 +144,22 @@ class TorchEngine(TorchCheckpointEngine):
         if self._open is not None:
             self.commit(self._open.info)
 
+    def interval(self, iteration_time_s: Optional[float] = None) -> Optional[int]:
+        """CheckFreq's overhead_budget rule with the whole save as the stall and nothing left to persist."""
+        return measured_interval(self.cfg, self.stats, iteration_time_s, 1)
+
     # ------------------------------------------------------------ internals
+
+    def _settle(self, tag: str, problem: Optional[str], nbytes: int, stall_s: float) -> None:
+        self.stats.last_stall_s = stall_s
+        self._stall_s = 0.0
+        if problem is not None:
+            self.stats.failed += 1
+            self.stats.given_up.append(tag)
+            return
+        self.stats.persisted += 1
+        self.stats.last_persist_s, self.stats.last_bytes = 0.0, nbytes
+        self.stats.recent.append((tag, nbytes, 0.0))
 
     def _write(self, ckpt: _Open, path: str, buf: io.BytesIO) -> tuple[int, str]:
         def write():
@@ -157,8 +192,8 @@ class TorchEngine(TorchCheckpointEngine):
             return f"rank {self.rank} manifest not written: {describe_error(err)}"
         return None
 
-    def _commit(self, ckpt: _Open, problem: Optional[str]) -> None:
-        """Rank 0: commit once every rank's manifest is there, or give the checkpoint up and delete it."""
+    def _commit(self, ckpt: _Open, problem: Optional[str]) -> Optional[str]:
+        """Rank 0: commit once every rank's manifest is there, or give the checkpoint up and delete it (and say why)."""
         save_dir, tag = ckpt.info.save_dir, ckpt.info.tag
         manifests = {}
         if problem is None:
@@ -174,12 +209,13 @@ class TorchEngine(TorchCheckpointEngine):
         if problem is not None:
             log.error("checkpoint %s: given up, %s; latest stays on the last good checkpoint", tag, problem)
             store.remove_checkpoint(save_dir, tag)
-            return
+            return problem
         log.info("checkpoint %s committed%s", tag, ", latest moved to it" if moved else "")
         try:
             store.apply_retention(save_dir, self.cfg.keep_last, lambda t: False)
         except OSError as err:
             log.warning("checkpoint %s: retention failed: %s", tag, describe_error(err))
+        return None
 
     def _gather(self, tag_dir: str) -> tuple[dict, Optional[str]]:
         """Every rank's manifest (polled, no collectives), or why not within ``commit_timeout_s``.

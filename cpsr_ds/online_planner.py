@@ -1,0 +1,487 @@
+"""Online planning (``checkpoint.interval: auto`` with the ``cpsr`` strategy): the math, without side effects.
+
+The plugin measures every checkpoint (:class:`CostMeter`), gathers each pipeline
+stage's latest measurements (:class:`StageInputs`) and, at the moments :func:`replan_reason`
+names, asks :func:`plan` for the interval; it writes the result as a runlog.PlanRow.
+
+- lambda: :func:`failure_rate_per_hour`, the configured rate updated by the job's own
+  failures (a Gamma-Poisson posterior mean);
+- T_s, the persist time and the iteration time: the median of each stage's last
+  ``SMOOTHING`` measured checkpoints (:func:`smoothed_costs`), so that one noisy
+  checkpoint does not re-plan;
+- alpha1, alpha2 (Eq. 11) from the journal's losses; tau1, tau2 (Eq. 8) from each
+  stage's held-out errors (:func:`accuracy_fit`); xi, N_p (Eq. 7) from its latest state.
+
+Every interval :func:`plan` returns lies in [1, max_interval]; an input that is not
+finite, or a fit that fails, gives a documented fallback (recompute-based planning, or
+keeping the current interval), never an exception.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field, replace
+from statistics import median
+from typing import Callable, Optional, Sequence
+
+from cpsr_ds import planner
+from cpsr_ds.cost_model import (
+    DISTANCE_EXPONENT,
+    MEASURED_REDUCTION,
+    PESSIMISM,
+    RECOMPUTE,
+    EmpiricalModel,
+    paper_model,
+    recovery_choice,
+)
+from cpsr_ds.fitter import AccuracyFit, LossFit, NoFit, StageCurvature, fit_loss_p
+from cpsr_ds.planner import PbrParams, StageCosts
+
+BASELINE_WINDOW = 32  # iterations whose median is the baseline iteration time
+SMOOTHING = 3  # measured checkpoints whose median is a stage's current cost
+ACCURACY_WINDOW = 16  # newest held-out errors the accuracy curve is fitted on
+MIN_T_S = 1e-3  # iterations: a measured slowdown at or below 0 (noise around a free checkpoint)
+# A pause between two journal lines longer than this many median iterations is a restart, not running time.
+RESTART_GAP = 50
+
+
+# ---------------------------------------------------------------- lambda
+
+
+def failure_rate_per_hour(prior_per_hour: float, failures: int, hours: float) -> float:
+    """The posterior mean failure rate, per hour: (1 + n) / (1 / rate + H).
+
+    The prior is a Gamma distribution worth one failure observed over 1 / rate hours (the
+    configured ``planner.failure_rate_per_hour``); the job then saw n failures in H hours of
+    running. With no history it is the configured rate; after many hours it tends to n / H.
+    A prior rate that is not positive and finite has no posterior: it is returned unchanged.
+    """
+    if not (math.isfinite(prior_per_hour) and prior_per_hour > 0):
+        return prior_per_hour
+    hours = hours if math.isfinite(hours) and hours > 0 else 0.0
+    return (1 + max(0, failures)) / (1 / prior_per_hour + hours)
+
+
+def failures(reached: Sequence[Optional[int]]) -> int:
+    """The job's failures from each start's recovery report ``reached``: a start after progress ended an attempt."""
+    return sum(r is not None for r in reached)
+
+
+def running_hours(entries: Sequence[tuple[int, float]]) -> float:
+    """Hours of running in a journal's (iteration, wall_time) lines, restarts' downtime left out.
+
+    The time between consecutive lines counts where the iteration follows by one and the
+    pause is at most RESTART_GAP median pauses; a restart (the iteration going back, or a
+    predicted one resuming after a long pause) ends one span and begins the next.
+    """
+    gaps = [(b_t - a_t) for (a_i, a_t), (b_i, b_t) in zip(entries, entries[1:])
+            if b_i == a_i + 1 and math.isfinite(b_t - a_t) and b_t >= a_t]
+    if not gaps:
+        return 0.0
+    limit = RESTART_GAP * median(gaps)
+    return sum(g for g in gaps if g <= limit) / 3600
+
+
+# ---------------------------------------------------------------- measuring a checkpoint
+
+
+def slowdown(block_s: float, times: Sequence[float], baseline: float, stall_s: Optional[float]) -> float:
+    """T_s in seconds: the checkpoint's own time in the training loop (``block_s``) plus, over the
+    iterations while it persisted, their time above the baseline. Noise can make the sum
+    fall below the stall measured directly, which it includes; the stall bounds it from below."""
+    excess = block_s + sum(t - baseline for t in times)
+    return max(excess, stall_s or 0.0, 0.0)
+
+
+@dataclass
+class Window:
+    """A checkpoint being measured: the iterations after it until it persisted or the next one began."""
+
+    iteration: int
+    tag: str
+    block_s: float
+    baseline: Optional[float]
+    times: list = field(default_factory=list)
+    collecting: bool = True
+    stall_s: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class Cost:
+    """One checkpoint's measured cost, seconds (the fields of runlog.CostRow)."""
+
+    iteration: int
+    iteration_time_s: float
+    stall_s: float
+    slowdown_s: float
+    persist_s: float
+    nbytes: int
+
+
+class CostMeter:
+    """Iteration times, the baseline, and the checkpoints being measured (no I/O).
+
+    The baseline is the median of the last BASELINE_WINDOW iterations with no checkpoint
+    in flight (of all recent iterations where every one had one in flight, a persist
+    longer than the interval). A checkpoint's window collects the iterations after it
+    until it has persisted or the next checkpoint begins (which is then measured instead).
+    """
+
+    def __init__(self):
+        self.clean: deque = deque(maxlen=BASELINE_WINDOW)
+        self.recent: deque = deque(maxlen=BASELINE_WINDOW)
+        self.pending: list[Window] = []
+
+    def baseline(self) -> Optional[float]:
+        times = self.clean or self.recent
+        return median(times) if times else None
+
+    def iteration(self, seconds: float) -> None:
+        if not (math.isfinite(seconds) and seconds >= 0):
+            return
+        self.recent.append(seconds)
+        collecting = [w for w in self.pending if w.collecting]
+        if collecting:
+            collecting[-1].times.append(seconds)
+        elif not self.pending:
+            self.clean.append(seconds)
+
+    def start(self, iteration: int, tag: str, block_s: float) -> None:
+        for w in self.pending:
+            w.collecting = False
+        self.pending.append(Window(iteration, tag, block_s, self.baseline()))
+
+    def stalled(self, stall_s: Optional[float]) -> None:
+        """The engine's stall, known once the checkpoint after the newest window committed."""
+        if self.pending and self.pending[-1].stall_s is None and self.pending[-1].times:
+            self.pending[-1].stall_s = stall_s
+
+    def settle(self, tag: str, outcome) -> Optional[Cost]:
+        """Close the window of ``tag`` with its engine outcome ((bytes, persist_s), False: given up, None: pending)."""
+        window = next((w for w in self.pending if w.tag == tag), None)
+        if window is None or outcome is None:
+            return None
+        self.pending.remove(window)
+        baseline = window.baseline if window.baseline is not None else self.baseline()
+        if outcome is False or baseline is None:
+            return None
+        nbytes, persist_s = outcome
+        stall = window.stall_s if window.stall_s is not None else 0.0
+        return Cost(window.iteration, baseline, stall, slowdown(window.block_s, window.times, baseline, stall),
+                    float(persist_s), int(nbytes))
+
+
+# ---------------------------------------------------------------- each stage's inputs
+
+
+@dataclass(frozen=True)
+class StageInputs:
+    """What one pipeline stage measured, as its first data-parallel rank sends it (seconds).
+
+    accuracy: the Eq. 8 fit (or why none); relative_error: r at its latest checkpoint;
+    phase: the index of its current phase (fitter.next_phase over its xi).
+    """
+
+    stage: int
+    iteration_time_s: Optional[float] = None
+    slowdown_s: Optional[float] = None
+    persist_s: Optional[float] = None
+    in_flight: int = 1
+    n_p: Optional[int] = None
+    xi: Optional[float] = None
+    accuracy: AccuracyFit | NoFit | None = None
+    relative_error: Optional[float] = None
+    phase: int = 0
+
+    @property
+    def measured(self) -> bool:
+        return self.iteration_time_s is not None
+
+
+def smoothed_costs(costs: Sequence[Cost]) -> dict:
+    """iteration_time_s, slowdown_s and persist_s: the medians over the newest SMOOTHING costs (empty: none)."""
+    recent = list(costs)[-SMOOTHING:]
+    if not recent:
+        return {}
+    return {name: median(getattr(c, name) for c in recent) for name in ("iteration_time_s", "slowdown_s", "persist_s")}
+
+
+def accuracy_fit(errors: Sequence[tuple[int, float]]) -> AccuracyFit | NoFit:
+    """Eq. 8 on (checkpoint iteration, held-out error) pairs, oldest first, spaced as the checkpoints were.
+
+    Each error predicted its checkpoint from the one before it, h iterations earlier; an
+    interval that changed mid-way changes h. Errors grow as (h / T_c)^DISTANCE_EXPONENT
+    with the distance predicted (cost_model), so each is scaled to the newest spacing T_c
+    before fitting the newest ACCURACY_WINDOW of them. The first error has no known spacing.
+    """
+    pairs = sorted(dict(errors).items())
+    spaced = [(t, e, t - before) for (before, _), (t, e) in zip(pairs, pairs[1:])]
+    if not spaced:
+        return fit_loss_p([], 1.0)
+    T_c = spaced[-1][2]
+    scaled = [(t, e * (T_c / h) ** DISTANCE_EXPONENT) for t, e, h in spaced[-ACCURACY_WINDOW:]]
+    return fit_loss_p(scaled, T_c)
+
+
+# ---------------------------------------------------------------- when to plan
+
+
+def drift(before: dict, now: dict, threshold: float) -> list[str]:
+    """The inputs (by name) that moved by more than ``threshold`` (relative) from ``before``, each said.
+
+    A value that is missing or not finite on either side is no evidence of drift.
+    """
+    moved = []
+    for name, was in before.items():
+        value = now.get(name)
+        if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in (was, value)):
+            continue
+        change = abs(value - was) / abs(was) if was else (math.inf if value else 0.0)
+        if change > threshold:
+            moved.append(f"{name} {was:.4g} -> {value:.4g}")
+    return moved
+
+
+def watched(lambda_per_hour: float, stages: Sequence[StageInputs]) -> dict:
+    """The measured inputs whose drift re-plans: lambda, the iteration time, each stage's T_s and persist time."""
+    values = {"lambda_per_hour": lambda_per_hour}
+    for s in stages:
+        if s.measured:
+            values.setdefault("iteration_time_s", s.iteration_time_s)
+            values[f"slowdown_s/stage{s.stage}"] = s.slowdown_s
+            values[f"persist_s/stage{s.stage}"] = s.persist_s
+    return values
+
+
+def replan_reason(planned: Optional[dict], phase: int, planned_phase: int, measured: bool, drifted: Sequence[str],
+                  restart: bool) -> Optional[str]:
+    """Why to plan now (a runlog.PlanRow reason), or None.
+
+    ``planned``: the watched inputs of the last plan (None: no plan yet); ``measured``:
+    every stage has a measured checkpoint (no plan can be made before).
+    """
+    if not measured:
+        return None
+    if planned is None:
+        return "restart" if restart else "first"
+    if phase != planned_phase:
+        return "phase"
+    if drifted:
+        return "drift"
+    return None
+
+
+# ---------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True)
+class JobInputs:
+    """The job-wide inputs of a plan.
+
+    iteration: where the plan is made (the origin of the paper model's t); loss: the Eq. 11
+    fit of the journal (absolute iterations); model: planner.cost_model; mode:
+    recovery.mode; current: the interval kept where no plan can be made.
+    """
+
+    iteration: int
+    lambda_per_hour: float
+    loss: LossFit | NoFit
+    model: str
+    predictor: str
+    mode: str
+    max_relative_error: float
+    max_loss_excess: float
+    max_interval: int
+    current: int
+    failures: int = 0
+    hours: float = 0.0
+
+
+@dataclass(frozen=True)
+class Planned:
+    """A plan's result: the fields of a runlog.PlanRow that the math decides."""
+
+    T_c: int
+    recovery: str  # "predict" or "recompute"
+    inputs: dict
+    stages: list
+    fallback: str = ""
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def json_safe(value):
+    """``value`` with every non-finite float as None, so plans.jsonl stays strict JSON."""
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def _inputs(job: JobInputs, stages: Sequence[StageInputs], lam: Optional[float], iteration_time_s) -> dict:
+    loss = job.loss if job.loss else None
+
+    def per_stage(get):
+        return [get(s) for s in stages]
+
+    def fitted(s, name):
+        return getattr(s.accuracy, name) if s.accuracy else None
+
+    def in_iterations(value):
+        return value / iteration_time_s if _finite(value) and _finite(iteration_time_s) and iteration_time_s > 0 else None
+
+    return {"lambda_per_hour": job.lambda_per_hour, "lambda": lam, "failures": job.failures, "hours": job.hours,
+            "iteration_time_s": iteration_time_s,
+            "T_s": per_stage(lambda s: in_iterations(s.slowdown_s)),
+            "persist": per_stage(lambda s: in_iterations(s.persist_s)), "in_flight": per_stage(lambda s: s.in_flight),
+            "alpha1": loss and loss.alpha1, "alpha2": loss and loss.alpha2,
+            "tau1": per_stage(lambda s: fitted(s, "tau1")), "tau2": per_stage(lambda s: fitted(s, "tau2")),
+            "tau_T_c": per_stage(lambda s: fitted(s, "T_c")), "xi": per_stage(lambda s: s.xi),
+            "N_p": per_stage(lambda s: s.n_p), "relative_error": per_stage(lambda s: s.relative_error),
+            "loss_fit": job.loss.reason if not job.loss else ""}
+
+
+def _stage_costs(stages: Sequence[StageInputs], iteration_time_s: float) -> list[StageCosts]:
+    return [StageCosts(max(s.slowdown_s / iteration_time_s, MIN_T_S), s.persist_s / iteration_time_s, s.in_flight)
+            for s in stages]
+
+
+def _accuracy(s: StageInputs) -> AccuracyFit | NoFit:
+    return NoFit("too few", "no held-out errors") if s.accuracy is None else s.accuracy
+
+
+def _curvature(s: StageInputs) -> StageCurvature | NoFit:
+    if s.xi is None or s.n_p is None:
+        return NoFit("too few", f"stage {s.stage}: no xi measured")
+    return StageCurvature(s.xi, s.n_p)
+
+
+def _paper_params(job: JobInputs, stages: Sequence[StageInputs]) -> tuple[list[PbrParams], list[str]]:
+    """Each stage's PbrParams with t counted from the plan's iteration, or why there are none."""
+    params, missing = [], []
+    for s in stages:
+        model = paper_model(job.loss, _accuracy(s), _curvature(s))
+        if model.params is None:
+            missing.append(f"stage {s.stage}: {model.missing}")
+            continue
+        p = model.params
+        # Rebased: the loss and the error the fits give at the plan's iteration.
+        params.append(replace(p, alpha2=p.alpha2 - p.alpha1 * job.iteration,
+                              tau2=p.tau2 - p.tau1 * job.iteration / model.T_c))
+    return params, missing
+
+
+def guard(job: JobInputs, stages: Sequence[StageInputs], T_c: int,
+          excess_at: Callable[[float], Optional[float]]) -> Optional[str]:
+    """Why recovery would recompute a failure T_c / 2 after a checkpoint at the plan's iteration (None: it
+    would predict): the diverging-prediction guard on r, and cost_model.recovery_choice with the
+    configured model for every stage (one stage's recompute is the job's)."""
+    if job.mode != "auto":
+        return None
+    for s in stages:
+        if s.relative_error is not None and not s.relative_error < job.max_relative_error:
+            return (f"stage {s.stage}: held-out error r = {s.relative_error:.3f}, not below max_relative_error "
+                    f"{job.max_relative_error}")
+    f, d = job.iteration, max(1, round(T_c / 2))
+    if job.model == "empirical":
+        models = [(None, EmpiricalModel())]
+    else:
+        models = [(s.stage, paper_model(job.loss, _accuracy(s), _curvature(s), exact=job.model == "paper")) for s in stages]
+    for stage, model in models:
+        choice = recovery_choice(model.estimate(f, f - d, job.predictor), d, excess_at, job.max_loss_excess, PESSIMISM)
+        if choice.method == RECOMPUTE:
+            where = "" if stage is None else f"stage {stage}: "
+            return f"{where}a failure {d} iterations after a checkpoint would recompute: {choice.reason}"
+    return None
+
+
+def _stage_dicts(job_plan: planner.JobPlan, stages: Sequence[StageInputs], costs: Sequence[StageCosts]) -> list:
+    return [{"stage": s.stage, **p.to_dict(), "T_s": c.T_s, "persist": c.persist, "in_flight": c.in_flight,
+             "xi": s.xi, "N_p": s.n_p} for s, p, c in zip(stages, job_plan.stages, costs)]
+
+
+def plan(job: JobInputs, stages: Sequence[StageInputs],
+         excess_at: Callable[[float], Optional[float]] = lambda lag: None) -> Planned:
+    """The interval for the job from every stage's measured inputs (iterations, in [1, max_interval]).
+
+    Predicting-based where recovery would predict: the empirical model minimises
+    planner.empirical_cost_rate with rho = MEASURED_REDUCTION[predictor], the paper models
+    planner.plan_job with each stage's PbrParams (t from the plan's iteration; both "paper"
+    and "paper-eq14" plan by Eq. 13, Theorem 1 being Eq. 14's optimum). Recompute-based
+    (rho = 0, recovery "recompute") where recovery.mode is recompute, a paper-model input
+    has no fit, the predictor has no measured reduction, or :func:`guard` says a failure
+    would recompute; ``fallback`` says why. Without a usable iteration time, T_s, persist
+    time or lambda no plan can be made: the current interval stays, and ``fallback`` says why.
+    """
+    times = [s.iteration_time_s for s in stages if s.measured]
+    iteration_time_s = max(times) if times and all(_finite(t) for t in times) else None
+    problems = [f"stage {s.stage}: {name} is {value}" for s in stages
+                for name, value in (("iteration_time_s", s.iteration_time_s), ("T_s", s.slowdown_s),
+                                    ("persist_s", s.persist_s))
+                if not (_finite(value) and value >= 0)]
+    if iteration_time_s is not None and iteration_time_s <= 0:
+        problems.append(f"the iteration time is {iteration_time_s}")
+    if not (_finite(job.lambda_per_hour) and job.lambda_per_hour > 0):
+        problems.append(f"lambda is {job.lambda_per_hour} per hour")
+    if problems or not stages:
+        T_c = int(planner.clamp_interval(job.current, job.max_interval))
+        return Planned(T_c, RECOMPUTE, json_safe(_inputs(job, stages, None, iteration_time_s)), [],
+                       "no plan, the interval stays: " + ("; ".join(problems) or "no stage measured"))
+    lam = planner.failure_rate_per_iteration(job.lambda_per_hour, iteration_time_s)
+    try:
+        return _plan(job, stages, excess_at, lam, iteration_time_s)
+    except ValueError as err:  # an input the checks above let through and the planner refuses
+        T_c = int(planner.clamp_interval(job.current, job.max_interval))
+        return Planned(T_c, RECOMPUTE, json_safe(_inputs(job, stages, lam, iteration_time_s)), [],
+                       f"no plan, the interval stays: {err}")
+
+
+def _plan(job: JobInputs, stages: Sequence[StageInputs], excess_at, lam: float, iteration_time_s: float) -> Planned:
+    costs = _stage_costs(stages, iteration_time_s)
+    inputs = json_safe(_inputs(job, stages, lam, iteration_time_s))
+
+    def recompute(why: str) -> Planned:
+        job_plan = planner.plan_job_empirical(lam, [(c, 0.0) for c in costs], job.max_interval)
+        return Planned(job_plan.T_c, RECOMPUTE, inputs, json_safe(_stage_dicts(job_plan, stages, costs)), why)
+
+    if job.mode == "recompute":
+        return recompute("recovery.mode is recompute")
+    if job.model == "empirical":
+        rho = MEASURED_REDUCTION.get(job.predictor)
+        if rho is None:
+            return recompute(f"no measured reduction for predictor {job.predictor!r}")
+        job_plan = planner.plan_job_empirical(lam, [(c, rho) for c in costs], job.max_interval)
+    else:
+        params, missing = _paper_params(job, stages)
+        if missing:
+            return recompute(f"{job.model} model: " + "; ".join(missing))
+        job_plan = planner.plan_job(lam, list(zip(costs, params)), job.max_interval)
+    why = guard(job, stages, job_plan.T_c, excess_at)
+    if why is not None:
+        return recompute(why)
+    stage_dicts = _stage_dicts(job_plan, stages, costs)
+    if job.model != "empirical":
+        for d, p in zip(stage_dicts, params):
+            d.update(tau1=p.tau1, tau2=p.tau2, alpha2_at_plan=p.alpha2)
+    return Planned(job_plan.T_c, "predict", inputs, json_safe(stage_dicts))
+
+
+def describe(reason: str, planned: Planned, model: str, phase: int) -> str:
+    """The plan's log line."""
+    def number(v):
+        if isinstance(v, str):
+            return v
+        if isinstance(v, list):
+            return "[" + ", ".join(number(x) for x in v) + "]"
+        return f"{v:.4g}" if _finite(v) else str(v)
+
+    said = [f"{k} {number(v)}" for k, v in planned.inputs.items()
+            if k in ("lambda_per_hour", "iteration_time_s", "T_s", "persist", "alpha1", "xi", "N_p", "drift")]
+    return "; ".join(filter(None, [f"cpsr plan ({reason}, phase {phase}, {model} model): T_c = {planned.T_c} iterations, "
+                      f"planned for {planned.recovery}", ", ".join(said), planned.fallback]))

@@ -1,0 +1,193 @@
+"""Online planning: the pure functions of cpsr_ds.online_planner and the planner's empirical cost rate."""
+
+import math
+
+import numpy as np
+import pytest
+
+from cpsr_ds import online_planner as op
+from cpsr_ds import planner
+from cpsr_ds.cost_model import MEASURED_REDUCTION
+from cpsr_ds.fitter import AccuracyFit, LossFit, NoFit
+from cpsr_ds.planner import StageCosts
+
+
+# ---------------------------------------------------------------- lambda
+
+
+def test_failure_rate_starts_at_the_prior_and_learns_from_the_jobs_failures():
+    assert op.failure_rate_per_hour(0.08, 0, 0.0) == pytest.approx(0.08)
+    # No failure in 12.5 h of running halves the rate; 9 in 87.5 h gives 10 / 100 h.
+    assert op.failure_rate_per_hour(0.08, 0, 12.5) == pytest.approx(0.04)
+    assert op.failure_rate_per_hour(0.08, 9, 87.5) == pytest.approx(0.1)
+    # Many hours: the job's own rate, n / H.
+    assert op.failure_rate_per_hour(0.08, 300, 1000.0) == pytest.approx(0.3, rel=0.01)
+    for bad in (math.nan, -1.0, math.inf):
+        assert op.failure_rate_per_hour(0.08, 2, bad) == pytest.approx(0.24)
+
+
+def test_failures_are_the_starts_after_progress():
+    assert op.failures([None, 120, None, 300]) == 2
+
+
+def test_running_hours_leave_restart_downtime_out():
+    first = [(i, 10.0 * i) for i in range(1, 101)]  # 990 s of running
+    # A restart resumed at 81 (recompute) after 5 min, and one predicted on at 141 after 10 min.
+    second = [(81 + i, first[-1][1] + 300 + 10.0 * i) for i in range(60)]
+    third = [(141 + i, second[-1][1] + 600 + 10.0 * i) for i in range(10)]
+    assert op.running_hours(first + second + third) == pytest.approx((990 + 590 + 90) / 3600)
+    assert op.running_hours([]) == 0.0 and op.running_hours([(5, 1.0)]) == 0.0
+
+
+# ---------------------------------------------------------------- measuring
+
+
+def test_slowdown_is_the_checkpoints_time_plus_the_excess_of_the_iterations_it_slowed():
+    assert op.slowdown(0.2, [1.5, 1.1, 1.0], 1.0, 0.4) == pytest.approx(0.8)
+    assert op.slowdown(0.0, [0.9, 0.95], 1.0, 0.05) == pytest.approx(0.05)  # noise below the stall
+
+
+def test_the_meter_measures_against_the_baseline_of_iterations_without_a_checkpoint():
+    meter = op.CostMeter()
+    for t in [1.0, 1.1, 0.9, 1.0, 5.0]:
+        meter.iteration(t)
+    assert meter.baseline() == pytest.approx(1.0)
+    meter.start(10, "global_step10", block_s=0.3)
+    for t in [1.6, 1.2]:
+        meter.iteration(t)
+    meter.stalled(0.5)
+    assert meter.baseline() == pytest.approx(1.0)  # iterations in flight are not the baseline
+    assert meter.settle("global_step10", None) is None  # still persisting
+    cost = meter.settle("global_step10", (4096, 1.7))
+    assert cost == op.Cost(10, 1.0, 0.5, pytest.approx(1.1), 1.7, 4096)
+    meter.start(20, "global_step20", 0.1)
+    assert meter.settle("global_step20", False) is None and not meter.pending  # given up: no cost
+
+
+def test_a_window_closes_when_the_next_checkpoint_begins():
+    meter = op.CostMeter()
+    meter.iteration(1.0)
+    meter.start(1, "a", 0.0)
+    meter.iteration(2.0)
+    meter.start(2, "b", 0.0)
+    meter.iteration(3.0)
+    assert meter.settle("a", (1, 9.0)).slowdown_s == pytest.approx(1.0)
+
+
+# ---------------------------------------------------------------- inputs
+
+
+def test_accuracy_fit_scales_errors_to_the_newest_spacing():
+    # The error falls by e each checkpoint; the interval doubled after iteration 40, and errors grow as (h / T_c)^2.
+    its = [10, 20, 30, 40, 60, 80, 100]
+    errors = [(t, math.exp(-k) * ((t - its[k - 1]) / 20) ** 2 if k else 1.0) for k, t in enumerate(its)]
+    fit = op.accuracy_fit(errors)
+    assert isinstance(fit, AccuracyFit) and fit.T_c == 20
+    # tau1 per checkpoint of 20 iterations: e falls once per 10 iterations before, per 20 after.
+    assert 1.0 < fit.tau1 < 2.0
+    assert not op.accuracy_fit(errors[:2]) and not op.accuracy_fit([])
+
+
+def test_drift_names_the_inputs_that_moved_beyond_the_threshold():
+    before = {"lambda_per_hour": 0.08, "iteration_time_s": 1.0, "slowdown_s/stage0": 2.0}
+    assert op.drift(before, {"lambda_per_hour": 0.09, "iteration_time_s": 1.1, "slowdown_s/stage0": 2.2}, 0.2) == []
+    moved = op.drift(before, {"lambda_per_hour": 0.08, "iteration_time_s": 1.3, "slowdown_s/stage0": 1.5}, 0.2)
+    assert moved == ["iteration_time_s 1 -> 1.3", "slowdown_s/stage0 2 -> 1.5"]
+    assert op.drift(before, {"iteration_time_s": math.nan}, 0.2) == []
+
+
+def test_replan_reasons():
+    assert op.replan_reason(None, 0, 0, False, [], False) is None  # nothing measured
+    assert op.replan_reason(None, 0, 0, True, [], False) == "first"
+    assert op.replan_reason(None, 0, 0, True, [], True) == "restart"
+    assert op.replan_reason({}, 2, 1, True, [], False) == "phase"
+    assert op.replan_reason({}, 1, 1, True, ["T_s"], False) == "drift"
+    assert op.replan_reason({}, 1, 1, True, [], False) is None
+
+
+# ---------------------------------------------------------------- the plan
+
+
+def test_empirical_cost_rate_at_rho_0_is_the_recompute_rate_with_its_minimum_at_youngs_interval():
+    lam, T_s = 1e-5, 0.5
+    T_c = np.geomspace(1, 1e5, 50)
+    assert np.allclose(planner.empirical_cost_rate(T_c, lam, T_s, 0.0), planner.recompute_cost_rate(T_c, lam, T_s))
+    best = planner.minimize_interval(lambda x: planner.empirical_cost_rate(x, lam, T_s, 0.0))
+    assert best == pytest.approx(planner.young_interval(lam, T_s), rel=0.02)
+    # A prediction that saves rho of the lost work lengthens it as Young's at lambda (1 - rho).
+    rho = 0.69
+    plan = planner.plan_stage_empirical(lam, StageCosts(T_s), rho)
+    assert plan.T_c == pytest.approx(plan.T_c_young, rel=0.02) and plan.T_c > best * 1.5
+
+
+def job(**kw):
+    base = dict(iteration=1000, lambda_per_hour=36.0, loss=LossFit(1e-4, 1.5, 0.01, 500, 1000, 500),
+                model="empirical", predictor="trend", mode="auto", max_relative_error=1.5, max_loss_excess=0.005,
+                max_interval=10_000, current=50)
+    return op.JobInputs(**{**base, **kw})
+
+
+def stage(**kw):
+    base = dict(stage=0, iteration_time_s=1.0, slowdown_s=0.5, persist_s=3.0, n_p=10_000, xi=1e-6,
+                accuracy=AccuracyFit(0.3, -9.0, 50.0, 0.1, 8), relative_error=0.5)
+    return op.StageInputs(**{**base, **kw})
+
+
+def test_the_empirical_plan_predicts_and_checkpoints_less_often_than_recomputing():
+    planned = op.plan(job(), [stage()])
+    lam = planner.failure_rate_per_iteration(36.0, 1.0)
+    assert planned.recovery == "predict" and not planned.fallback
+    rho = MEASURED_REDUCTION["trend"]
+    assert planned.T_c == planner.plan_stage_empirical(lam, StageCosts(0.5, 3.0), rho).T_c
+    recompute = op.plan(job(mode="recompute"), [stage()])
+    assert recompute.recovery == "recompute" and recompute.fallback == "recovery.mode is recompute"
+    assert recompute.T_c < planned.T_c
+    for name in ("lambda_per_hour", "lambda", "iteration_time_s", "T_s", "persist", "in_flight", "alpha1", "alpha2",
+                 "tau1", "tau2", "xi", "N_p"):
+        assert planned.inputs[name] is not None, name
+    assert planned.stages[0]["stage"] == 0 and planned.stages[0]["rho"] == rho
+
+
+def test_where_recovery_would_recompute_the_phase_is_planned_for_recomputing():
+    # The loss-excess guard: a lag of a few iterations leaves 1 % of loss.
+    guarded = op.plan(job(), [stage()], excess_at=lambda lag: 0.01)
+    assert guarded.recovery == "recompute" and "max_loss_excess" in guarded.fallback
+    assert guarded.T_c == op.plan(job(mode="recompute"), [stage()]).T_c
+    diverging = op.plan(job(), [stage(relative_error=2.0)])
+    assert diverging.recovery == "recompute" and "max_relative_error" in diverging.fallback
+    # recovery.mode predict has no guard.
+    assert op.plan(job(mode="predict"), [stage()], excess_at=lambda lag: 0.01).recovery == "predict"
+
+
+def test_the_paper_model_plans_per_stage_and_falls_back_where_an_input_has_no_fit():
+    stages = [stage(), stage(stage=1, n_p=1_000_000, slowdown_s=0.8)]
+    planned = op.plan(job(model="paper"), stages)
+    assert planned.recovery == "predict", planned.fallback
+    assert [s["stage"] for s in planned.stages] == [0, 1] and all("T_c_theorem1" in s for s in planned.stages)
+    no_fit = NoFit("flat", "losses do not fall measurably")
+    fallback = op.plan(job(model="paper", loss=no_fit), stages)
+    assert fallback.recovery == "recompute" and "do not fall measurably" in fallback.fallback
+    assert fallback.inputs["alpha1"] is None and fallback.inputs["loss_fit"] == no_fit.reason
+    no_tau = op.plan(job(model="paper-eq14"), [stage(accuracy=NoFit("too few", "2 held-out errors"))])
+    assert no_tau.recovery == "recompute" and "stage 0" in no_tau.fallback and "2 held-out errors" in no_tau.fallback
+
+
+@pytest.mark.parametrize("model", ["empirical", "paper"])
+@pytest.mark.parametrize("inputs", [
+    {"slowdown_s": 0.0}, {"slowdown_s": -0.3}, {"persist_s": 0.0}, {"slowdown_s": 1e9}, {"iteration_time_s": 1e-9},
+    {"xi": 1e30, "n_p": 10**12}, {"accuracy": AccuracyFit(1e-12, 50.0, 1.0, 0.0, 3)},
+    {"slowdown_s": math.nan}, {"iteration_time_s": math.inf}, {"persist_s": -1.0}, {"iteration_time_s": 0.0},
+])
+def test_every_plan_is_a_whole_interval_within_bounds_for_any_input(model, inputs):
+    for lam_h in (36.0, 1e-9, 1e9, math.nan, 0.0):
+        for loss in (job().loss, LossFit(1e-12, 80.0, 0.0, 0, 1, 2), NoFit("rising", "losses rise")):
+            planned = op.plan(job(model=model, lambda_per_hour=lam_h, loss=loss, max_interval=500), [stage(**inputs)])
+            assert isinstance(planned.T_c, int) and 1 <= planned.T_c <= 500, (inputs, lam_h, loss)
+            bad = [k for k, v in planned.inputs.items() if isinstance(v, float) and not math.isfinite(v)]
+            assert not bad
+
+
+def test_a_plan_without_usable_measurements_keeps_the_current_interval_and_says_why():
+    planned = op.plan(job(current=70), [stage(slowdown_s=math.nan)])
+    assert planned.T_c == 70 and "T_s is nan" in planned.fallback
+    assert op.plan(job(current=70, lambda_per_hour=math.inf), [stage()]).fallback.endswith("lambda is inf per hour")
