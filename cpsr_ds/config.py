@@ -41,8 +41,9 @@ class CheckpointConfig(_Strict):
     strategy: Literal["torch", "checkfreq", "pccheck", "cpsr"] = Field(
         "cpsr",
         description="Checkpoint engine: torch = DeepSpeed's synchronous torch.save; checkfreq = snapshot/persist pipelined, "
-        "one checkpoint in flight, interval from overhead_budget; pccheck = max_in_flight checkpoints in flight, chunked "
-        "pipelined copy and write, interval from overhead_budget; cpsr = asynchronous, fixed interval.",
+        "one checkpoint in flight; pccheck = max_in_flight checkpoints in flight, chunked pipelined copy and write; "
+        "cpsr = asynchronous, one checkpoint in flight. With interval auto, cpsr's interval comes from the planner, the "
+        "others' from overhead_budget.",
     )
     keep_last: int = Field(4, gt=0, description="Committed checkpoints kept on storage (count); older ones are deleted after a newer one commits.")
     max_in_flight: int = Field(2, gt=0, description="pccheck: checkpoints being persisted at once (count), each holding one set of host buffers; checkfreq and cpsr persist one at a time.")
