@@ -24,7 +24,7 @@ from cpsr_ds.runlog import CostRow, PlanRow, StateRow
 
 JOURNAL_RANK = 0  # whose journal losses the plot shows
 # The plan's inputs the table shows, by their PlanRow.inputs key.
-INPUT_COLUMNS = (("lambda_per_hour", "lambda/h"), ("T_s", "T_s"), ("persist", "persist"), ("alpha1", "alpha1"),
+INPUT_COLUMNS = (("lambda_per_hour", "lambda/h"), ("T_s", "T_s it"), ("persist", "persist it"), ("alpha1", "alpha1"),
                  ("tau1", "tau1"), ("xi", "xi"), ("N_p", "N_p"))
 # Every field a checkpoint's StateRow and CostRow give, None where its row is missing.
 CHECKPOINT_FIELDS = tuple(dict.fromkeys(f.name for cls in (StateRow, CostRow) for f in dataclasses.fields(cls)
@@ -93,8 +93,11 @@ def run_report(run_dir: str) -> dict:
 
 
 def _num(value) -> str:
+    """A number in 4 significant digits; a per-stage list as its values joined by "/"."""
     if value is None:
         return "-"
+    if isinstance(value, list):
+        return "/".join(_num(v) for v in value)
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return f"{value:.4g}"
     return str(value)
