@@ -39,31 +39,22 @@ reported as skipped.
 from __future__ import annotations
 
 import argparse
-import atexit
 import contextlib
 import errno
 import json
 import os
 import random
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
 import traceback
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-os.environ["OMP_NUM_THREADS"] = "1"
-os.environ.setdefault("PYTHONWARNINGS", "ignore")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "launch"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from jobs import Child, Hang, free_port, tail  # noqa: E402  (first: it sets the jobs' environment)
 
 import torch  # noqa: E402
-
-torch.set_num_threads(1)
-
 import train_gpt  # noqa: E402
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo  # noqa: E402
 
@@ -80,7 +71,6 @@ import struct  # noqa: E402
 FAULTS = ("nonfinite", "journal", "clock", "metadata", "damaged_data", "full_disk", "rank_write", "two_jobs")
 MODEL = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 64}
 INTERVAL = 5
-JOB_TIMEOUT_S = 180
 
 
 class Violation(Exception):
@@ -88,12 +78,6 @@ class Violation(Exception):
 
 
 # ---------------------------------------------------------------- running jobs
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def write_config(run_dir: str, cpsr: dict | None = None, scheduler: dict | None = None) -> str:
     config = {
@@ -112,61 +96,6 @@ def write_config(run_dir: str, cpsr: dict | None = None, scheduler: dict | None 
     with open(path, "w") as f:
         json.dump(config, f)
     return path
-
-
-class Child:
-    """A function run in a forked child, its output in ``log``."""
-
-    def __init__(self, log: str, fn, *args):
-        self.log = log
-        self.started = time.monotonic()
-        self.pid = os.fork()
-        if self.pid == 0:
-            code = 1
-            try:
-                fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-                os.dup2(fd, 1)
-                os.dup2(fd, 2)
-                os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0",
-                                  WORLD_SIZE="1")
-                fn(*args)
-                code = 0
-            except SystemExit as err:
-                code = err.code if isinstance(err.code, int) else 1
-            except BaseException:
-                traceback.print_exc()
-            finally:
-                # What a normal exit runs: the engines commit their last checkpoint at exit.
-                atexit._run_exitfuncs()
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
-        self.code: int | None = None
-
-    def poll(self) -> int | None:
-        if self.code is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                self.code = os.waitstatus_to_exitcode(status)
-        return self.code
-
-    def wait(self, timeout_s: float = JOB_TIMEOUT_S) -> int:
-        deadline = self.started + timeout_s
-        while self.poll() is None:
-            if time.monotonic() > deadline:
-                self.kill()
-                raise Violation(f"hang: job did not finish within {timeout_s:.0f} s (log {self.log})")
-            time.sleep(0.05)
-        return self.code
-
-    def kill(self) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, signal.SIGKILL)
-            self.wait()
-
-    def output(self) -> str:
-        with open(self.log, errors="replace") as f:
-            return f.read()
 
 
 def train(config: str, iters: int, clock_offset_s: float = 0.0) -> None:
@@ -190,10 +119,6 @@ def run(trial_dir: str, config: str, iters: int, name: str, clock_offset_s: floa
     if code != 0:
         raise Violation(f"job {name} failed with exit code {code}: {tail(child.output())}")
     return child
-
-
-def tail(text: str, n: int = 600) -> str:
-    return " ".join(text[-n:].split())
 
 
 # ---------------------------------------------------------------- invariants
@@ -670,7 +595,7 @@ def main(argv=None) -> int:
             try:
                 what = globals()[f"fault_{name}"](rng, trial_dir)
                 violation = None
-            except Violation as err:
+            except (Violation, Hang) as err:
                 what, violation = "", str(err)
             except Exception as err:
                 what, violation = "", f"campaign error: {type(err).__name__}: {err}"
