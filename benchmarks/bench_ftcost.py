@@ -274,18 +274,6 @@ def reductions(mine: list, theirs: list) -> dict:
     return over_traces([None if a is None or b is None or b == 0 else 1 - a / b for a, b in zip(mine, theirs)])
 
 
-def empirical_cost_rate(T_c, lam: float, T_s: float, rho: float, persist: float = 0.0, in_flight: int = 1):
-    """The cost rate of PB-R under the empirical model, T_p = (1 - rho) d, iterations per iteration.
-
-    recompute_cost_rate is the sum of two terms: the checkpoints, lambda T_s' / (exp(lambda P) - 1),
-    and the work lost since the last checkpoint, 1 - lambda P / (exp(lambda P) - 1), P = T_c + T_s'
-    (T_s' = T_s + the storage wait). PB-R pays (1 - rho) of the second.
-    """
-    period = np.asarray(T_c, dtype=float) + T_s + planner.checkpoint_wait(T_c, persist, in_flight)
-    lost = 1.0 - lam * period / np.expm1(lam * period)
-    return planner.recompute_cost_rate(T_c, lam, T_s, persist, in_flight) - rho * lost
-
-
 def projected_components(measured: dict, storage_mbps: float) -> dict:
     """A strategy's measured components (iterations; persist as at 250 MB/s) at ``storage_mbps``: the persist
     time scales with the bandwidth; so do torch's stall and T_s, which are its synchronous write; the
@@ -304,7 +292,7 @@ def baseline_interval(c: dict, budget: float) -> float:
 def strategy_cost(strategy: str, c: dict, lam: float, rho: float):
     """The cost rate as a function of T_c: PB-R by the empirical model for cpsr, else recomputing."""
     if strategy in ("cpsr", "cpsr_fix"):
-        return lambda T_c: empirical_cost_rate(T_c, lam, c["T_s"], rho, c["persist"], c["in_flight"])
+        return lambda T_c: planner.empirical_cost_rate(T_c, lam, c["T_s"], rho, c["persist"], c["in_flight"])
     return lambda T_c: planner.recompute_cost_rate(T_c, lam, c["T_s"], c["persist"], c["in_flight"])
 
 
