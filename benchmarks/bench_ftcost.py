@@ -353,14 +353,22 @@ def ds_config(iters: int, run_dir: str, cpsr: dict) -> dict:
     return config
 
 
-def strategy_block(strategy: str, interval, write_mbps: float | None, trace: list[int]) -> dict:
-    """The ``cpsr`` block of one strategy's run."""
+def strategy_block(strategy: str, interval, write_mbps: float | None, trace: list[int],
+                   failures_per_hour: float | None = None) -> dict:
+    """The ``cpsr`` block of one strategy's run.
+
+    ``failures_per_hour``: the trace's rate, as ``planner.failure_rate_per_hour``: a user sets their
+    cluster's rate there, and the planner (cpsr's interval; the baselines' rules ignore it) starts from it.
+    """
     engine = "cpsr" if strategy == "cpsr_fix" else strategy
     mode = "auto" if engine == "cpsr" else "recompute"
     checkpoint = {"strategy": engine, "interval": interval}
     if write_mbps is not None:
         checkpoint["write_mbps"] = write_mbps
-    return {"checkpoint": checkpoint, "recovery": {"mode": mode}, "faults": {"kill_at_iteration": trace or None}}
+    block = {"checkpoint": checkpoint, "recovery": {"mode": mode}, "faults": {"kill_at_iteration": trace or None}}
+    if failures_per_hour is not None:
+        block["planner"] = {"failure_rate_per_hour": failures_per_hour}
+    return block
 
 
 def run_job(run_dir: str, cpsr: dict, iters: int, evaluations: tuple[int, int, int], failures: int) -> float:
@@ -440,7 +448,9 @@ def run_all(args) -> dict:
             interval = args.fixed_interval or ("auto" if strategy != "cpsr_fix"
                                                else used_interval(cost_rows(entry["runs"]["checkfreq"]["dir"])))
             run_dir = os.path.join(args.out_dir, f"trace{number}", strategy)
-            seconds = run_job(run_dir, strategy_block(strategy, interval, write_mbps, trace), args.iters,
+            block = strategy_block(strategy, interval, write_mbps, trace,
+                                   entry["rate_per_iteration"] * 3600 / manifest["warm_up"]["iteration_time_s"])
+            seconds = run_job(run_dir, block, args.iters,
                               (eval_from, every, args.valid_sequences), len(trace))
             entry["runs"][strategy] = {"dir": run_dir, "interval": interval, "wall_s": seconds}
             print(f"  {strategy:9s} interval {interval}: {seconds:.0f} s", flush=True)
