@@ -117,7 +117,7 @@ class Runtime:
             self.predictor = None
         self.monitor = engine.monitor if rank == 0 and engine.monitor.enabled else None
         self.meter = CostMeter()
-        self._last_end = None
+        self._started = None  # when the running iteration's train_batch began
         self._load_measurements(engine.global_steps)
         self._lambda = self._failure_history() if rank == 0 else None
         self.planned = None  # the watched inputs of the last plan
@@ -133,8 +133,8 @@ class Runtime:
 
     def after_iteration(self, engine: PipelineEngine, loss: float) -> None:
         now = time.perf_counter()
-        if self._last_end is not None:
-            self.meter.iteration(now - self._last_end)
+        if self._started is not None:
+            self.meter.iteration(now - self._started)
         iteration = engine.global_steps
         self.journal.append(iteration, loss)
         finite = math.isfinite(loss)
@@ -144,14 +144,22 @@ class Runtime:
                          "at an iteration whose loss is not finite", loss, iteration)
         self._settle_costs(engine)
         if self._due(iteration):
+            t0 = time.perf_counter()
             if finite:
                 self._checkpoint(engine, iteration)
             else:
                 logger.warning("cpsr: checkpoint of iteration %d skipped: the loss is %s", iteration, loss)
             if self.auto:
                 self._schedule(engine, iteration)
+            if finite:
+                # Planning the next interval is part of what this checkpoint costs.
+                self.meter.start(iteration, f"global_step{iteration}", time.perf_counter() - t0)
         self.faults.check(iteration)
-        self._last_end = time.perf_counter()
+
+    def before_iteration(self) -> None:
+        """An iteration's time is its train_batch's: what the training loop does between
+        iterations (evaluation, logging) is not the checkpoints' to answer for."""
+        self._started = time.perf_counter()
 
     def close(self) -> None:
         """Close the journal and give the run directory free for another job."""
@@ -177,8 +185,7 @@ class Runtime:
         return iteration >= self.next_checkpoint if interval == "auto" else iteration % interval == 0
 
     def _checkpoint(self, engine: PipelineEngine, iteration: int) -> None:
-        """Save, feed the predictor, record the state; the time it all takes is the checkpoint's own."""
-        t0 = time.perf_counter()
+        """Save, feed the predictor, record the state: all of it the checkpoint's own time."""
         state = self._state(engine, iteration) if self.observing or self.learning else None
         client_state = {}
         if self.predictor is not None and state is not None:
@@ -191,7 +198,6 @@ class Runtime:
         engine.save_checkpoint(self.directory, client_state=client_state)
         if self.observing and state is not None:
             self._record_state(iteration, state)
-        self.meter.start(iteration, f"global_step{iteration}", time.perf_counter() - t0)
 
     @staticmethod
     def _state(engine: PipelineEngine, iteration: int) -> dict | None:
@@ -386,6 +392,7 @@ class CPSRPipelineEngine(PipelineEngine):
                 self.cpsr.close()
 
     def train_batch(self, data_iter=None):
+        self.cpsr.before_iteration()
         loss = super().train_batch(data_iter)
         self.cpsr.after_iteration(self, float(loss))
         return loss

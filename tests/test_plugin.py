@@ -6,6 +6,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 
 import deepspeed
 import pytest
@@ -221,3 +222,18 @@ def test_a_fixed_interval_checkpoints_at_its_multiples_and_measures_each(tmp_pat
     assert not checkpoint_iterations(rows, runlog.StateRow)  # no predictor in use
     assert all(r.persist_s == 0 and r.slowdown_s >= r.stall_s > 0 for r in rows)
     assert not (run_dir / runlog.PLANS).exists()
+
+
+def test_time_the_training_loop_spends_between_iterations_is_no_checkpoints_cost(tmp_path):
+    run_dir = tmp_path / "run"
+    config = tiny_config(run_dir, stages=1, recovery={"mode": "recompute"})
+    config["cpsr"]["checkpoint"].update(interval=4)
+    engine, *_ = build(config)
+    batches = random_batches(engine)
+    for _ in range(9):
+        engine.train_batch(iter(batches))
+        time.sleep(0.2)  # an evaluation, say
+    engine.destroy()
+    rows, _ = runlog.read_measurements(str(run_dir))
+    assert checkpoint_iterations(rows, runlog.CostRow)[:1] == [4]
+    assert all(r.iteration_time_s < 0.2 and r.slowdown_s < 0.2 for r in rows)
