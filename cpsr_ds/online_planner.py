@@ -456,20 +456,55 @@ def _plan(job: JobInputs, stages: Sequence[StageInputs], excess_at, lam: float, 
         rho = MEASURED_REDUCTION.get(job.predictor)
         if rho is None:
             return recompute(f"no measured reduction for predictor {job.predictor!r}")
-        job_plan = planner.plan_job_empirical(lam, [(c, rho) for c in costs], job.max_interval)
+
+        def predicting(max_interval):
+            return planner.plan_job_empirical(lam, [(c, rho) for c in costs], max_interval)
     else:
         params, missing = _paper_params(job, stages)
         if missing:
             return recompute(f"{job.model} model: " + "; ".join(missing))
-        job_plan = planner.plan_job(lam, list(zip(costs, params)), job.max_interval)
+
+        def predicting(max_interval):
+            return planner.plan_job(lam, list(zip(costs, params)), max_interval)
+    job_plan = predicting(job.max_interval)
     why = guard(job, stages, job_plan.T_c, excess_at)
+    note = ""
     if why is not None:
-        return recompute(why)
+        # The guard's lag grows with d, so a shorter interval may let recovery predict, and
+        # predicting at that interval may cost less than recomputing at the recompute optimum.
+        fallback = recompute(why)
+        bound = guard_bound(lambda T_c: guard(job, stages, T_c, excess_at) is None, job_plan.T_c - 1)
+        if bound is None:
+            return fallback
+        job_plan = predicting(bound)
+        recompute_cost = planner.plan_job_empirical(lam, [(c, 0.0) for c in costs], job.max_interval).cost_rate
+        if not job_plan.cost_rate < recompute_cost:
+            return fallback
+        note = (f"{why}; at most {bound} iterations apart a failure halfway would predict, and predicting there "
+                f"costs {job_plan.cost_rate:.4g} against recomputing's {recompute_cost:.4g} per iteration")
     stage_dicts = _stage_dicts(job_plan, stages, costs)
     if job.model != "empirical":
         for d, p in zip(stage_dicts, params):
             d.update(tau1=p.tau1, tau2=p.tau2, alpha2_at_plan=p.alpha2)
-    return Planned(job_plan.T_c, "predict", inputs, json_safe(stage_dicts))
+    return Planned(job_plan.T_c, "predict", inputs, json_safe(stage_dicts), note)
+
+
+def guard_bound(passes: Callable[[int], bool], longest: int) -> Optional[int]:
+    """The longest interval in [1, longest] at which ``passes`` (the guard lets recovery predict), or None.
+
+    The guard's lag grows with the interval, so ``passes`` holds up to some interval and
+    not beyond: a bisection finds it.
+    """
+    if longest < 1 or not passes(1):
+        return None
+    lo, hi = 1, longest
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if passes(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def describe(reason: str, planned: Planned, model: str, phase: int) -> str:

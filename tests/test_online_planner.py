@@ -159,6 +159,28 @@ def test_where_recovery_would_recompute_the_phase_is_planned_for_recomputing():
     assert op.plan(job(mode="predict"), [stage()], excess_at=lambda lag: 0.01).recovery == "predict"
 
 
+def test_a_shorter_interval_at_which_recovery_would_predict_is_planned_where_it_costs_less():
+    lam = planner.failure_rate_per_iteration(3.6, 1.0)
+    recompute = op.plan(job(lambda_per_hour=3.6, mode="recompute"), [stage()])
+    # The guard's excess grows with the lag: a failure round(T_c / 2) after a checkpoint predicts only up to T_c = 21.
+    bounded = op.plan(job(lambda_per_hour=3.6), [stage()], excess_at=lambda lag: lag * 1e-3)
+    assert bounded.recovery == "predict" and bounded.T_c == 21 < recompute.T_c
+    assert "at most 21 iterations apart" in bounded.fallback and "max_loss_excess" in bounded.fallback
+    rho = MEASURED_REDUCTION["trend"]
+    assert (planner.empirical_cost_rate(21, lam, 0.5, rho, 3.0)
+            < planner.empirical_cost_rate(recompute.T_c, lam, 0.5, 0.0, 3.0))
+    # Where only a far shorter interval would predict, recomputing at its own optimum costs less.
+    tight = op.plan(job(lambda_per_hour=3.6), [stage()], excess_at=lambda lag: lag * 1e-2)
+    assert tight.recovery == "recompute" and tight.T_c == recompute.T_c
+
+
+def test_guard_bound_finds_the_longest_passing_interval():
+    assert op.guard_bound(lambda T_c: T_c <= 37, 100) == 37
+    assert op.guard_bound(lambda T_c: T_c <= 500, 100) == 100
+    assert op.guard_bound(lambda T_c: False, 100) is None
+    assert op.guard_bound(lambda T_c: True, 0) is None
+
+
 def test_the_paper_model_plans_per_stage_and_falls_back_where_an_input_has_no_fit():
     stages = [stage(), stage(stage=1, n_p=1_000_000, slowdown_s=0.8)]
     planned = op.plan(job(model="paper"), stages)
