@@ -26,6 +26,7 @@ sys.path.insert(0, ROOT)
 
 from cpsr_ds.checkpoint.journal import journal_path, read_journal, read_validation  # noqa: E402
 from cpsr_ds.config import CPSRConfig  # noqa: E402
+from cpsr_ds.cost_model import PESSIMISM, Estimate, recovery_choice  # noqa: E402
 from cpsr_ds.lag import fit_curve, late_lag  # noqa: E402
 from cpsr_ds.recovery import fallback_reason, read_reports  # noqa: E402
 
@@ -57,7 +58,11 @@ def summarize(run_dir: str, reference_dir: str) -> str:
         lines.append(f"restart downtime {restarted.wall_time - failed.wall_time:.1f} s; "
                      f"training back at iteration {back.iteration} {back.wall_time - failed.wall_time:.1f} s after the failure")
         if report.method == "predict":
-            why = fallback_reason(CPSRConfig().recovery, report.relative_error, report.guard_lag, report.loss_excess)
+            rc = CPSRConfig().recovery
+            # The report holds the cost model's estimate and the loss excess its guard found.
+            choice = recovery_choice(Estimate(report.cost_model, report.estimated_cost), d,
+                                     lambda lag: report.loss_excess, rc.max_loss_excess, PESSIMISM)
+            why = fallback_reason(rc, report.relative_error, choice)
             lines.append("recovery.mode auto would have " + ("predicted too" if why is None else f"recomputed: {why}"))
             its = sorted(reference)
             fit = fit_curve(its, [reference[i] for i in its], lo=max(EVAL_INTERVAL, c - 4 * INTERVAL), hi=last)
