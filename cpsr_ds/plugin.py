@@ -32,6 +32,7 @@ from deepspeed.runtime.pipe.module import PipelineModule
 from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
 
 from cpsr_ds import planner, runlog
+from cpsr_ds.checkpoint import exiting
 from cpsr_ds.checkpoint.factory import deepspeed_factory
 from cpsr_ds.checkpoint.journal import ProgressJournal, journal_path, plausible, read_journal
 from cpsr_ds.config import CPSRConfig
@@ -384,7 +385,8 @@ class CPSRPipelineEngine(PipelineEngine):
     cpsr: Runtime
 
     def destroy(self):
-        # The run directory is another job's to take only once pending checkpoints are done.
+        # The run directory is another job's to take only once pending checkpoints are done
+        # (bounded: cleanup waits for no other rank once this process is failing).
         try:
             super().destroy()
         finally:
@@ -392,10 +394,16 @@ class CPSRPipelineEngine(PipelineEngine):
                 self.cpsr.close()
 
     def train_batch(self, data_iter=None):
-        self.cpsr.before_iteration()
-        loss = super().train_batch(data_iter)
-        self.cpsr.after_iteration(self, float(loss))
+        # A peer's death shows here as a gloo error: from then on no wait at exit is for other ranks.
+        with exiting.marks_failure("train_batch"):
+            self.cpsr.before_iteration()
+            loss = super().train_batch(data_iter)
+            self.cpsr.after_iteration(self, float(loss))
         return loss
+
+    def eval_batch(self, *args, **kwargs):
+        with exiting.marks_failure("eval_batch"):
+            return super().eval_batch(*args, **kwargs)
 
     def _exec_optimizer_step(self, lr_kwargs=None):
         # DeepSpeed's PipelineEngine never commits a decoupled checkpoint engine. The
@@ -480,6 +488,8 @@ def initialize(*args, **kwargs):
     if not isinstance(bound.arguments.get("model"), PipelineModule):
         raise TypeError("cpsr_ds: the model must be a deepspeed.pipe.PipelineModule (num_stages=1 for no pipelining)")
     _init_distributed(bound)
+    # Before any engine exists: an exception anywhere in the script bounds its exit (exiting.py).
+    exiting.install()
     check_kill_rank(cfg.faults, dist.get_world_size())
     lock = claim(cfg.checkpoint.dir, _collective_device())
     try:

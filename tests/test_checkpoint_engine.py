@@ -386,9 +386,9 @@ def test_a_rank_that_gives_up_tells_the_committer_at_once(tmp_path, engines, cap
     assert both(15) and store.read_latest(d) == "global_step15"
 
 
-def test_cleanup_waits_for_hung_storage_at_most_commit_timeout_s(tmp_path, engines, monkeypatch, caplog):
-    d = str(tmp_path)
-    eng = engines(d, commit_timeout_s=0.5)
+@pytest.fixture
+def hung_storage(monkeypatch):
+    """``hang()`` makes every later file write wait until the test ends (or ``answer.set()``)."""
     answer = threading.Event()
     write_atomic = store.write_atomic
 
@@ -396,7 +396,14 @@ def test_cleanup_waits_for_hung_storage_at_most_commit_timeout_s(tmp_path, engin
         answer.wait()
         return write_atomic(*args, **kw)
 
-    monkeypatch.setattr(store, "write_atomic", hung)
+    yield lambda: monkeypatch.setattr(store, "write_atomic", hung)
+    answer.set()
+
+
+def test_cleanup_waits_for_hung_storage_at_most_commit_timeout_s(tmp_path, engines, hung_storage, caplog):
+    d = str(tmp_path)
+    eng = engines(d, commit_timeout_s=0.5)
+    hung_storage()
     checkpoint(eng, d, 1, states())
     closing = threading.Thread(target=eng.cleanup, daemon=True)
     t0 = time.monotonic()
@@ -404,7 +411,6 @@ def test_cleanup_waits_for_hung_storage_at_most_commit_timeout_s(tmp_path, engin
         closing.start()
         closing.join(10)
     took = time.monotonic() - t0
-    answer.set()
     assert not closing.is_alive() and took < 5
     assert "global_step1" in caplog.text and "abandoned" in caplog.text
 

@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
-from cpsr_ds.checkpoint import store, throttle
+from cpsr_ds.checkpoint import exiting, store, throttle
 from cpsr_ds.checkpoint.persist import BufferPool, Committer, Job, RetryPolicy, Writer
 from cpsr_ds.checkpoint.snapshot import Copier, HostBuffers, snapshot_file
 from cpsr_ds.checkpoint.store import describe_error
@@ -181,15 +181,20 @@ class AsyncCheckpointEngine(CheckpointEngine):
         return CheckpointCommitInfo(tag=self._info.tag, save_dir=self._info.save_dir, save_latest=False)
 
     def cleanup(self):
-        """Persist what is in flight, waiting at most ``commit_timeout_s``, and stop the threads."""
+        """Persist what is in flight and stop the threads; see exiting.py for how long that may take."""
         if self._closed:
             return
         self._closed = True
-        if not self.flush(self.cfg.commit_timeout_s):
+        failure = exiting.reason()
+        if failure is not None and self._committer is not None:
+            self._committer.stop_waiting(failure)
+        bound_s = self.cfg.commit_timeout_s if failure is None else exiting.EXIT_GRACE_S
+        if not self.flush(bound_s):
             with self._lock:
                 tags = [job.tag for job in self._jobs]
-            log.error("checkpoints %s not persisted after commit_timeout_s (%g s); abandoned at exit, "
-                      "latest stays on the last committed checkpoint", ", ".join(tags), self.cfg.commit_timeout_s)
+            why = "commit_timeout_s" if failure is None else f"the exit grace, this process is failing ({failure})"
+            log.error("checkpoints %s not persisted within %g s (%s); abandoned at exit, "
+                      "latest stays on the last committed checkpoint", ", ".join(tags), bound_s, why)
             # The threads are daemons; joining them would wait for the storage that held them up.
             return
         self._copier.stop()

@@ -13,7 +13,8 @@ a failed write until one succeeds, a checkpoint that would wait for host buffers
 skipped (``BufferPool``). A checkpoint is given up, and rank 0 removes its directory,
 when rank 0's part fails, when another rank reports in its manifest (``failed``)
 that its part failed, when a manifest lists a
-non-finite tensor, or when a manifest is still missing after ``commit_timeout_s``.
+non-finite tensor, or when a manifest is still missing after ``commit_timeout_s``, or
+at once once the process is failing (``Committer.stop_waiting``, see exiting.py).
 ``latest`` then stays on the last good checkpoint.
 """
 
@@ -356,12 +357,23 @@ class Committer:
         self._pending: list[tuple[Job, float]] = []
         self._cond = threading.Condition()
         self._stopping = False
+        # Why other ranks' manifests are no longer waited for; None while they are.
+        self._no_wait: Optional[str] = None
         self._thread = threading.Thread(target=self._run, name="cpsr-committer", daemon=True)
         self._thread.start()
 
     def submit(self, job: Job) -> None:
         with self._cond:
-            self._pending.append((job, time.monotonic() + self.timeout_s))
+            wait = 0.0 if self._no_wait is not None else self.timeout_s
+            self._pending.append((job, time.monotonic() + wait))
+            self._cond.notify()
+
+    def stop_waiting(self, reason: str) -> None:
+        """Wait for no more manifests: commit what is complete, give up the rest (now and later)."""
+        with self._cond:
+            self._no_wait = reason
+            now = time.monotonic()
+            self._pending = [(job, min(deadline, now)) for job, deadline in self._pending]
             self._cond.notify()
 
     def stop(self) -> None:
@@ -414,8 +426,9 @@ class Committer:
         if missing:
             if time.monotonic() < deadline:
                 return False
-            return self._give_up(job, f"rank manifests {missing} missing after {self.timeout_s:.0f} s"
-                                      + (f" ({cause})" if cause else ""))
+            waited = (f", not waited for: this process is failing ({self._no_wait})" if self._no_wait is not None
+                      else f" after {self.timeout_s:.0f} s")
+            return self._give_up(job, f"rank manifests {missing} missing{waited}" + (f" ({cause})" if cause else ""))
         record = {"tag": job.tag, "world_size": self.world_size, "attempt": job.attempt,
                   "started_ns": job.started_ns, "iteration": store.tag_iteration(job.tag),
                   "committed_time": time.time()}

@@ -29,7 +29,7 @@ import torch
 from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
 
-from cpsr_ds.checkpoint import store, throttle
+from cpsr_ds.checkpoint import exiting, store, throttle
 from cpsr_ds.checkpoint.checkfreq import measured_interval
 from cpsr_ds.checkpoint.engine import CheckpointStats
 from cpsr_ds.checkpoint.fileformat import flatten, nonfinite_tensors
@@ -220,7 +220,8 @@ class TorchEngine(TorchCheckpointEngine):
     def _gather(self, tag_dir: str) -> tuple[dict, Optional[str]]:
         """Every rank's manifest (polled, no collectives), or why not within ``commit_timeout_s``.
 
-        A rank that gave up says so in its manifest, which ends the wait at once.
+        A rank that gave up says so in its manifest, which ends the wait at once, and so
+        does this process failing (exiting.py): the missing manifests may never come.
         """
         deadline = time.monotonic() + self.cfg.commit_timeout_s
         while True:
@@ -231,6 +232,10 @@ class TorchEngine(TorchCheckpointEngine):
             missing = [r for r in range(self.world_size) if r not in manifests]
             if not missing or any(m["failed"] for m in manifests.values()):
                 return manifests, None
+            failure = exiting.reason()
+            if failure is not None:
+                return manifests, (f"rank manifests {missing} missing, not waited for: "
+                                   f"this process is failing ({failure})")
             if time.monotonic() >= deadline:
                 return manifests, (f"rank manifests {missing} missing after {self.cfg.commit_timeout_s:.0f} s"
                                    + (f" ({cause})" if cause else ""))
