@@ -59,7 +59,8 @@ from cpsr_ds.recovery import (
     PREDICTOR_STATE,
     append_report,
     engine_state,
-    expected_loss_excess,
+    excess_at,
+    journal_losses,
     new_predictor,
     read_reports,
     recover,
@@ -307,10 +308,12 @@ class Runtime:
                                                                      "nothing measured yet: planner.first_interval"))
             return self.interval
         cfg = self.cfg
-        job = JobInputs(iteration, lambda_per_hour, fit_loss_o(self._losses(), iteration), cfg.planner.cost_model,
+        losses = journal_losses(self.directory)
+        job = JobInputs(iteration, lambda_per_hour, fit_loss_o(losses, iteration), cfg.planner.cost_model,
                         cfg.predictor.name, cfg.recovery.mode, cfg.recovery.max_relative_error,
                         cfg.recovery.max_loss_excess, cfg.planner.max_interval, self.interval, n, hours)
-        planned = plan(job, stages, lambda lag: expected_loss_excess(self.directory, iteration, lag))
+        # The guard's curve is fitted once: the plan asks it at many intervals.
+        planned = plan(job, stages, excess_at(losses, iteration))
         if moved:
             planned = replace(planned, inputs={**planned.inputs, "drift": moved})
         self._write_plan(iteration, reason, phase, planned)
@@ -364,12 +367,6 @@ class Runtime:
         n, before, began = self._lambda
         hours = before + (time.time() - began) / 3600
         return failure_rate_per_hour(self.cfg.planner.failure_rate_per_hour, n, hours), n, hours
-
-    def _losses(self) -> dict[int, float]:
-        """Rank 0's journal losses by iteration, the newest entry of each iteration."""
-        path = journal_path(self.directory, 0)
-        entries, _ = plausible(path, read_journal(path))
-        return {e.iteration: e.loss for e in entries}
 
     def _monitor(self, events: list, step: int) -> None:
         """``events`` ((name, value)) to DeepSpeed's monitor, where the config enables one (rank 0)."""

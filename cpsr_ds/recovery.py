@@ -30,7 +30,9 @@ import logging
 import math
 import os
 from dataclasses import asdict, dataclass
+from functools import partial
 from statistics import median
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -353,7 +355,7 @@ def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int, stat
         r = None if held_out is None else held_out.relative
         model = recovery_model(cfg.planner.cost_model, cfg.checkpoint.dir, engine.stage_id, predictor.name, f, c, state)
         choice = recovery_choice(model.estimate(f, c, predictor.name), d,
-                                 lambda lag: expected_loss_excess(cfg.checkpoint.dir, f, lag),
+                                 excess_at(journal_losses(cfg.checkpoint.dir), f),
                                  cfg.recovery.max_loss_excess, PESSIMISM)
         numbers.update(relative_error=r, estimated_cost=choice.estimate.lag, cost_model=model.name,
                        guard_lag=choice.guard_lag, loss_excess=choice.loss_excess)
@@ -410,16 +412,22 @@ def journal_losses(directory: str) -> dict[int, float]:
     return {e.iteration: e.loss for e in entries}
 
 
-def expected_loss_excess(directory: str, f: int, lag: float) -> float | None:
-    """The relative loss excess a lag of ``lag`` iterations costs at f, by the journal's losses (None: too few).
+def excess_at(losses: dict[int, float], f: int) -> Callable[[float], float | None]:
+    """lag -> the relative loss excess a lag of that many iterations costs at f, by ``losses`` (by
+    iteration), fitted once; None where there are too few losses to fit.
 
     A non-finite loss where the fit looks gives NaN, not a fit: the run diverged there.
     """
-    recent = recent_losses(journal_losses(directory), f)
+    recent = recent_losses(losses, f)
     if not all(math.isfinite(loss) for loss in recent.values()):
-        return math.nan
+        return lambda lag: math.nan
     curve = fit_recent(recent, f)
-    return None if curve is None else loss_excess(curve, f, lag)
+    return (lambda lag: None) if curve is None else partial(loss_excess, curve, f)
+
+
+def expected_loss_excess(directory: str, f: int, lag: float) -> float | None:
+    """:func:`excess_at` by the run's journal (rank 0's)."""
+    return excess_at(journal_losses(directory), f)(lag)
 
 
 # ---------------------------------------------------------------- the cost model
