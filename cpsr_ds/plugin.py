@@ -265,7 +265,7 @@ class Runtime:
             return None
         costs = smoothed_costs(self.costs)
         latest = self.states[-1] if self.states else None
-        errors = [(r.iteration, r.held_out_error) for r in self.states if r.held_out_error is not None]
+        errors = runlog.held_out_errors(self.states, self.stage, self.cfg.predictor.name)
         return StageInputs(self.stage, **costs, in_flight=getattr(engine.checkpoint_engine, "_max_in_flight", 1),
                            n_p=latest and latest.n_p, xi=latest and latest.xi, accuracy=accuracy_fit(errors),
                            relative_error=latest and latest.relative_error,
