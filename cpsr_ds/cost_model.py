@@ -178,15 +178,17 @@ class Choice:
 
 
 def recovery_choice(estimate: Estimate, d: int, excess_at: Callable[[float], Optional[float]],
-                    max_loss_excess: float, pessimism: float) -> Choice:
+                    max_loss_excess: float, pessimism: float, carried: float = 0.0) -> Choice:
     """PREDICT or RECOMPUTE for a failure that lost d iterations, by ``estimate``.
 
     ``excess_at(lag)``: the relative loss excess a lag of ``lag`` iterations leaves at f
     (fitter.loss_excess on the job's curve; None where the journal is too short to fit,
-    which does not stop a prediction). The guard's lag is ``pessimism`` times the
-    estimate: one recovery's lag varies far more than the mean. No estimate, a NaN or
-    None among the inputs, an estimate not below d or an excess above ``max_loss_excess``
-    recompute: every comparison is written so that NaN fails it.
+    which does not stop a prediction). The guard's lag is ``carried`` (the lag, in
+    iterations, the run already carries from its earlier predictions: lags add up, and
+    under a decaying learning rate they stay to the end of training) plus ``pessimism``
+    times the estimate: one recovery's lag varies far more than the mean. No estimate,
+    a NaN or None among the inputs, an estimate not below d or an excess above
+    ``max_loss_excess`` recompute: every comparison is written so that NaN fails it.
     """
     def recompute(reason, lag=None, excess=None):
         return Choice(RECOMPUTE, reason, estimate, lag, excess)
@@ -194,19 +196,20 @@ def recovery_choice(estimate: Estimate, d: int, excess_at: Callable[[float], Opt
     if not estimate:
         return recompute(estimate.reason)
     for name, value in (("d", d), ("the estimated lag", estimate.lag), ("max_loss_excess", max_loss_excess),
-                        ("the guard's pessimism", pessimism)):
+                        ("the guard's pessimism", pessimism), ("the carried lag", carried)):
         if _unusable(value):
             return recompute(f"{name} is {value}: no comparison to make")
     if not estimate.lag < d:
         return recompute(f"{estimate.model} estimates a lag of {estimate.lag:.1f} iterations, "
                          f"not below the {d} recomputing costs")
-    lag = pessimism * estimate.lag
+    lag = carried + pessimism * estimate.lag
     excess = excess_at(lag)
     if excess is not None and not math.isfinite(excess):
         return recompute(f"the loss excess a lag of {lag:.1f} iterations leaves is {excess} "
                          "(non-finite losses in the journal)", lag, excess)
     if excess is not None and not excess <= max_loss_excess:
-        return recompute(f"a lag of {lag:.1f} iterations would leave the loss {excess:.2%} higher, "
+        earlier = f" ({carried:.1f} of them carried from earlier predictions)" if carried else ""
+        return recompute(f"a lag of {lag:.1f} iterations{earlier} would leave the loss {excess:.2%} higher, "
                          f"above max_loss_excess {max_loss_excess:.2%}", lag, excess)
     guard = "" if excess is None else f", loss excess at a lag of {lag:.1f}: {excess:.2%}"
     return Choice(PREDICT, f"{estimate.model} estimates a lag of {estimate.lag:.1f} of {d} iterations{guard}",

@@ -281,7 +281,9 @@ class JobInputs:
 
     iteration: where the plan is made (the origin of the paper model's t); loss: the Eq. 11
     fit of the journal (absolute iterations); model: planner.cost_model; mode:
-    recovery.mode; current: the interval kept where no plan can be made.
+    recovery.mode; current: the interval kept where no plan can be made; carried_lag: the
+    lag (iterations) the run carries from earlier predictions (recovery.carried_lag), which
+    the guard adds to a new one's.
     """
 
     iteration: int
@@ -296,6 +298,7 @@ class JobInputs:
     current: int
     failures: int = 0
     hours: float = 0.0
+    carried_lag: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -344,7 +347,7 @@ def _inputs(job: JobInputs, stages: Sequence[StageInputs], lam: Optional[float],
             "tau1": per_stage(lambda s: fitted(s, "tau1")), "tau2": per_stage(lambda s: fitted(s, "tau2")),
             "tau_T_c": per_stage(lambda s: fitted(s, "T_c")), "xi": per_stage(lambda s: s.xi),
             "N_p": per_stage(lambda s: s.n_p), "relative_error": per_stage(lambda s: s.relative_error),
-            "loss_fit": job.loss.reason if not job.loss else ""}
+            "loss_fit": job.loss.reason if not job.loss else "", "carried_lag": job.carried_lag}
 
 
 def _stage_costs(stages: Sequence[StageInputs], iteration_time_s: float) -> list[StageCosts]:
@@ -394,7 +397,8 @@ def guard(job: JobInputs, stages: Sequence[StageInputs], T_c: int,
     else:
         models = [(s.stage, paper_model(job.loss, _accuracy(s), _curvature(s), exact=job.model == "paper")) for s in stages]
     for stage, model in models:
-        choice = recovery_choice(model.estimate(f, f - d, job.predictor), d, excess_at, job.max_loss_excess, PESSIMISM)
+        choice = recovery_choice(model.estimate(f, f - d, job.predictor), d, excess_at, job.max_loss_excess, PESSIMISM,
+                                 job.carried_lag)
         if choice.method == RECOMPUTE:
             where = "" if stage is None else f"stage {stage}: "
             return f"{where}a failure {d} iterations after a checkpoint would recompute: {choice.reason}"

@@ -19,6 +19,7 @@ import sys
 import time
 from contextlib import contextmanager
 from dataclasses import replace
+from typing import NamedTuple
 
 import deepspeed
 import deepspeed.runtime.engine as ds_engine
@@ -58,11 +59,12 @@ from cpsr_ds.online_planner import (
 from cpsr_ds.recovery import (
     PREDICTOR_STATE,
     append_report,
+    carried_lag,
+    earlier_reports,
     engine_state,
     excess_at,
     journal_losses,
     new_predictor,
-    read_reports,
     recover,
 )
 from cpsr_ds.rundir import RunDirLock, claim
@@ -75,6 +77,15 @@ if not logger.handlers:
     logger.addHandler(_handler)
     logger.setLevel(logging.INFO)
     logger.propagate = False
+
+
+class RunHistory(NamedTuple):
+    """What the run's earlier attempts leave to the planner."""
+
+    failures: int  # the job's failures so far
+    hours: float  # its hours of running before this attempt
+    began: float  # when this attempt began (time.time())
+    carried_lag: float  # the lag, in iterations, it carries from its predictions (recovery.carried_lag)
 
 
 class Runtime:
@@ -121,7 +132,7 @@ class Runtime:
         self.meter = CostMeter()
         self._started = None  # when the running iteration's train_batch began
         self._load_measurements(engine.global_steps)
-        self._lambda = self._failure_history() if rank == 0 else None
+        self.history = self._history(engine.global_steps) if rank == 0 else None
         self.planned = None  # the watched inputs of the last plan
         self.planned_phase = 0
         self.interval = cfg.planner.first_interval
@@ -311,7 +322,8 @@ class Runtime:
         losses = journal_losses(self.directory)
         job = JobInputs(iteration, lambda_per_hour, fit_loss_o(losses, iteration), cfg.planner.cost_model,
                         cfg.predictor.name, cfg.recovery.mode, cfg.recovery.max_relative_error,
-                        cfg.recovery.max_loss_excess, cfg.planner.max_interval, self.interval, n, hours)
+                        cfg.recovery.max_loss_excess, cfg.planner.max_interval, self.interval, n, hours,
+                        self.history.carried_lag)
         # The guard's curve is fitted once: the plan asks it at many intervals.
         planned = plan(job, stages, excess_at(losses, iteration))
         if moved:
@@ -351,22 +363,20 @@ class Runtime:
                 self.costs.append(Cost(row.iteration, row.iteration_time_s, row.stall_s, row.slowdown_s,
                                        row.persist_s, row.nbytes))
 
-    def _failure_history(self) -> tuple[int, float, float]:
-        """Rank 0: (the job's failures, its hours of running before this attempt, when this attempt began)."""
-        try:
-            reached = [r.reached for r in read_reports(self.directory)]
-        except FileNotFoundError:
-            reached = []
+    def _history(self, resumed_at: int) -> RunHistory:
+        """Rank 0: what the run's earlier attempts leave to the planner."""
+        reports = [*earlier_reports(self.directory), self.recovery]
         path = journal_path(self.directory, 0)
         entries, _ = plausible(path, read_journal(path)) if os.path.exists(path) else ([], None)
-        return (failures([*reached, self.recovery.reached]),
-                running_hours([(e.iteration, e.wall_time) for e in entries]), time.time())
+        return RunHistory(failures([r.reached for r in reports]),
+                          running_hours([(e.iteration, e.wall_time) for e in entries]), time.time(),
+                          carried_lag(reports, resumed_at))
 
     def _failure_rate(self) -> tuple[float, int, float]:
         """lambda per hour now, the failures and the hours it is based on."""
-        n, before, began = self._lambda
-        hours = before + (time.time() - began) / 3600
-        return failure_rate_per_hour(self.cfg.planner.failure_rate_per_hour, n, hours), n, hours
+        h = self.history
+        hours = h.hours + (time.time() - h.began) / 3600
+        return failure_rate_per_hour(self.cfg.planner.failure_rate_per_hour, h.failures, hours), h.failures, hours
 
     def _monitor(self, events: list, step: int) -> None:
         """``events`` ((name, value)) to DeepSpeed's monitor, where the config enables one (rank 0)."""

@@ -13,8 +13,8 @@ checkpoint is c <= f, d = f - c iterations were lost. Two ways back (Section IV)
 
 "Controlled": the choice is made by the recovery cost model (cost_model.py, the model
 ``planner.cost_model`` names) and logged with its numbers: PB-R when its estimated lag
-T_p is below d and a pessimistic lag (cost_model.PESSIMISM times T_p) leaves a loss
-excess at f of at most ``max_loss_excess`` by the job's own loss curve (under a
+T_p is below d and a pessimistic lag (cost_model.PESSIMISM times T_p, on top of the
+lags the run's earlier predictions left: :func:`carried_lag`) leaves a loss excess at f of at most ``max_loss_excess`` by the job's own loss curve (under a
 decaying learning rate a lag stays as a loss excess to the end of training; early in
 training, where the loss falls fast, this means RB-R). The predictor's held-out error
 ``r`` (predicting the newest retained checkpoint from the older ones, relative to not
@@ -122,6 +122,30 @@ def read_reports(directory: str) -> list[RecoveryReport]:
     with open(os.path.join(directory, REPORTS)) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     return [RecoveryReport(**{k: v for k, v in row.items() if k != "description"}) for row in rows]
+
+
+def earlier_reports(directory: str) -> list[RecoveryReport]:
+    """:func:`read_reports`, none for a run directory without any (a node that never held rank 0's)."""
+    try:
+        return read_reports(directory)
+    except FileNotFoundError:
+        return []
+
+
+def carried_lag(reports: list[RecoveryReport], c: int) -> float:
+    """The lag, in iterations, that a run resumed from checkpoint c carries from its earlier predictions.
+
+    Each PB-R's estimated lag stays with the run, unless a later start restored a
+    checkpoint from before that prediction's f (recomputing past it undid it) or
+    started from scratch; a checkpoint after f holds the predicted state and its lag.
+    """
+    carried: list[tuple[int, float]] = []  # (f, estimated lag) of the predictions in the run's lineage
+    for report in reports:
+        restored = report.checkpoint if report.checkpoint is not None else 0
+        carried = [(f, lag) for f, lag in carried if f <= restored]
+        if report.method == "predict" and report.estimated_cost is not None:
+            carried.append((report.reached, report.estimated_cost))
+    return sum(lag for f, lag in carried if f <= c)
 
 
 # ---------------------------------------------------------------- engine state
@@ -356,7 +380,7 @@ def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int, stat
         model = recovery_model(cfg.planner.cost_model, cfg.checkpoint.dir, engine.stage_id, predictor.name, f, c, state)
         choice = recovery_choice(model.estimate(f, c, predictor.name), d,
                                  excess_at(journal_losses(cfg.checkpoint.dir), f),
-                                 cfg.recovery.max_loss_excess, PESSIMISM)
+                                 cfg.recovery.max_loss_excess, PESSIMISM, carried_lag(earlier_reports(cfg.checkpoint.dir), c))
         numbers.update(relative_error=r, estimated_cost=choice.estimate.lag, cost_model=model.name,
                        guard_lag=choice.guard_lag, loss_excess=choice.loss_excess)
         why, predicted = _prediction(cfg.recovery, predictor, f, r, choice)

@@ -16,8 +16,11 @@ from cpsr_ds.cost_model import MEASURED_REDUCTION, PESSIMISM, EmpiricalModel, Es
 from cpsr_ds.fitter import MIN_POINTS, fit_recent, loss_excess
 from cpsr_ds.lag import CurveFit
 from cpsr_ds.recovery import (
+    RecoveryReport,
     _decide,
     advance_counters,
+    append_report,
+    carried_lag,
     expected_loss_excess,
     fallback_reason,
     implausible_reach,
@@ -253,3 +256,35 @@ def test_without_the_paper_models_inputs_the_decision_recomputes_saying_why(tmp_
     assert report.method == "recompute" and report.resume_iteration == C
     assert report.cost_model == "paper" and report.estimated_cost is None
     assert report.reason.startswith("no paper estimate: ") and why in report.reason
+
+
+def predicted(f, lag, c):
+    return RecoveryReport("predict", f, c, f, estimated_cost=lag)
+
+
+def test_the_lag_a_run_carries_is_its_predictions_since_the_checkpoint_it_resumed_from():
+    first, second = predicted(120, 10.0, 100), predicted(260, 4.0, 250)
+    assert carried_lag([], 300) == 0
+    assert carried_lag([first, second], 300) == 14.0
+    # Resumed from a checkpoint between the two: only the first prediction is behind it.
+    assert carried_lag([first, second], 200) == 10.0
+    # A later start that recomputed from before the first prediction undid both.
+    undone = RecoveryReport("recompute", 280, 110, 110)
+    assert carried_lag([first, second, undone], 300) == 0
+    assert carried_lag([first, second, undone, predicted(330, 2.5, 300)], 400) == 2.5
+    # A restart from scratch carries nothing; a recompute from after a prediction keeps it.
+    assert carried_lag([first, RecoveryReport("restart", 150, None, 0)], 300) == 0
+    assert carried_lag([first, RecoveryReport("recompute", 200, 150, 150)], 300) == 10.0
+
+
+def test_earlier_predictions_lags_count_against_the_loss_excess_a_new_one_may_leave(tmp_path):
+    directory = run_dir(tmp_path)
+    alone = decide(directory, "empirical")
+    assert alone.method == "predict"
+    # Lags add up: what earlier predictions left behind, the next one's lag comes on top of.
+    carried = 4 * alone.guard_lag
+    assert expected_loss_excess(directory, F, carried + alone.guard_lag) > RecoveryConfig().max_loss_excess
+    append_report(directory, predicted(C - 50, carried, C - 100))
+    report = decide(directory, "empirical")
+    assert report.method == "recompute" and "carried from earlier predictions" in report.reason
+    assert report.guard_lag == pytest.approx(carried + alone.guard_lag)

@@ -130,6 +130,14 @@ def test_choice_asks_the_curve_about_the_pessimistic_lag():
     assert asked == [50.0] and choice.method == PREDICT and choice.loss_excess == 0.001
 
 
+def test_the_lag_a_run_carries_adds_to_the_guards():
+    asked = []
+    choice = recovery_choice(Estimate("m", 20.0), 100, lambda lag: asked.append(lag) or 0.001, 0.005, 2.5, 30.0)
+    assert asked == [80.0] and choice.method == PREDICT and choice.guard_lag == 80.0
+    choice = recovery_choice(Estimate("m", 20.0), 100, lambda lag: lag / 10_000, 0.005, 2.5, 30.0)
+    assert choice.method == RECOMPUTE and "30.0 of them carried" in choice.reason
+
+
 def test_choice_predicts_where_the_journal_is_too_short_to_fit():
     choice = recovery_choice(Estimate("m", 20.0), 100, lambda lag: None, 0.005, 1.5)
     assert choice.method == PREDICT and choice.loss_excess is None
@@ -140,13 +148,13 @@ def test_choice_recomputes_where_the_estimate_is_not_below_d():
     assert choice.method == RECOMPUTE and "120.0" in choice.reason and "100" in choice.reason
 
 
-@pytest.mark.parametrize("lag, limit, pessimism, excess", [
-    (math.nan, 0.005, 1.5, 0.0), (20.0, math.nan, 1.5, 0.0), (20.0, None, 1.5, 0.0),
-    (20.0, 0.005, None, 0.0), (20.0, 0.005, math.nan, 0.0), (20.0, 0.005, 1.5, math.nan),
-    (20.0, 0.005, 1.5, math.inf),
+@pytest.mark.parametrize("lag, limit, pessimism, excess, carried", [
+    (math.nan, 0.005, 1.5, 0.0, 0.0), (20.0, math.nan, 1.5, 0.0, 0.0), (20.0, None, 1.5, 0.0, 0.0),
+    (20.0, 0.005, None, 0.0, 0.0), (20.0, 0.005, math.nan, 0.0, 0.0), (20.0, 0.005, 1.5, math.nan, 0.0),
+    (20.0, 0.005, 1.5, math.inf, 0.0), (20.0, 0.005, 1.5, 0.0, math.nan), (20.0, 0.005, 1.5, 0.0, None),
 ])
-def test_choice_recomputes_on_nan_or_missing_inputs(lag, limit, pessimism, excess):
-    choice = recovery_choice(Estimate("m", lag), 100, lambda _: excess, limit, pessimism)
+def test_choice_recomputes_on_nan_or_missing_inputs(lag, limit, pessimism, excess, carried):
+    choice = recovery_choice(Estimate("m", lag), 100, lambda _: excess, limit, pessimism, carried)
     assert choice.method == RECOMPUTE and choice.reason
 
 

@@ -155,6 +155,13 @@ def test_where_recovery_would_recompute_the_phase_is_planned_for_recomputing():
     assert guarded.T_c == op.plan(job(mode="recompute"), [stage()]).T_c
     diverging = op.plan(job(), [stage(relative_error=2.0)])
     assert diverging.recovery == "recompute" and "max_relative_error" in diverging.fallback
+    # Earlier predictions' lags leave a new one less room.
+    excess = lambda lag: lag / 20_000  # noqa: E731
+    assert op.plan(job(), [stage()], excess_at=excess).recovery == "predict"
+    carrying = op.plan(job(carried_lag=97.0), [stage()], excess_at=excess)
+    assert carrying.inputs["carried_lag"] == 97.0
+    assert carrying.recovery == "predict" and carrying.T_c < op.plan(job(), [stage()], excess_at=excess).T_c
+    assert op.plan(job(carried_lag=100.0), [stage()], excess_at=excess).recovery == "recompute"
     # recovery.mode predict has no guard.
     assert op.plan(job(mode="predict"), [stage()], excess_at=lambda lag: 0.01).recovery == "predict"
 
