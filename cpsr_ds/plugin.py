@@ -37,6 +37,7 @@ from cpsr_ds.checkpoint import exiting
 from cpsr_ds.checkpoint.factory import deepspeed_factory
 from cpsr_ds.checkpoint.journal import ProgressJournal, journal_path, plausible, read_journal
 from cpsr_ds.config import CPSRConfig
+from cpsr_ds.elastic import check_restartable
 from cpsr_ds.faults import FaultInjector, check_kill_rank
 from cpsr_ds.fitter import fit_loss_o, next_phase, stage_xi
 from cpsr_ds.online_planner import (
@@ -473,6 +474,7 @@ def _release_shm_allreduce_name(rank: int) -> None:
 
 def _init_distributed(bound: inspect.BoundArguments) -> None:
     """The process group, as ``deepspeed.initialize`` would make it: the run directory's lock needs it first."""
+    check_restartable()
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
                                    distributed_port=bound.arguments.get("distributed_port", TORCH_DISTRIBUTED_DEFAULT_PORT),

@@ -2,9 +2,16 @@
 # Restart a training job after a failure, up to N times; stop on success.
 #
 #   launch/resilient.sh [--max-restarts N] -- deepspeed launch/train_gpt.py --deepspeed_config CONFIG ...
+#   launch/resilient.sh [--max-restarts N] -- deepspeed --hostfile H launch/train_gpt.py ...   # on the head node
 #
 # The job itself finds where the failed attempt got to (cpsr_ds reads its progress
 # journal and checkpoints on start), so every attempt runs the same command.
+#
+# Each attempt runs in a process group of its own. SIGTERM, SIGINT or SIGHUP to this
+# script goes to that whole group (DeepSpeed's launcher, its per-node launchers and
+# workers, pdsh and ssh), so nothing of the job outlives the supervisor; DeepSpeed's
+# multi-node runner answers it by stopping the launchers on the other nodes over pdsh.
+# The script then exits without restarting.
 set -u
 
 max_restarts=3
@@ -24,10 +31,34 @@ case "$max_restarts" in
   ''|*[!0-9]*) echo "$0: --max-restarts must be a non-negative integer, got '$max_restarts'" >&2; exit 2 ;;
 esac
 
+# A background job gets its own process group only with job control on.
+set -m
+job=""
+stopped=""
+stop() {
+  stopped="$1"
+  [ -n "$job" ] && kill -TERM -- "-$job" 2>/dev/null
+}
+trap 'stop TERM' TERM
+trap 'stop INT' INT
+trap 'stop HUP' HUP
+
 attempt=0
 while true; do
-  "$@"
+  "$@" &
+  job=$!
+  # A trapped signal interrupts wait; wait again until the attempt has really exited.
+  wait "$job"
   code=$?
+  while kill -0 "$job" 2>/dev/null; do
+    wait "$job"
+    code=$?
+  done
+  job=""
+  if [ -n "$stopped" ]; then
+    echo "[resilient] stopped by SIG$stopped; attempt $((attempt + 1)) exited with code $code" >&2
+    exit "$code"
+  fi
   if [ "$code" -eq 0 ]; then
     [ "$attempt" -gt 0 ] && echo "[resilient] job finished after $attempt restart(s)"
     exit 0

@@ -2,6 +2,11 @@
 
     deepspeed --num_gpus 2 launch/train_gpt.py --deepspeed_config configs/gpt_tiny_cpu.json
 
+Several nodes, restarted as one job when a rank fails: on the head node,
+``launch/resilient.sh -- deepspeed --hostfile H launch/train_gpt.py ...``; or on every
+node ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes N --max-restarts K
+--rdzv-backend c10d ... launch/train_gpt.py ...`` (see cpsr_ds/elastic.py for why).
+
 Pipeline degree: ``"pipeline": {"stages": S}`` in the DeepSpeed config; the
 data-parallel degree is the world size over S. Model shape: the ``"gpt"`` block.
 Failure recovery: the ``"cpsr"`` block (see the README); a restarted job resumes at
@@ -31,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import cpsr_ds  # noqa: E402
 from cpsr_ds.checkpoint.journal import append_validation  # noqa: E402
 from cpsr_ds.data.corpus import Batches, load_corpus  # noqa: E402
+from cpsr_ds.elastic import check_restartable  # noqa: E402
 from cpsr_ds.models.gpt import GPTConfig, gpt_pipeline  # noqa: E402
 
 
@@ -120,6 +126,7 @@ def setup(argv=None) -> Job:
     # Fail on a bad "cpsr" block before any process group or model exists.
     cpsr_cfg = cpsr_ds.CPSRConfig.from_ds_config(config)
     gpt_cfg = GPTConfig.model_validate(config.pop("gpt"))
+    check_restartable()
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     torch.manual_seed(args.seed)
 

@@ -1,0 +1,188 @@
+"""A job-level restart of a two-node job on one machine: torch's elastic agent, and DeepSpeed's head-node launch over ssh."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from conftest import ROOT, free_port, tiny_config
+from cpsr_ds.elastic import STORE_SETTING, restart_problem
+
+TRAIN_ITERS = 12
+KILL_AT = 6
+BIN = os.path.dirname(sys.executable)
+JOB_ENV = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": "1"}
+
+
+def test_a_shared_agent_store_with_restarts_is_refused_and_named():
+    problem = restart_problem({"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "2"})
+    assert problem is not None and STORE_SETTING in problem and "connectFullMesh" in problem
+    assert restart_problem({"TORCHELASTIC_USE_AGENT_STORE": "False", "TORCHELASTIC_MAX_RESTARTS": "2"}) is None
+    assert restart_problem({"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "0"}) is None
+    assert restart_problem({}) is None  # not under torchrun
+
+
+def job_config(tmp_path):
+    """A two-node job (one rank per node, two pipeline stages) whose rank 1 is killed after iteration KILL_AT."""
+    run_dir = tmp_path / "run"
+    config = tiny_config(run_dir, stages=2)
+    config["cpsr"]["checkpoint"]["interval"] = 4
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(config))
+    return run_dir, ["launch/train_gpt.py", "--deepspeed_config", str(path), "--train-iters", str(TRAIN_ITERS),
+                     "--eval-interval", "1000", "--valid-sequences", "16", "--kill-rank", "1",
+                     "--kill-at-iteration", str(KILL_AT)]
+
+
+def start(command, log_path, env):
+    with open(log_path, "w") as out:
+        return subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+def finish(procs, timeout_s):
+    """Wait for every process; on a timeout, or once done, kill what is left of each one's process group."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        for proc in procs:
+            proc.wait(max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for proc in procs:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+    return [proc.returncode for proc in procs]
+
+
+def assert_recovered(run_dir, output: str) -> float:
+    """The second attempt recovered the first's progress and finished; the restart's seconds (kill to resumed)."""
+    reports = [json.loads(line) for line in (run_dir / "recovery.jsonl").read_text().splitlines()]
+    assert [r["method"] for r in reports][0] == "fresh" and len(reports) == 2, reports
+    assert reports[1]["method"] != "fresh" and reports[1]["reached"] == KILL_AT, reports[1]
+    assert reports[1]["resume_iteration"] >= 4, reports[1]  # the checkpoint of iteration 4 was committed
+    assert json.dumps({"final_iteration": TRAIN_ITERS, "recovery": reports[1]["method"]}) in output, output[-4000:]
+    killed = os.path.getmtime(run_dir / "faults" / f"iteration-{KILL_AT}-rank-1")
+    return os.path.getmtime(run_dir / "recovery.jsonl") - killed
+
+
+def test_torchrun_elastic_agents_restart_every_node_and_the_job_recovers(tmp_path):
+    run_dir, script = job_config(tmp_path)
+    port = free_port()
+    env = dict(os.environ, **JOB_ENV)
+    env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
+    env.update([STORE_SETTING.split("=")])
+    procs = [start([os.path.join(BIN, "torchrun"), "--nnodes", "2", "--nproc-per-node", "1", "--node_rank", str(node),
+                    "--max-restarts", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                    "--rdzv-id", f"test-{port}", *script], tmp_path / f"node{node}.log", env)
+             for node in (0, 1)]
+    codes = finish(procs, 300)
+    output = "".join((tmp_path / f"node{node}.log").read_text() for node in (0, 1))
+    assert codes == [0, 0], output[-6000:]
+    print(f"torchrun: training resumed {assert_recovered(run_dir, output):.1f} s after rank 1 was killed")
+
+
+# ---------------------------------------------------------------- deepspeed --hostfile over ssh
+
+
+def kill_tagged(tag: str) -> None:
+    """SIGKILL the processes whose environment holds ``tag``: this test's remote launchers and ranks."""
+    needle = f"CPSR_LAUNCH_TEST={tag}".encode()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    os.kill(int(pid), signal.SIGKILL)
+        except (OSError, PermissionError):
+            pass
+
+
+@pytest.fixture
+def loopback_ssh(tmp_path):
+    """node0 and node1 served by an sshd on 127.0.0.1 (launch/loopback_ssh.sh); yields its directory."""
+    if shutil.which("pdsh") is None:
+        pytest.skip("pdsh is not installed (apt-get install pdsh): DeepSpeed's multi-node runner launches over it")
+    directory = tmp_path / "ssh"
+    directory.mkdir()
+    sshd = subprocess.Popen([os.path.join(ROOT, "launch", "loopback_ssh.sh"), str(directory), str(free_port())],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    ssh = [str(directory / "bin" / "ssh"), "node1", "true"]
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            if sshd.poll() is not None:
+                reason = sshd.stderr.read().decode().strip()
+                if sshd.returncode == 3:
+                    pytest.skip(f"no sshd to serve the nodes over ssh: {reason}")
+                pytest.fail(f"launch/loopback_ssh.sh exited with {sshd.returncode}: {reason}")
+            if (directory / "bin" / "ssh").exists() and subprocess.run(ssh, capture_output=True, timeout=10).returncode == 0:
+                break
+            assert time.monotonic() < deadline, "sshd on 127.0.0.1 did not accept the test's key within 20 s"
+            time.sleep(0.2)
+        yield directory
+    finally:
+        os.killpg(sshd.pid, signal.SIGTERM)
+        sshd.wait(10)
+
+
+def test_deepspeed_hostfile_over_ssh_under_resilient_restarts_the_whole_job(tmp_path, loopback_ssh):
+    run_dir, script = job_config(tmp_path)
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
+    tag = uuid.uuid4().hex
+    path = f"{loopback_ssh / 'bin'}:{BIN}:{os.environ['PATH']}"
+    # What the ranks on the other nodes need, as DeepSpeed's runner exports it to them over pdsh.
+    env_file = tmp_path / "deepspeed_env"
+    env_file.write_text("".join(f"{k}={v}\n" for k, v in {**JOB_ENV, "PATH": path, "CPSR_LAUNCH_TEST": tag}.items()))
+    env = dict(os.environ, **JOB_ENV, PATH=path, DS_ENV_FILE=str(env_file))
+    command = [os.path.join(ROOT, "launch", "resilient.sh"), "--max-restarts", "2", "--",
+               os.path.join(BIN, "deepspeed"), "--hostfile", str(hostfile), "--master_addr", "127.0.0.1",
+               "--master_port", str(free_port()), *script]
+    try:
+        codes = finish([start(command, tmp_path / "head.log", env)], 400)
+    finally:
+        kill_tagged(tag)
+    output = (tmp_path / "head.log").read_text()
+    assert codes == [0], output[-6000:]
+    assert "node1: " in output and "[resilient] job finished after 1 restart(s)" in output, output[-6000:]
+    print(f"deepspeed --hostfile over ssh: training resumed {assert_recovered(run_dir, output):.1f} s after rank 1 was killed")
+
+
+# ---------------------------------------------------------------- the supervisor leaves nothing behind
+
+
+def test_resilient_takes_the_whole_attempt_down_when_stopped(tmp_path):
+    pid_file = tmp_path / "grandchild.pid"
+    attempt = tmp_path / "attempt.sh"
+    attempt.write_text(f"#!/bin/sh\nsleep 300 &\necho $! > {pid_file}\nwait\n")
+    attempt.chmod(0o755)
+    supervisor = subprocess.Popen([os.path.join(ROOT, "launch", "resilient.sh"), "--", str(attempt)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while not (pid_file.exists() and pid_file.read_text().strip()):
+            assert time.monotonic() < deadline, "the attempt did not start"
+            time.sleep(0.05)
+        grandchild = int(pid_file.read_text())
+        supervisor.send_signal(signal.SIGTERM)
+        output, _ = supervisor.communicate(timeout=10)
+        gone = not os.path.exists(f"/proc/{grandchild}") or "zombie" in open(f"/proc/{grandchild}/status").read().lower()
+        assert gone, f"the attempt's process {grandchild} outlived the supervisor"
+        assert supervisor.returncode != 0 and "stopped by SIGTERM" in output, output
+    finally:
+        try:
+            os.killpg(supervisor.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if pid_file.exists() and pid_file.read_text().strip() and os.path.exists(f"/proc/{int(pid_file.read_text())}"):
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        supervisor.wait()
