@@ -205,6 +205,8 @@ class AsyncCheckpointEngine(CheckpointEngine):
         self._writer.stop()
         if self._committer is not None:
             self._committer.stop()
+        if not self.layout.close(bound_s):
+            log.error("replicas of the last checkpoints not sent within %g s; the owners' copies stand", bound_s)
 
     # ------------------------------------------------------------ beyond DeepSpeed's interface
 

@@ -114,6 +114,10 @@ class SharedLayout:
     def committed(self, tag: str, ckpt_dir: str, record: dict) -> None:
         """A checkpoint committed: nothing more to do with one shared copy."""
 
+    def close(self, timeout_s: float) -> bool:
+        """Finish the work left after the commits, for at most ``timeout_s``; whether it finished."""
+        return True
+
 
 class NodeLocalLayout(SharedLayout):
     """One directory per node; manifests' summaries and decisions go through ``kv`` (a torch.distributed Store)."""
@@ -168,6 +172,9 @@ class NodeLocalLayout(SharedLayout):
     def committed(self, tag: str, ckpt_dir: str, record: dict) -> None:
         if self._replicator is not None:
             self._replicator.submit(tag, ckpt_dir, record)
+
+    def close(self, timeout_s: float) -> bool:
+        return self._replicator is None or self._replicator.stop(timeout_s)
 
 
 # ---------------------------------------------------------------- at start
@@ -344,7 +351,8 @@ def agreed_checkpoints(cfg: CheckpointConfig, read_data: bool = True) -> list[st
     """The checkpoints every rank can load, oldest first (collective where the job has several ranks).
 
     ``node_local``: a rank whose own part is gone or damaged gets it back from the replica
-    first (replica.py), so that DeepSpeed loads every rank from its own directory.
+    first, and the files DeepSpeed reads across ranks come to every node (replica.py), so
+    that DeepSpeed loads every rank from its own directory.
     """
     if not _several():
         return store.loadable_checkpoints(cfg.dir, read_data)
@@ -361,6 +369,7 @@ def agreed_checkpoints(cfg: CheckpointConfig, read_data: bool = True) -> list[st
     agreed = agree(reports)
     _log_rejected(rank, reports[rank]["own"], agreed)
     replica.restore(cfg.dir, rank, agreed)
+    replica.share_model_states(cfg.dir, rank, nodes, [a.tag for a in agreed])
     found = {c.tag: c for c in store.scan(cfg.dir)}
     return [as_agreed(found[a.tag]) for a in agreed]
 

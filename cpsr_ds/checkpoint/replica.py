@@ -21,6 +21,7 @@ import datetime
 import logging
 import os
 import queue
+import re
 import threading
 from typing import Iterator, Optional
 
@@ -32,6 +33,8 @@ from cpsr_ds.checkpoint import store
 log = logging.getLogger(__name__)
 
 CHUNK = 64 << 20
+# DeepSpeed's loader counts every model-parallel rank's file of these and reads the first, whichever rank loads.
+SHARED_FILE_RE = re.compile(r"^mp_rank_\d+_model_states\.pt$")
 # A peer busy writing a previous checkpoint's files may take this long to take the next.
 TIMEOUT = datetime.timedelta(minutes=30)
 
@@ -67,8 +70,10 @@ def replica_dir(ckpt_dir: str) -> str:
     return os.path.join(ckpt_dir, store.REPLICAS)
 
 
-def _send_part(group, ckpt_dir: str, tag: str, owner: int, dst: int, record: Optional[dict]) -> None:
-    """``owner``'s part of ``tag`` in ``ckpt_dir`` to ``dst``; a part that is gone goes as an empty one."""
+def _send_part(group, ckpt_dir: str, tag: str, owner: int, dst: int, record: Optional[dict],
+               only: Optional[re.Pattern] = None) -> None:
+    """``owner``'s part of ``tag`` in ``ckpt_dir`` to ``dst`` (``only``: the files whose names match, listed
+    alone in the manifest sent); a part that is gone goes as an empty one."""
     tag_dir = os.path.join(ckpt_dir, tag)
     try:
         manifest = store.read_manifests(tag_dir).get(owner)
@@ -76,7 +81,10 @@ def _send_part(group, ckpt_dir: str, tag: str, owner: int, dst: int, record: Opt
     except (OSError, ValueError) as err:
         log.error("checkpoint %s: rank %d's part not replicated: %s", tag, owner, err)
         manifest = None
-    files = sorted(manifest["files"]) if manifest else []
+    files = [rel for rel in sorted(manifest["files"]) if only is None or only.match(os.path.basename(rel))] \
+        if manifest else []
+    if manifest is not None:
+        manifest = {**manifest, "files": {rel: manifest["files"][rel] for rel in files}}
     header = {"tag": tag, "rank": owner, "manifest": manifest, "record": record, "files": files}
     dist.send_object_list([header], dst=dst, group=group)
     for rel in files:
@@ -136,6 +144,15 @@ class Replicator:
     def submit(self, tag: str, ckpt_dir: str, record: dict) -> None:
         self._queue.put((tag, ckpt_dir, record))
 
+    def stop(self, timeout_s: float) -> bool:
+        """Finish the replications submitted, for at most ``timeout_s``; whether they finished.
+
+        A process must not end inside a transfer: tearing down gloo under it aborts the process.
+        """
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
     def _run(self) -> None:
         for tag, ckpt_dir, record in iter(self._queue.get, None):
             try:
@@ -172,3 +189,18 @@ def restore(ckpt_dir: str, rank: int, agreed: list) -> None:
             log.warning("checkpoint %s: rank %d's own part was gone or damaged, restored from the replica on rank %d",
                         tag, rank, holder)
 
+
+
+def share_model_states(ckpt_dir: str, rank: int, nodes, tags: list[str]) -> None:
+    """Collective at recovery: each node's lowest rank gets the other nodes' ranks' model-states files of ``tags``
+    (SHARED_FILE_RE), with manifests listing them alone, so that DeepSpeed loads from any node's directory."""
+    for tag in tags:
+        for owner in range(sum(map(len, nodes.groups))):
+            for node in range(len(nodes.groups)):
+                dst = nodes.ranks(node)[0]
+                if node == nodes.node_of(owner):
+                    continue
+                if rank == owner:
+                    _send_part(channel(), ckpt_dir, tag, owner, dst, None, only=SHARED_FILE_RE)
+                elif rank == dst:
+                    _receive_part(channel(), owner, ckpt_dir)
