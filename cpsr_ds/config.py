@@ -53,6 +53,12 @@ class CheckpointConfig(_Strict):
     chunk_mb: int = Field(64, gt=0, description="pccheck: chunk size of the pipelined copy and write in MiB.")
     commit_timeout_s: float = Field(600.0, gt=0.0, le=86400.0, description="Seconds rank 0 waits for every rank's manifest before giving a checkpoint up.")
     checksum: Literal["xxh3_64", "xxh3_128"] = Field("xxh3_64", description="xxhash algorithm of the per-file checksums in the manifests.")
+    storage: Literal["shared", "node_local"] = Field(
+        "shared",
+        description="shared: dir is one directory every rank sees (a shared file system), verified at start; "
+        "node_local: dir is on each node's own disk, the commit goes through the job, and each rank's committed "
+        "files are replicated to the next node (dir/replicas) so that losing a node loses no committed checkpoint.",
+    )
     write_mbps: Optional[float] = Field(
         None, gt=0.0,
         description="Cap on the rate every checkpoint file of a process is written at, in MB/s (10^6 bytes/s), "
@@ -65,6 +71,13 @@ class CheckpointConfig(_Strict):
         if value != "auto" and not _whole_positive(value):
             raise ValueError(f'expected a whole number of iterations > 0 or "auto" (got {value!r})')
         return value
+
+    @model_validator(mode="after")
+    def _node_local_commits_in_the_background(self) -> "CheckpointConfig":
+        if self.storage == "node_local" and self.strategy == "torch":
+            raise ValueError("storage node_local needs an asynchronous strategy (cpsr, checkfreq or pccheck): "
+                             "the torch strategy commits through a shared directory")
+        return self
 
     @field_validator("dir")
     @classmethod

@@ -35,6 +35,7 @@ from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
 from cpsr_ds import planner, runlog
 from cpsr_ds.checkpoint import exiting
 from cpsr_ds.checkpoint.factory import deepspeed_factory
+from cpsr_ds.checkpoint.layout import verify_storage
 from cpsr_ds.checkpoint.journal import ProgressJournal, journal_path, plausible, read_journal
 from cpsr_ds.config import CPSRConfig
 from cpsr_ds.elastic import check_restartable
@@ -497,6 +498,7 @@ def initialize(*args, **kwargs):
     if not isinstance(bound.arguments.get("model"), PipelineModule):
         raise TypeError("cpsr_ds: the model must be a deepspeed.pipe.PipelineModule (num_stages=1 for no pipelining)")
     _init_distributed(bound)
+    verify_storage(cfg.checkpoint)
     # Before any engine exists: an exception anywhere in the script bounds its exit (exiting.py).
     exiting.install()
     check_kill_rank(cfg.faults, dist.get_world_size())

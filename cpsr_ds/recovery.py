@@ -45,8 +45,8 @@ from deepspeed.utils import (
 )
 
 from cpsr_ds.checkpoint.fileformat import is_finite
-from cpsr_ds.checkpoint.journal import Progress, journal_path, plausible, read_journal, read_progress
-from cpsr_ds.checkpoint.store import loadable_checkpoints
+from cpsr_ds.checkpoint.journal import Progress, journal_path, plausible, read_journal
+from cpsr_ds.checkpoint.layout import agreed_checkpoints, agreed_progress
 from cpsr_ds.config import CPSRConfig, RecoveryConfig
 from cpsr_ds.cost_model import PESSIMISM, RECOMPUTE, Choice, CostModel, EmpiricalModel, paper_model, recovery_choice
 from cpsr_ds.fitter import (
@@ -326,12 +326,12 @@ def recover(engine, cfg: CPSRConfig, predictor) -> RecoveryReport:
     means RB-R.
     """
     directory = cfg.checkpoint.dir
-    progress = read_progress(directory)
+    progress = agreed_progress(cfg.checkpoint)
     for problem in progress.problems:
         log.error("cpsr recovery: %s", problem)
     reached = progress.reached
-    # Every rank verifies the same shared directory and so picks the same checkpoints.
-    verified = loadable_checkpoints(directory)
+    # Every rank gets the same checkpoints, verified on each node (layout.py).
+    verified = agreed_checkpoints(cfg.checkpoint)
     if not verified:
         return RecoveryReport("fresh" if reached is None else "restart", reached, None, 0)
     newest = verified[-1]

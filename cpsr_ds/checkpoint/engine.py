@@ -27,6 +27,7 @@ import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
 from cpsr_ds.checkpoint import exiting, store, throttle
+from cpsr_ds.checkpoint.layout import make_layout
 from cpsr_ds.checkpoint.persist import BufferPool, Committer, Job, RetryPolicy, Writer
 from cpsr_ds.checkpoint.snapshot import Copier, HostBuffers, snapshot_file
 from cpsr_ds.checkpoint.store import describe_error
@@ -78,7 +79,7 @@ class AsyncCheckpointEngine(CheckpointEngine):
     """
 
     def __init__(self, cfg: CheckpointConfig, rank: int, world_size: int, max_in_flight: int,
-                 chunk_bytes: Optional[int], overlap: bool, *, attempt: int = 0, min_keep: int = 1):
+                 chunk_bytes: Optional[int], overlap: bool, *, attempt: int = 0, min_keep: int = 1, layout=None):
         super().__init__(None)
         self.name = type(self).__name__
         self.cfg = cfg
@@ -98,11 +99,13 @@ class AsyncCheckpointEngine(CheckpointEngine):
         self._lock = threading.Lock()
         policy = RetryPolicy(cfg.retries, cfg.retry_backoff_s)
         self._copier = Copier()
+        self._created = 0
+        self.layout = layout or make_layout(cfg, rank, world_size)
         self._committer = (Committer(world_size, cfg.keep_last, cfg.commit_timeout_s, policy, self._in_flight,
-                                     self._storage_error, self._finish)
-                           if rank == 0 else None)
+                                     self._storage_error, self._finish, self.layout)
+                           if self.layout.commits else None)
         self._writer = Writer(rank, world_size, cfg.checksum, policy, overlap, self._pool, self._storage_error,
-                              self._persisted, throttle.shared(cfg.write_mbps))
+                              self._persisted, throttle.shared(cfg.write_mbps), self.layout)
         self._closed = False
         # A script that ends without cleanup() still gets its last checkpoint committed.
         ref = weakref.ref(self)
@@ -115,7 +118,8 @@ class AsyncCheckpointEngine(CheckpointEngine):
         if self._job is not None:
             self._seal()
         buffers, failure = self._pool.take()
-        job = Job(info.tag, info.save_dir, self.attempt, buffers)
+        job = Job(info.tag, info.save_dir, self.attempt, buffers, self._created)
+        self._created += 1
         if job.skipped:
             job.give_up(f"skipped, storage failing: {failure}")
             self.stats.skipped += 1
@@ -201,6 +205,8 @@ class AsyncCheckpointEngine(CheckpointEngine):
         self._writer.stop()
         if self._committer is not None:
             self._committer.stop()
+        if not self.layout.close(bound_s):
+            log.error("replicas of the last checkpoints not sent within %g s; the owners' copies stand", bound_s)
 
     # ------------------------------------------------------------ beyond DeepSpeed's interface
 

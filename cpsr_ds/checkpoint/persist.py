@@ -4,7 +4,10 @@ The writer thread of every rank writes each file of a checkpoint atomically, the
 rank's manifest, which lists every file's size, checksum and floating tensors holding
 NaN or Inf. Rank 0's committer thread waits, by polling the shared checkpoint
 directory, until all ``world_size`` manifests of a tag are there, then writes the
-commit record and moves ``latest`` (see store.py). Neither thread uses collectives.
+commit record and moves ``latest`` (see store.py). With node-local storage the
+manifests' summaries and rank 0's decision go through the job's key-value store, and
+every rank's committer follows the decision on its node (layout.py). Neither thread
+uses collectives.
 
 An ``OSError`` (disk full, permission denied, storage gone) is logged with its cause
 and retried with exponential backoff; on a full disk, committed checkpoints beyond the
@@ -30,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from cpsr_ds.checkpoint import store
+from cpsr_ds.checkpoint.layout import Decision, SharedLayout
 from cpsr_ds.checkpoint.store import describe_error
 from cpsr_ds.checkpoint.snapshot import HostBuffers, SnapshotFile
 from cpsr_ds.checkpoint.throttle import Throttle
@@ -76,6 +80,8 @@ class Job:
     attempt: int
     # None: the checkpoint was skipped, storage failing while every set of buffers was in use.
     buffers: Optional[HostBuffers]
+    # The checkpoint's number in this process: every rank creates the same ones in the same order.
+    seq: int = 0
     # Information for operators only: clocks differ between hosts and attempts.
     started_ns: int = field(default_factory=time.time_ns)
     files: queue.Queue = field(default_factory=queue.Queue)
@@ -112,6 +118,11 @@ class Job:
     @property
     def tag_dir(self) -> str:
         return os.path.join(self.ckpt_dir, self.tag)
+
+    @property
+    def key(self) -> str:
+        """Names this checkpoint between the ranks of the job (layout.py)."""
+        return f"{self.seq}/{self.tag}"
 
     def removed(self) -> bool:
         """Whether the tag directory this rank wrote into is gone: rank 0 gave the checkpoint up."""
@@ -197,8 +208,9 @@ class Writer:
 
     def __init__(self, rank: int, world_size: int, checksum: str, policy: RetryPolicy, overlap: bool,
                  pool: BufferPool, on_error: Callable[[Job, OSError], None], persisted: Callable[[Job], None],
-                 throttle: Optional[Throttle] = None):
+                 throttle: Optional[Throttle] = None, layout=None):
         self.rank = rank
+        self.layout = layout or SharedLayout(rank, world_size)
         self.throttle = throttle
         self.overlap = overlap
         self.world_size = world_size
@@ -226,7 +238,9 @@ class Writer:
         entries = {} if job.skipped else self._write_files(job)
         name = store.manifest_name(self.rank)
         if job.ok:
-            self._attempt(job, f"writing {name}", lambda: self._write_manifest(job, entries, name))
+            manifest = self._attempt(job, f"writing {name}", lambda: self._write_manifest(job, entries, name))
+            if manifest is not None:
+                self.layout.publish(job.key, manifest)
         if not job.ok and self.rank != 0:
             self._report_failure(job, entries, name)
         job.durable = time.perf_counter()
@@ -310,15 +324,20 @@ class Writer:
             entry["nonfinite"] = nonfinite
         return entry
 
-    def _write_manifest(self, job: Job, entries: dict, name: str, failed: Optional[str] = None) -> None:
-        manifest = {"tag": job.tag, "rank": self.rank, "world_size": self.world_size, "attempt": job.attempt,
-                    "started_ns": job.started_ns, "iteration": store.tag_iteration(job.tag),
-                    "checksum": self.checksum, "files": entries, "failed": failed}
+    def _manifest(self, job: Job, entries: dict, failed: Optional[str] = None) -> dict:
+        return {"tag": job.tag, "rank": self.rank, "world_size": self.world_size, "attempt": job.attempt,
+                "started_ns": job.started_ns, "iteration": store.tag_iteration(job.tag),
+                "checksum": self.checksum, "files": entries, "failed": failed}
+
+    def _write_manifest(self, job: Job, entries: dict, name: str, failed: Optional[str] = None) -> dict:
+        manifest = self._manifest(job, entries, failed)
         store.write_json_atomic(os.path.join(job.tag_dir, name), manifest)
+        return manifest
 
     def _report_failure(self, job: Job, entries: dict, name: str) -> None:
         """Tell rank 0 at once, by a manifest saying ``failed``, that this rank's part will not come; failing
         that, take the part away."""
+        self.layout.publish(job.key, self._manifest(job, entries, job.error))
         if job.removed():
             return
         try:
@@ -342,11 +361,16 @@ def nonfinite_tensors(manifests: dict[int, dict]) -> list[str]:
 
 
 class Committer:
-    """Rank 0: commits each tag once every rank's manifest is on the shared directory, or gives it up."""
+    """Commits each tag once every rank's manifest is there, or gives it up.
+
+    Rank 0 decides; with node-local storage every other rank's committer follows its
+    decisions (layout.py), and one rank writes the records of each node.
+    """
 
     def __init__(self, world_size: int, keep_last: int, timeout_s: float, policy: RetryPolicy,
                  in_flight: Callable[[str], bool], on_error: Callable[[Job, OSError], None],
-                 done: Callable[[Job], None]):
+                 done: Callable[[Job], None], layout=None):
+        self.layout = layout or SharedLayout(0, world_size)
         self.world_size = world_size
         self.keep_last = keep_last
         self.timeout_s = timeout_s
@@ -407,11 +431,30 @@ class Committer:
             return self._give_up(job, f"the commit failed: {err!r}")
 
     def _try_commit(self, job: Job, deadline: float) -> bool:
+        if self.layout.decides:
+            decision = self._decide(job, deadline)
+            if decision is None:
+                return False
+            self.layout.announce(job.key, decision)
+        elif job.ok:
+            decision = self.layout.decision(job.key)
+            if decision is None:
+                return False if time.monotonic() < deadline else self._leave(job)
+        else:
+            # This rank told rank 0 it gave up (Writer._report_failure): the decision can only be that.
+            decision = Decision(reason=f"rank {self.layout.rank} gave it up: {job.error}")
+        if decision.record is not None:
+            return self._commit(job, decision.record)
+        # Where this rank's own part failed its writer logged why; other reasons rank 0 logs as errors.
+        return self._give_up(job, decision.reason, logging.ERROR if self.layout.decides and job.ok else logging.INFO)
+
+    def _decide(self, job: Job, deadline: float) -> Optional[Decision]:
+        """Rank 0: commit or give up once every rank's manifest is there or one says no; None: wait on."""
         if not job.ok:
             # Rank 0's writer, or create() for a skipped checkpoint, logged the cause already.
-            return self._give_up(job, f"rank 0 gave it up: {job.error}", logging.INFO)
+            return Decision(reason=f"rank 0 gave it up: {job.error}")
         try:
-            ranks = store.read_manifests(job.tag_dir)
+            ranks = self.layout.parts(job.key, job.tag_dir)
         except (OSError, ValueError) as err:
             ranks, cause = {}, err
         else:
@@ -419,33 +462,51 @@ class Committer:
         missing = [r for r in range(self.world_size) if r not in ranks]
         aborted = [f"rank {r} gave its part up: {m['failed']}" for r, m in sorted(ranks.items()) if m.get("failed")]
         if aborted:
-            return self._give_up(job, "; ".join(aborted))
+            return Decision(reason="; ".join(aborted))
         nonfinite = nonfinite_tensors(ranks)
         if nonfinite:
-            return self._give_up(job, "non-finite values (NaN or Inf) in " + "; ".join(nonfinite))
+            return Decision(reason="non-finite values (NaN or Inf) in " + "; ".join(nonfinite))
         if missing:
             if time.monotonic() < deadline:
-                return False
-            waited = (f", not waited for: this process is failing ({self._no_wait})" if self._no_wait is not None
-                      else f" after {self.timeout_s:.0f} s")
-            return self._give_up(job, f"rank manifests {missing} missing{waited}" + (f" ({cause})" if cause else ""))
-        record = {"tag": job.tag, "world_size": self.world_size, "attempt": job.attempt,
-                  "started_ns": job.started_ns, "iteration": store.tag_iteration(job.tag),
-                  "committed_time": time.time()}
-        try:
-            moved = with_retries(lambda: store.commit_checkpoint(job.ckpt_dir, job.tag, record),
-                                 self.policy, f"checkpoint {job.tag}: commit",
-                                 on_error=lambda err: self._on_error(job, err) or True)
-        except OSError as err:
-            return self._give_up(job, f"the commit failed: {describe_error(err)}")
+                return None
+            return Decision(reason=f"rank manifests {missing} missing{self._waited()}" + (f" ({cause})" if cause else ""))
+        return Decision({"tag": job.tag, "world_size": self.world_size, "attempt": job.attempt,
+                         "started_ns": job.started_ns, "iteration": store.tag_iteration(job.tag),
+                         "committed_time": time.time()})
+
+    def _waited(self) -> str:
+        return (f", not waited for: this process is failing ({self._no_wait})" if self._no_wait is not None
+                else f" after {self.timeout_s:.0f} s")
+
+    def _commit(self, job: Job, record: dict) -> bool:
+        """Write the commit record and move ``latest`` (where this rank writes them), retention, replication."""
+        if self.layout.writes_commit:
+            try:
+                moved = with_retries(lambda: store.commit_checkpoint(job.ckpt_dir, job.tag, record),
+                                     self.policy, f"checkpoint {job.tag}: commit",
+                                     on_error=lambda err: self._on_error(job, err) or True)
+            except OSError as err:
+                if not self.layout.record_commits:
+                    # Committed all the same, by rank 0's decision: other nodes' records say so.
+                    log.error("checkpoint %s: committed, but its commit record not written here: %s",
+                              job.tag, describe_error(err))
+                    return True
+                return self._give_up(job, f"the commit failed: {describe_error(err)}")
+            log.info("checkpoint %s committed%s", job.tag, ", latest moved to it" if moved else "")
+            # Deleting old checkpoints takes long (file systems mounted with discard trim
+            # synchronously), so it comes after the commit and does not delay it.
+            try:
+                store.apply_retention(job.ckpt_dir, self.keep_last, self._in_flight, self.layout.retention_ranks)
+            except OSError as err:
+                log.warning("checkpoint %s: retention failed: %s", job.tag, describe_error(err))
         job.durable = time.perf_counter()
-        log.info("checkpoint %s committed%s", job.tag, ", latest moved to it" if moved else "")
-        # Deleting old checkpoints takes long (file systems mounted with discard trim
-        # synchronously), so it comes after the commit and does not delay it.
-        try:
-            store.apply_retention(job.ckpt_dir, self.keep_last, self._in_flight)
-        except OSError as err:
-            log.warning("checkpoint %s: retention failed: %s", job.tag, describe_error(err))
+        self.layout.committed(job.tag, job.ckpt_dir, record)
+        return True
+
+    def _leave(self, job: Job) -> bool:
+        """No decision came in time: keep this rank's part as it is, rank 0 may have committed it."""
+        job.give_up(f"no commit decision from rank 0{self._waited()}")
+        log.warning("checkpoint %s: %s; its part here stays, uncommitted on this node", job.tag, job.error)
         return True
 
     @staticmethod

@@ -35,7 +35,7 @@ import re
 import shutil
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Collection, Iterable, Iterator, Optional
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -52,6 +52,8 @@ COMMIT = "cpsr_commit.json"
 MANIFEST_RE = re.compile(r"^cpsr_manifest\.rank(\d{5})\.json$")
 TEMP_RE = re.compile(r"^\..+\.tmp(\d+)$")
 TRASH_PREFIX = ".trash-"
+# Other nodes' parts kept for them (node-local storage): a checkpoint directory of its own, see replica.py.
+REPLICAS = "replicas"
 DEEPSPEED_FILE_RE = re.compile(r".*(model_states|optim_states)\.pt$")
 _MAX_TAG = 4096
 Checksum = CheckpointConfig.model_fields["checksum"].annotation  # the algorithms the config allows
@@ -337,11 +339,12 @@ class _Metadata:
         return bool(self.present) or self.committed
 
 
-def _read_manifests(tag_dir: str) -> _Metadata:
+def _read_manifests(tag_dir: str, ranks: Optional[Collection[int]] = None) -> _Metadata:
+    """The manifests of ``ranks`` (None: of every rank) in ``tag_dir``."""
     meta = _Metadata()
     for name in os.listdir(tag_dir):
         m = MANIFEST_RE.match(name)
-        if not m:
+        if not m or (ranks is not None and int(m.group(1)) not in ranks):
             continue
         rank = int(m.group(1))
         try:
@@ -354,8 +357,8 @@ def _read_manifests(tag_dir: str) -> _Metadata:
     return meta
 
 
-def _read_metadata(tag_dir: str) -> _Metadata:
-    meta = _read_manifests(tag_dir)
+def _read_metadata(tag_dir: str, ranks: Optional[Collection[int]] = None) -> _Metadata:
+    meta = _read_manifests(tag_dir, ranks)
     try:
         meta.commit = read_commit(tag_dir)
         meta.committed = meta.commit is not None
@@ -482,16 +485,17 @@ def _sound(ckpt_dir: str, tag: Optional[str]) -> Optional[Checkpoint]:
     return ckpt if ckpt is not None and not verify(ckpt_dir, ckpt, read_data=False) else None
 
 
-def apply_retention(ckpt_dir: str, keep_last: int, protected: Callable[[str], bool]) -> list[str]:
+def apply_retention(ckpt_dir: str, keep_last: int, protected: Callable[[str], bool],
+                    ranks: Optional[Collection[int]] = None) -> list[str]:
     """Delete our checkpoints beyond the ``keep_last`` newest sound committed ones; returns the tags deleted.
 
     Only directories carrying our manifests, commit records or snapshot files are
     touched, and never the one ``latest`` names. Sound: nothing wrong short of reading
-    the data (a manifest listing a non-finite tensor is wrong). Uncommitted and damaged
-    ones go only when older than the oldest kept.
+    the data (a manifest listing a non-finite tensor is wrong) in the parts of ``ranks``
+    (None: every rank's). Uncommitted and damaged ones go only when older than the oldest kept.
     """
     ours = [c for c in scan(ckpt_dir) if c.kind == "cpsr"]
-    sound = [c for c in ours if c.committed and not verify(ckpt_dir, c, read_data=False)]
+    sound = [c for c in ours if c.committed and not verify(ckpt_dir, c, read_data=False, ranks=ranks)]
     if not sound:
         return []
     kept = {c.tag for c in sound[-keep_last:]}
@@ -577,7 +581,7 @@ def scan(ckpt_dir: str) -> list[Checkpoint]:
         return found
     for name in names:
         tag_dir = os.path.join(ckpt_dir, name)
-        if name.startswith(".") or not os.path.isdir(tag_dir):
+        if name.startswith(".") or name == REPLICAS or not os.path.isdir(tag_dir):
             continue
         try:
             ckpt = _describe(tag_dir, name)
@@ -646,17 +650,20 @@ def _has_magic(path: str) -> bool:
         return False
 
 
-def verify(ckpt_dir: str, ckpt: Checkpoint, read_data: bool = True) -> list[str]:
+def verify(ckpt_dir: str, ckpt: Checkpoint, read_data: bool = True,
+           ranks: Optional[Collection[int]] = None, need_commit: bool = True) -> list[str]:
     """Problems of a checkpoint, each naming the file, rank or tensor; empty means loadable.
 
     Ours: every rank's manifest and the commit record are there and sound, the manifests
     list every file there is and no non-finite tensor, every file has its size and, with
     ``read_data``, its checksum and finite floating tensors (one read). DeepSpeed's
     format, only with ``read_data``: every file loads and its floating tensors are finite.
+    ``ranks``: check only these ranks' parts (a node's own directory holds no others');
+    files no manifest lists then go unnoticed. ``need_commit``: a missing commit record is a problem.
     """
     tag_dir = os.path.join(ckpt_dir, ckpt.tag)
     try:
-        meta = _read_metadata(tag_dir)
+        meta = _read_metadata(tag_dir, ranks)
         files = _files(tag_dir)
     except OSError as err:
         return [f"{tag_dir}: unreadable: {_cause(err)}"]
@@ -666,9 +673,9 @@ def verify(ckpt_dir: str, ckpt: Checkpoint, read_data: bool = True) -> list[str]
         return [p for rel in _data_files(files) for p in _check_file(os.path.join(tag_dir, rel), None, read_data)]
     if not meta.found:
         return [f"{ckpt.tag}: no manifest, snapshot files only (partial checkpoint)"]
-    problems = meta.problems + _incomplete(ckpt.tag, meta)
+    problems = meta.problems + _incomplete(ckpt.tag, meta, ranks, need_commit)
     listed = {rel: (entry, man["checksum"]) for man in meta.manifests.values() for rel, entry in man["files"].items()}
-    if not problems:
+    if not problems and ranks is None:
         # Every manifest is there and sound, so together they list every file of the checkpoint.
         problems += [f"{os.path.join(tag_dir, rel)}: listed in no rank manifest"
                      for rel in _data_files(files) if rel not in listed]
@@ -679,18 +686,20 @@ def verify(ckpt_dir: str, ckpt: Checkpoint, read_data: bool = True) -> list[str]
     return problems
 
 
-def _incomplete(tag: str, meta: _Metadata) -> list[str]:
-    """Ranks missing, disagreeing or giving up, and a missing commit record."""
+def _incomplete(tag: str, meta: _Metadata, ranks: Optional[Collection[int]] = None,
+                need_commit: bool = True) -> list[str]:
+    """Ranks (of ``ranks``, None: of the world) missing, disagreeing or giving up, and a missing commit record."""
     world = meta.commit["world_size"] if meta.commit else max(
         (m["world_size"] for m in meta.manifests.values()), default=0)
+    expected = range(world) if ranks is None else sorted(ranks)
     problems = [f"{tag}: rank {r} manifest {manifest_name(r)} missing (partial checkpoint)"
-                for r in range(world) if r not in meta.present]
+                for r in expected if r not in meta.present]
     for r, man in sorted(meta.manifests.items()):
         if man["world_size"] != world:
             problems.append(f"{tag}: rank {r} manifest says world size {man['world_size']}, not {world}")
         if man["failed"]:
             problems.append(f"{tag}: rank {r} gave the checkpoint up: {man['failed']}")
-    if not meta.committed:
+    if need_commit and not meta.committed:
         problems.append(f"{tag}: not committed ({COMMIT} missing)")
     return problems
 
@@ -714,9 +723,10 @@ def _check_file(path: str, entry: Optional[dict], read_data: bool, algorithm: st
     return [f"{path}: non-finite values in {name}" for name in sorted(nonfinite)]
 
 
-def list_checkpoints(ckpt_dir: str, read_data: bool = True) -> list[Checkpoint]:
-    """All checkpoints, oldest first, each verified; those in DeepSpeed's format count as committed
-    when ``latest`` names them or a newer checkpoint (DeepSpeed moves it only after a complete save)."""
+def list_checkpoints(ckpt_dir: str, read_data: bool = True, ranks: Optional[Collection[int]] = None) -> list[Checkpoint]:
+    """All checkpoints, oldest first, each verified (the parts of ``ranks``, None: every rank's); those in
+    DeepSpeed's format count as committed when ``latest`` names them or a newer checkpoint (DeepSpeed moves it
+    only after a complete save)."""
     found = scan(ckpt_dir)
     latest = read_latest(ckpt_dir)
     named = next((c for c in found if c.tag == latest), None)
@@ -724,7 +734,7 @@ def list_checkpoints(ckpt_dir: str, read_data: bool = True) -> list[Checkpoint]:
         if c.kind == "deepspeed":
             c.committed = named is not None and c.key <= named.key
         if c.kind == "cpsr" or c.committed:
-            c.problems = verify(ckpt_dir, c, read_data)
+            c.problems = verify(ckpt_dir, c, read_data, ranks)
     return found
 
 
