@@ -11,6 +11,7 @@ Without the block it is ``deepspeed.initialize`` itself.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 import math
@@ -32,11 +33,11 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.module import PipelineModule
 from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
 
-from cpsr_ds import planner, runlog
+from cpsr_ds import planner, runlog, world
 from cpsr_ds.checkpoint import exiting
 from cpsr_ds.checkpoint.factory import deepspeed_factory
 from cpsr_ds.checkpoint.layout import verify_storage
-from cpsr_ds.checkpoint.journal import ProgressJournal, journal_path, plausible, read_journal
+from cpsr_ds.checkpoint.journal import ProgressJournal, journal_path, plausible, read_journal, retire_journals
 from cpsr_ds.config import CPSRConfig
 from cpsr_ds.elastic import check_restartable
 from cpsr_ds.faults import FaultInjector, check_kill_rank
@@ -60,6 +61,7 @@ from cpsr_ds.online_planner import (
 )
 from cpsr_ds.recovery import (
     PREDICTOR_STATE,
+    RecoveryReport,
     append_report,
     carried_lag,
     earlier_reports,
@@ -504,10 +506,13 @@ def initialize(*args, **kwargs):
     check_kill_rank(cfg.faults, dist.get_world_size())
     lock = claim(cfg.checkpoint.dir, _collective_device())
     try:
+        change = _fit_layout(bound, cfg, lock.attempt)
         with _installed(cfg, lock.attempt):
-            engine, optimizer, dataloader, scheduler = deepspeed.initialize(*args, **kwargs)
+            engine, optimizer, dataloader, scheduler = deepspeed.initialize(*bound.args, **bound.kwargs)
         _release_shm_allreduce_name(engine.global_rank)
         engine.cpsr = Runtime(engine, cfg, lock)
+        engine.cpsr.recovery = replace(engine.cpsr.recovery, world_change=change)
+        _retire_departed(cfg.checkpoint.dir, lock.attempt)
     except BaseException:
         lock.release()
         raise
@@ -516,3 +521,60 @@ def initialize(*args, **kwargs):
         append_report(cfg.checkpoint.dir, engine.cpsr.recovery)
         engine.cpsr.monitor_recovery()
     return engine, optimizer, dataloader, scheduler
+
+
+def _gather(local, device: torch.device) -> list:
+    """Every rank's ``local``, before the engine exists (it sets this rank's device only later)."""
+    if device.type != "cpu":
+        get_accelerator().set_device(device.index)
+    found = [None] * dist.get_world_size()
+    dist.all_gather_object(found, local)
+    return found
+
+
+def _fit_layout(bound: inspect.BoundArguments, cfg: CPSRConfig, attempt: int) -> str | None:
+    """Check this start's layout against the last start's and keep its global batch (world.adapt); the change made.
+
+    The config ``deepspeed.initialize`` gets is rewritten in ``bound`` where the
+    gradient accumulation changes. A change the checkpoints cannot serve raises
+    :class:`WorldChangeError` on every rank, before any training, and rank 0 reports it
+    in recovery.jsonl.
+    """
+    model, directory = bound.arguments["model"], cfg.checkpoint.dir
+    config = _ds_config(bound)
+    topology = model._topo
+    tensor = topology.get_dim("model") if "model" in topology.get_axis_names() else 1
+    here = world.layout_of(config, dist.get_world_size(), model.num_stages, tensor, attempt)
+    last = world.newest(_gather(world.read_layout(directory), _collective_device()))
+    try:
+        config, here, change = world.adapt(config, last, here)
+    except world.WorldChangeError as err:
+        if dist.get_rank() == 0:
+            logger.error("%s", err)
+            append_report(directory, RecoveryReport("refused", None, None, 0, reason=str(err),
+                                                    world_change=str(err)))
+        raise
+    if change is not None:
+        logger.info("cpsr: %s", change)
+        _pass_config(bound, config)
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0:  # one writer per node: node-local directories get theirs too
+        world.write_layout(directory, here)
+    return change
+
+
+def _pass_config(bound: inspect.BoundArguments, config: dict) -> None:
+    """Make ``config`` the one ``deepspeed.initialize`` uses, in place of what the caller passed."""
+    bound.arguments.pop("config_params", None)
+    bound.arguments["config"] = config
+    args = bound.arguments.get("args")
+    if getattr(args, "deepspeed_config", None) is not None:
+        bound.arguments["args"] = copy.copy(args)
+        bound.arguments["args"].deepspeed_config = None
+
+
+def _retire_departed(directory: str, attempt: int) -> None:
+    """Retire the journals of ranks beyond this world, once every rank has read the progress (recover)."""
+    if dist.get_world_size() > 1:
+        dist.barrier()
+    for path in retire_journals(directory, dist.get_world_size(), attempt):
+        logger.info("cpsr: %s: the journal of a rank this job no longer has, kept for the record", path)

@@ -75,7 +75,7 @@ INDEXED_SCHEDULERS = (LRRangeTest, OneCycle, WarmupLR, WarmupCosineLR)
 
 @dataclass(frozen=True)
 class RecoveryReport:
-    method: str  # "fresh", "restart" (no checkpoint yet), "recompute" (RB-R) or "predict" (PB-R)
+    method: str  # "fresh", "restart" (no checkpoint yet), "recompute" (RB-R), "predict" (PB-R) or "refused"
     reached: int | None  # f: the last iteration every rank finished before the failure
     checkpoint: int | None  # c: the iteration of the restored checkpoint
     resume_iteration: int  # the next batch index the training loop must feed
@@ -86,6 +86,7 @@ class RecoveryReport:
     cost_model: str | None = None  # the model that estimated it (planner.cost_model)
     guard_lag: float | None = None  # the pessimistic lag the loss-excess guard assumes, iterations
     loss_excess: float | None = None  # the relative loss excess guard_lag iterations of lag leave at f
+    world_change: str | None = None  # how the job's layout changed since its last start (world.adapt)
 
     @property
     def lost_iterations(self) -> int:
@@ -95,6 +96,8 @@ class RecoveryReport:
         return self.reached - (self.checkpoint or 0)
 
     def describe(self) -> str:
+        if self.method == "refused":
+            return f"cpsr recovery: cannot resume: {self.reason}"
         if self.method == "fresh":
             return "cpsr recovery: no earlier progress, starting at iteration 0"
         if self.method == "restart":
@@ -306,10 +309,75 @@ def _load_history(engine, directory: str, verified: list, n: int) -> tuple[list,
 
 
 def _load(engine, directory: str, tag: str) -> dict:
-    load_path, client_state = engine.load_checkpoint(directory, tag=tag)
+    """Load ``tag`` into the engine, at whatever data-parallel degree it was written (:func:`zero_resharded`)."""
+    resharded = zero_resharded(engine, directory, tag)
+    load_path, client_state = engine.load_checkpoint(directory, tag=tag, load_optimizer_states=resharded is None)
     if load_path is None:
         raise RuntimeError(f"cpsr recovery: DeepSpeed could not load checkpoint {tag} in {directory}")
+    if resharded is not None:
+        state, saved = resharded
+        _restore_groups(_base_optimizer(engine), saved)
+        load_engine_state(engine, state)
     return client_state or {}
+
+
+def zero_resharded(engine, directory: str, tag: str) -> tuple[dict[str, torch.Tensor], dict] | None:
+    """Under ZeRO, a checkpoint written at another data-parallel degree: (its engine_state, its first rank's
+    base optimizer state: the groups' settings and step); else None.
+
+    DeepSpeed refuses to load ZeRO partitions into another degree. Its universal
+    checkpoint would convert every checkpoint to a new folder first (ds_to_universal, a
+    separate pass writing as much again); instead this reads the old ranks' partitions
+    (every rank reads them all: the stage's full state in host memory, as engine_state
+    needs anyway) and reassembles the full fp32 parameters and moments, which
+    load_engine_state writes into the new partitions, the way a predicted state is
+    written. Model weights, counters and the LR schedule load through DeepSpeed as usual.
+    """
+    if not engine.zero_optimization():
+        return None
+    model_states = engine.checkpoint_engine.load(engine._get_ckpt_name(directory, tag), map_location="cpu")
+    old = model_states["dp_world_size"]
+    if old == engine.dp_world_size:
+        return None
+    log.info("cpsr recovery: checkpoint %s was written by %d data-parallel ranks, this job has %d: "
+             "reassembling its ZeRO partitions", tag, old, engine.dp_world_size)
+    names = engine._get_mp_rank_zero_checkpoint_names(load_dir=directory, tag=tag, mp_rank=engine.checkpoint_mp_rank,
+                                                      dp_world_size=old, bf16_mode=engine.bfloat16_enabled())
+    parts = [engine.checkpoint_engine.load(name, map_location="cpu")["optimizer_state_dict"] for name in names]
+    return full_zero_state(parts, model_states["param_shapes"]), parts[0]["base_optimizer_state"]
+
+
+def _restore_groups(optimizer, saved: dict) -> None:
+    """A ZeRO checkpoint's per-group settings (the learning rate the schedule set) and step, from one rank's
+    ``saved`` base optimizer state, and zero moments for load_engine_state to fill: loaded without its
+    optimizer states, the engine's Adam has none yet."""
+    for g, group in enumerate(optimizer.param_groups):
+        group.update({k: v for k, v in saved["param_groups"][g].items() if k != "params"})
+        step = saved["state"][g]["step"]
+        for p in group["params"]:
+            optimizer.state[p].update(exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p),
+                                      step=step.clone() if torch.is_tensor(step) else step)
+
+
+def full_zero_state(parts: list[dict], param_shapes: list[dict]) -> dict[str, torch.Tensor]:
+    """engine_state's dict from ZeRO-1/2 optimizer state dicts of every data-parallel rank, in rank order.
+
+    Each param group is one flat tensor, cut into consecutive partitions, one per rank;
+    ``param_shapes`` (the checkpoint's) names the parameters in their order in it, each
+    followed by its alignment padding.
+    """
+    state = {}
+    for g, shapes in enumerate(param_shapes):
+        flat = {"param": torch.cat([p["single_partition_of_fp32_groups"][g] for p in parts])}
+        for kind in MOMENTS:
+            flat[kind] = torch.cat([p["base_optimizer_state"]["state"][g][kind] for p in parts])
+        offset = 0
+        for (name, shape), padding in zip(shapes.items(), parts[0]["param_alignment_paddings"][g]):
+            n = math.prod(shape)
+            for kind, t in flat.items():
+                state[f"{kind}/{name}"] = t[offset:offset + n].view(shape).float().clone()
+            offset += n + padding
+    return state
 
 
 def new_predictor(cfg: CPSRConfig):
@@ -339,6 +407,11 @@ def recover(engine, cfg: CPSRConfig, predictor) -> RecoveryReport:
     if nothing_lost or cfg.recovery.mode == "recompute":
         _restore(engine, directory, reversed(verified))
         c = engine.global_steps
+        if reached is not None and reached < c:
+            # Every rank finished c before it was committed: a journal ending earlier is stale.
+            log.error("cpsr recovery: the journals end at iteration %d, before committed checkpoint %d: a journal "
+                      "of a rank no longer in the job, or one that lost lines; taking %d", reached, c, c)
+            reached = c
         reason = "recovery.mode is recompute" if reached is not None and reached > c else ""
         return RecoveryReport("recompute", reached, c, c, reason=reason)
 
@@ -377,9 +450,10 @@ def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int, stat
     if predictor.ready():
         held_out = predictor.validation_error()
         r = None if held_out is None else held_out.relative
-        model = recovery_model(cfg.planner.cost_model, cfg.checkpoint.dir, engine.stage_id, predictor.name, f, c, state)
-        choice = recovery_choice(model.estimate(f, c, predictor.name), d,
-                                 excess_at(journal_losses(cfg.checkpoint.dir), f),
+        losses = progress_losses(progress)
+        model = recovery_model(cfg.planner.cost_model, cfg.checkpoint.dir, losses, engine.stage_id, predictor.name,
+                               f, c, state)
+        choice = recovery_choice(model.estimate(f, c, predictor.name), d, excess_at(losses, f),
                                  cfg.recovery.max_loss_excess, PESSIMISM, carried_lag(earlier_reports(cfg.checkpoint.dir), c))
         numbers.update(relative_error=r, estimated_cost=choice.estimate.lag, cost_model=model.name,
                        guard_lag=choice.guard_lag, loss_excess=choice.loss_excess)
@@ -430,10 +504,16 @@ def fallback_reason(rc: RecoveryConfig, r: float | None, choice: Choice) -> str 
 
 
 def journal_losses(directory: str) -> dict[int, float]:
-    """Rank 0's journaled losses by iteration: every rank reads the same, so that all make the same choice."""
+    """Rank 0's journaled losses by iteration, from its journal in ``directory`` (rank 0's node's)."""
     path = journal_path(directory, 0)
     entries, _ = plausible(path, read_journal(path))
     return {e.iteration: e.loss for e in entries}
+
+
+def progress_losses(progress: Progress) -> dict[int, float]:
+    """Rank 0's journaled losses by iteration, from the progress every rank agreed on: all ranks make the same
+    choice from the same losses, also where rank 0's journal is on another node (``checkpoint.storage: node_local``)."""
+    return {e.iteration: e.loss for e in progress.entries.get(0, ())}
 
 
 def excess_at(losses: dict[int, float], f: int) -> Callable[[float], float | None]:
@@ -457,11 +537,12 @@ def expected_loss_excess(directory: str, f: int, lag: float) -> float | None:
 # ---------------------------------------------------------------- the cost model
 
 
-def recovery_model(name: str, directory: str, stage: int, predictor: str, f: int, c: int, state: dict) -> CostModel:
+def recovery_model(name: str, directory: str, losses: dict[int, float], stage: int, predictor: str, f: int, c: int,
+                   state: dict) -> CostModel:
     """The recovery cost model ``planner.cost_model`` names, for a failure at f restored from checkpoint c.
 
     The paper's (Eq. 13; Eq. 14 for ``paper-eq14``) is built from the run's own records:
-    Eq. 11 over rank 0's journal losses up to f (the recent window fit_loss_o takes),
+    Eq. 11 over ``losses`` (rank 0's journaled losses) up to f (the recent window fit_loss_o takes),
     Eq. 8 over the held-out errors the measurements hold for ``stage`` and ``predictor``
     at the checkpoints up to c, and xi and N_p (Eq. 7) of ``state``, the stage's state at c.
     Each error was measured predicting a checkpoint one interval ahead; under interval
@@ -479,7 +560,7 @@ def recovery_model(name: str, directory: str, stage: int, predictor: str, f: int
         log.warning("cpsr recovery: skipping a damaged measurement: %s", problem)
     whose = f"{predictor} for stage {stage} up to iteration {c} in {os.path.join(directory, MEASUREMENTS_DIR)}"
     accuracy = accuracy_fit(held_out_errors(rows, stage, predictor, upto=c), whose)
-    return paper_model(fit_loss_o(journal_losses(directory), f), accuracy, stage_xi(state), exact=name == "paper")
+    return paper_model(fit_loss_o(losses, f), accuracy, stage_xi(state), exact=name == "paper")
 
 
 def accuracy_fit(points: list[tuple[int, float]], where: str) -> AccuracyFit | NoFit:

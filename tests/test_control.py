@@ -10,7 +10,8 @@ import torch
 from deepspeed.runtime.lr_schedules import WarmupCosineLR, WarmupLR
 
 from cpsr_ds import runlog
-from cpsr_ds.checkpoint.journal import Entry, ProgressJournal, Progress
+from cpsr_ds.checkpoint.journal import Entry, ProgressJournal, Progress, read_progress
+from cpsr_ds.checkpoint.layout import combine_progress
 from cpsr_ds.config import CPSRConfig, RecoveryConfig
 from cpsr_ds.cost_model import MEASURED_REDUCTION, PESSIMISM, EmpiricalModel, Estimate, recovery_choice
 from cpsr_ds.fitter import MIN_POINTS, fit_recent, loss_excess
@@ -24,6 +25,8 @@ from cpsr_ds.recovery import (
     expected_loss_excess,
     fallback_reason,
     implausible_reach,
+    journal_losses,
+    progress_losses,
     recovery_model,
 )
 
@@ -185,15 +188,31 @@ def test_paper_model_is_built_from_the_runs_journal_measurements_and_state(tmp_p
     record(directory, [(450, 1e3)])  # after c: not seen at c
     record(directory, [(t, 1e3 * held_out(t)) for t in MEASURED_AT], predictor="linear")
     record(directory, [(t, 1e3 * held_out(t)) for t in MEASURED_AT], stage=1)
-    model = recovery_model("paper", directory, 0, "trend", F, C, stage_state())
+    losses = journal_losses(directory)
+    model = recovery_model("paper", directory, losses, 0, "trend", F, C, stage_state())
     assert model.T_c == 50.0 and model.exact
     p = model.params
     assert (p.alpha1, p.alpha2, p.tau1, p.tau2) == pytest.approx((ALPHA1, ALPHA2, TAU1, TAU2), rel=1e-6)
     assert (p.xi, p.N_p) == (pytest.approx(0.01), 4)
-    assert not recovery_model("paper-eq14", directory, 0, "trend", F, C, stage_state()).exact
-    assert recovery_model("empirical", directory, 0, "trend", F, C, stage_state()) == EmpiricalModel()
+    assert not recovery_model("paper-eq14", directory, losses, 0, "trend", F, C, stage_state()).exact
+    assert recovery_model("empirical", directory, losses, 0, "trend", F, C, stage_state()) == EmpiricalModel()
     with pytest.raises(ValueError, match="'eq13'"):
-        recovery_model("eq13", directory, 0, "trend", F, C, stage_state())
+        recovery_model("eq13", directory, losses, 0, "trend", F, C, stage_state())
+
+
+def test_every_node_takes_rank_0s_losses_from_the_agreed_progress(tmp_path):
+    """node_local: rank 0's journal is on node 0 only; node 1 gets its losses from the progress all agreed on."""
+    node0 = run_dir(tmp_path / "node0")
+    node1 = tmp_path / "node1"
+    other = ProgressJournal(str(node1), rank=1)
+    for i in range(1, F + 1):
+        other.append(i, 9.0)
+    other.close()
+    with pytest.raises(FileNotFoundError):
+        journal_losses(str(node1))
+    agreed = combine_progress([read_progress(node0), read_progress(str(node1))])
+    assert progress_losses(agreed) == journal_losses(node0)
+    assert len(progress_losses(agreed)) == F
 
 
 class FixedPredictor:
@@ -227,7 +246,8 @@ def small_engine(stage=0):
 def decide(directory, name, engine=None, state=None):
     cfg = CPSRConfig.parse_block({"checkpoint": {"dir": directory}, "planner": {"cost_model": name}})
     state = stage_state() if state is None else state
-    progress = Progress({0: [Entry(i, 1.0, 0.0) for i in range(1, F + 1)]}, F)
+    progress = read_progress(directory)  # rank 0's journal, up to F
+    assert progress.reached == F
     return _decide(engine or small_engine(), cfg, FixedPredictor(state), progress, C, state)
 
 

@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 JOURNAL_DIR = "journal"
 JOURNAL_NAME_RE = re.compile(r"^rank(\d+)\.csv$")
+RETIRED_DIR = "retired"  # under JOURNAL_DIR: journals of ranks a smaller world no longer has
 # A rank journals iteration i once its train_batch returned, which needs every rank's
 # part of i; a rank killed before its own append is then one iteration behind.
 MAX_RANK_SKEW = 1
@@ -179,6 +180,31 @@ def read_progress(directory: str) -> Progress:
     if disagreement:
         problems.append(disagreement)
     return Progress(entries, f, tuple(problems))
+
+
+def retire_journals(directory: str, world_size: int, attempt: int) -> list[str]:
+    """Move the journals of ranks ``world_size`` and above out of the way; the paths they went to.
+
+    Called once the ranks of a restarted job (attempt ``attempt``) have read the progress:
+    those journals were the failed job's; from now on a rank that no longer exists must not
+    fix f with its stale journal (the next failure's f would go back to the old failure
+    point, and d below zero). They go to ``journal/retired/attempt<N>/``, kept for the
+    record. Each node moves the journals it sees, so node-local directories retire theirs.
+    Several ranks may do this at once: a journal another rank moved first is skipped.
+    """
+    moved = []
+    target = os.path.join(directory, JOURNAL_DIR, RETIRED_DIR, f"attempt{attempt}")
+    for path in sorted(glob.glob(os.path.join(directory, JOURNAL_DIR, "rank*.csv"))):
+        name = JOURNAL_NAME_RE.match(os.path.basename(path))
+        if name is None or int(name.group(1)) < world_size:
+            continue
+        os.makedirs(target, exist_ok=True)
+        try:
+            os.rename(path, os.path.join(target, os.path.basename(path)))
+        except FileNotFoundError:
+            continue
+        moved.append(os.path.join(target, os.path.basename(path)))
+    return moved
 
 
 def reached_iteration(directory: str) -> int | None:
