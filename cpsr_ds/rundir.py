@@ -6,6 +6,8 @@ writes its identity (host, pid, MASTER_ADDR:MASTER_PORT, start time, attempt) in
 for the error a second job gets. Each successful lock counts one attempt of the job
 (``DIR/cpsr_attempt.json``): 1 for the first start, 2 for the first restart, and so on;
 checkpoints of a later attempt order after an earlier attempt's at the same iteration.
+Every node's directory records it, so that a node whose node-local directory was lost
+counts on from the others' records.
 
 :func:`claim` is collective: rank 0 locks and tells every rank the outcome, so every
 rank gets the attempt, or the same error, and none waits for ever.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import socket
 import time
@@ -26,6 +29,8 @@ from cpsr_ds.checkpoint.store import write_json_atomic
 
 LOCK = "cpsr.lock"
 ATTEMPT = "cpsr_attempt.json"
+
+log = logging.getLogger(__name__)
 
 
 class RunDirectoryBusy(RuntimeError):
@@ -84,8 +89,17 @@ def _read_all(fd: int) -> str:
     return b"".join(chunks).decode(errors="replace")
 
 
-def acquire(directory: str) -> RunDirLock:
-    """Lock ``directory`` for this process (making it if needed); raises :class:`RunDirectoryBusy`."""
+def recorded_attempt(directory: str) -> int:
+    """The last attempt ``directory``'s attempt record holds; 0 where it holds none."""
+    return _attempt_in(_read_text(os.path.join(directory, ATTEMPT)))
+
+
+def acquire(directory: str, seen: int = 0) -> RunDirLock:
+    """Lock ``directory`` for this process (making it if needed); raises :class:`RunDirectoryBusy`.
+
+    ``seen``: the last attempt any rank found recorded; the new attempt comes after it
+    even where this directory lost its records (a node-local directory on a replaced disk).
+    """
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, LOCK)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -101,7 +115,7 @@ def acquire(directory: str) -> RunDirLock:
         raise
     try:
         # Either record may have been lost to a crash while it was written; the other then counts.
-        attempt = max(_attempt_in(_read_text(os.path.join(directory, ATTEMPT))), _attempt_in(_read_all(fd))) + 1
+        attempt = max(recorded_attempt(directory), _attempt_in(_read_all(fd)), seen) + 1
         write_json_atomic(os.path.join(directory, ATTEMPT), {"attempt": attempt})
         data = json.dumps(identity(attempt)).encode()
         os.ftruncate(fd, 0)
@@ -116,13 +130,17 @@ def claim(directory: str, device: torch.device) -> RunDirLock:
     """Rank 0 locks ``directory``; every rank learns the attempt, or raises the same error.
 
     Every rank gets a :class:`RunDirLock` with the attempt; only rank 0's holds the
-    lock. ``device``: where this rank's collective buffers live.
+    lock. ``device``: where this rank's collective buffers live. The attempt follows
+    the newest any rank's directory records, and each node's first rank records it
+    in its node's directory where that is not rank 0's (``checkpoint.storage: node_local``).
     """
     lock = RunDirLock(directory, -1, 0)
+    seen = torch.tensor([recorded_attempt(directory)], dtype=torch.int64, device=device)
+    dist.all_reduce(seen, op=dist.ReduceOp.MAX)
     outcome: list = [None]  # rank 0's attempt, or its error message
     if dist.get_rank() == 0:
         try:
-            lock = acquire(directory)
+            lock = acquire(directory, int(seen.item()))
             outcome[0] = lock.attempt
         except RunDirectoryBusy as err:
             outcome[0] = str(err)
@@ -132,4 +150,10 @@ def claim(directory: str, device: torch.device) -> RunDirLock:
     if isinstance(outcome[0], str):
         raise RunDirectoryBusy(outcome[0])
     lock.attempt = outcome[0]
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0 and recorded_attempt(directory) < lock.attempt:
+        try:
+            os.makedirs(directory, exist_ok=True)
+            write_json_atomic(os.path.join(directory, ATTEMPT), {"attempt": lock.attempt})
+        except OSError as err:  # the record only orders a later restart's checkpoints: not worth stopping the job
+            log.warning("cpsr: cannot record attempt %d in %s: %s", lock.attempt, directory, err)
     return lock

@@ -18,7 +18,7 @@ import cpsr_ds
 from cpsr_ds import runlog
 from cpsr_ds.models.gpt import GPTConfig, gpt_pipeline
 from cpsr_ds.plugin import CPSRPipelineEngine
-from cpsr_ds.rundir import LOCK, RunDirectoryBusy
+from cpsr_ds.rundir import LOCK, RunDirectoryBusy, acquire, recorded_attempt
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -132,6 +132,19 @@ def test_a_second_job_on_a_run_directory_is_refused_until_the_first_is_gone(tmp_
     assert second.cpsr.lock.attempt == 2
     assert json.loads((run_dir / LOCK).read_text())["attempt"] == 2
     second.destroy()
+
+
+def test_an_attempt_follows_the_newest_any_node_recorded(tmp_path):
+    """A node-local directory lost with its records (a replaced disk) does not count the job's attempts from 1 again."""
+    lost = tmp_path / "node0"
+    lock = acquire(str(lost), seen=3)
+    try:
+        assert lock.attempt == 4 and recorded_attempt(str(lost)) == 4
+    finally:
+        lock.release()
+    again = acquire(str(lost), seen=2)  # its own record is newer than what the others saw
+    again.release()
+    assert again.attempt == 5
 
 
 def test_a_killed_jobs_lock_vanishes_with_it(tmp_path):

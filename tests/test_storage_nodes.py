@@ -10,6 +10,7 @@ import sys
 from conftest import ROOT, free_port, tiny_config
 from cpsr_ds.checkpoint import store
 from cpsr_ds.recovery import read_reports
+from cpsr_ds.rundir import recorded_attempt
 
 KILL_AT = 17
 INTERVAL = 6
@@ -70,5 +71,6 @@ def test_a_node_s_directory_lost_after_a_failure_its_ranks_restore_from_the_repl
     assert report.method == "recompute" and report.checkpoint == store.tag_iteration(committed), report
     assert report.reached in (KILL_AT - 1, KILL_AT), report
     assert "restored from the replica" in (tmp_path / "second-node0.log").read_text()
+    assert [recorded_attempt(str(d)) for d in dirs] == [2, 2]  # node 0 counts on from node 1's record
     # Node 0 trains on and commits again, with its own latest.
     assert store.read_latest(str(dirs[0])) == store.read_latest(str(dirs[1])) == f"global_step{ITERATIONS}"
