@@ -538,10 +538,8 @@ def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int, stat
         log.error("cpsr recovery: %s: recomputing from checkpoint %d", implausible, base)
         return recompute(implausible)
     numbers = {"predictor": predictor.name}
-    said = "recovery.mode is predict"
     if f == c:  # per stage: this stage's own checkpoint is at f, nothing to predict
         why, predicted = None, None
-        said = f"stage {engine.stage_id} checkpointed at {f}" if cfg.recovery.mode == "auto" else said
     elif predictor.ready():
         held_out = predictor.validation_error()
         r = None if held_out is None else held_out.relative
@@ -553,8 +551,6 @@ def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int, stat
         numbers.update(relative_error=r, estimated_cost=choice.estimate.lag, cost_model=model.name,
                        guard_lag=choice.guard_lag, loss_excess=choice.loss_excess)
         why, predicted = _prediction(cfg.recovery, predictor, f, r, choice)
-        if cfg.recovery.mode != "predict":
-            said = f"held-out error r = {r:.3f}, {choice.reason}"
     else:
         why, predicted = f"predictor {predictor.name} not ready", None
     # Readiness and the held-out error are each rank's own (its stage, its shard): one
@@ -565,7 +561,10 @@ def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int, stat
     if predicted is not None:
         load_engine_state(engine, predicted)
     advance_counters(engine, f - c)
-    return RecoveryReport("predict", f, base, f, reason=said, stage_checkpoints=cut and cut.stages, **numbers)
+    reason = ("recovery.mode is predict" if cfg.recovery.mode == "predict"
+              else f"stage {engine.stage_id} checkpointed at {f}" if predicted is None
+              else f"held-out error r = {r:.3f}, {choice.reason}")
+    return RecoveryReport("predict", f, base, f, reason=reason, stage_checkpoints=cut and cut.stages, **numbers)
 
 
 def _prediction(rc: RecoveryConfig, predictor, f: int, r: float | None,
