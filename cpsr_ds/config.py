@@ -64,6 +64,15 @@ class CheckpointConfig(_Strict):
         description="Cap on the rate every checkpoint file of a process is written at, in MB/s (10^6 bytes/s), "
         "shared by all of that process's checkpoints in flight; null: unlimited.",
     )
+    per_stage: bool = Field(
+        False,
+        description="Each pipeline stage checkpoints at its own interval, a whole multiple of the shortest (so "
+        "that a checkpoint of every stage, a full cut, recurs every longest interval): with interval auto each "
+        "stage's own planned interval, with a fixed interval N, N times the stage's measured persist time over the "
+        "fastest stage's (rounded). Recompute-based recovery restores the newest full cut, predicting-based "
+        "recovery predicts each stage from its own newest checkpoint. Needs strategy cpsr and storage shared; "
+        "with one pipeline stage it changes nothing.",
+    )
 
     @field_validator("interval", mode="before")
     @classmethod
@@ -77,6 +86,16 @@ class CheckpointConfig(_Strict):
         if self.storage == "node_local" and self.strategy == "torch":
             raise ValueError("storage node_local needs an asynchronous strategy (cpsr, checkfreq or pccheck): "
                              "the torch strategy commits through a shared directory")
+        return self
+
+    @model_validator(mode="after")
+    def _per_stage_needs_cpsr(self) -> "CheckpointConfig":
+        if self.per_stage and self.strategy != "cpsr":
+            raise ValueError(f"per_stage needs strategy cpsr (got {self.strategy}): only its engine saves "
+                             "some stages' parts of a checkpoint and commits them alone")
+        if self.per_stage and self.storage != "shared":
+            raise ValueError("per_stage needs storage shared: node_local commits and replicates every rank's "
+                             "part of each checkpoint")
         return self
 
     @field_validator("dir")

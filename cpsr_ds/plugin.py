@@ -73,6 +73,7 @@ from cpsr_ds.recovery import (
 )
 from cpsr_ds.rundir import RunDirLock, claim
 from cpsr_ds.runlog import CostRow, PlanRow, StateRow
+from cpsr_ds.stage_intervals import StageSchedule, multiples
 
 logger = logging.getLogger("cpsr_ds")
 if not logger.handlers:
@@ -102,7 +103,9 @@ class Runtime:
     interval the strategy's rule gives at the checkpoint before (cpsr: the online planner,
     :mod:`cpsr_ds.online_planner`; torch, checkfreq, pccheck: the engine's overhead_budget
     rule on the measured iteration time), decided on rank 0 and broadcast so that every
-    rank takes the same checkpoints.
+    rank takes the same checkpoints. With ``checkpoint.per_stage`` each pipeline stage is
+    due at its own interval (:meth:`_schedule_stages`); every rank still saves at an
+    iteration where any stage is due, the others' ranks writing nothing.
 
     Every checkpoint is measured (runlog.CostRow on the measuring ranks, the first
     data-parallel rank of each stage) and, unless recovery.mode is recompute, its state
@@ -141,7 +144,14 @@ class Runtime:
         self.planned_phase = 0
         self.interval = cfg.planner.first_interval
         self.next_checkpoint = engine.global_steps + self.interval
-        if self.auto and cfg.checkpoint.strategy == "cpsr":
+        # checkpoint.per_stage: each stage at its own interval (stage_intervals.py); one stage is the usual case.
+        self.per_stage = cfg.checkpoint.per_stage and engine.num_stages > 1
+        self.stages = engine.num_stages
+        self.rank_stages = [engine.grid._topo.get_coord(r).pipe for r in range(world)]
+        fixed = self.cfg.checkpoint.interval
+        self.schedule = (StageSchedule.together(engine.global_steps, self.interval, self.stages) if self.auto
+                         else StageSchedule.together(0, fixed, self.stages))
+        if self.per_stage or (self.auto and cfg.checkpoint.strategy == "cpsr"):
             self._schedule(engine, engine.global_steps, start=True)
 
     @property
@@ -160,15 +170,17 @@ class Runtime:
             logger.error("cpsr: the training loss is %s at iteration %d: training diverged; no checkpoint is saved "
                          "at an iteration whose loss is not finite", loss, iteration)
         self._settle_costs(engine)
-        if self._due(iteration):
+        due = self._due(iteration)
+        if due:
             t0 = time.perf_counter()
             if finite:
-                self._checkpoint(engine, iteration)
+                self._checkpoint(engine, iteration, due)
             else:
                 logger.warning("cpsr: checkpoint of iteration %d skipped: the loss is %s", iteration, loss)
-            if self.auto:
+            # Per stage, the intervals change only at a full cut, so that full cuts keep recurring.
+            if len(due) == self.stages if self.per_stage else self.auto:
                 self._schedule(engine, iteration)
-            if finite:
+            if finite and self.stage in due:
                 # Planning the next interval is part of what this checkpoint costs.
                 self.meter.start(iteration, f"global_step{iteration}", time.perf_counter() - t0)
         self.faults.check(iteration)
@@ -197,13 +209,21 @@ class Runtime:
 
     # ------------------------------------------------------------ checkpoints
 
-    def _due(self, iteration: int) -> bool:
+    def _due(self, iteration: int) -> tuple[int, ...]:
+        """The pipeline stages due for a checkpoint at ``iteration``: without per_stage all of them or none."""
+        if self.per_stage:
+            return self.schedule.due(iteration)
         interval = self.cfg.checkpoint.interval
-        return iteration >= self.next_checkpoint if interval == "auto" else iteration % interval == 0
+        due = iteration >= self.next_checkpoint if interval == "auto" else iteration % interval == 0
+        return tuple(range(self.stages)) if due else ()
 
-    def _checkpoint(self, engine: PipelineEngine, iteration: int) -> None:
-        """Save, feed the predictor, record the state: all of it the checkpoint's own time."""
-        state = self._state(engine, iteration) if self.observing or self.learning else None
+    def _checkpoint(self, engine: PipelineEngine, iteration: int, due: tuple[int, ...]) -> None:
+        """Save, feed the predictor, record the state: all of it the checkpoint's own time.
+
+        Every rank saves (DeepSpeed's save is collective); the ranks of stages not ``due`` write nothing.
+        """
+        part = self.stage in due
+        state = self._state(engine, iteration) if part and (self.observing or self.learning) else None
         client_state = {}
         if self.predictor is not None and state is not None:
             self.predictor.observe(iteration, state)
@@ -212,6 +232,10 @@ class Runtime:
                 self.predictor.step(budget_s=self.cfg.predictor.train_budget_s,
                                     n_steps=self.cfg.predictor.train_steps)
                 client_state = {PREDICTOR_STATE: self.predictor.state_dict(include_history=False)}
+        if self.per_stage:
+            full = len(due) == self.stages
+            engine.checkpoint_engine.select(None if full else [r for r, s in enumerate(self.rank_stages) if s in due],
+                                            due)
         engine.save_checkpoint(self.directory, client_state=client_state)
         if self.observing and state is not None:
             self._record_state(iteration, state)
@@ -266,14 +290,49 @@ class Runtime:
 
     def _schedule(self, engine: PipelineEngine, iteration: int, start: bool = False) -> None:
         """The next checkpoint, by the strategy's rule, the same on every rank; ``start``: of this attempt."""
+        if self.per_stage:
+            self._schedule_stages(engine, iteration, start)
+            return
         if self.cfg.checkpoint.strategy == "cpsr":
             stages = self._gather(self._stage_inputs(engine))
-            interval = self._on_rank0(lambda: self._plan(engine, iteration, stages, start))
+            planned = self._on_rank0(lambda: self._plan(engine, iteration, stages, start))
+            interval = planned and planned[0]
         else:
             interval = self._on_rank0(lambda: engine.checkpoint_engine.interval(self.meter.baseline()))
-        self.interval = int(planner.clamp_interval(interval or self.cfg.planner.first_interval,
-                                                   self.cfg.planner.max_interval))
+        self.interval = self._clamped(interval)
         self.next_checkpoint = iteration + self.interval
+
+    def _clamped(self, interval) -> int:
+        return int(planner.clamp_interval(interval or self.cfg.planner.first_interval, self.cfg.planner.max_interval))
+
+    def _schedule_stages(self, engine: PipelineEngine, iteration: int, start: bool) -> None:
+        """Each stage's interval, a multiple of the shortest (stage_intervals.py), from a full cut at ``iteration``.
+
+        interval auto: each stage's own planned interval (the plan's ``stages``), the
+        intervals kept where no new plan is made; a fixed interval N: N times each stage's
+        measured persist time over the fastest stage's, all N until every stage has one.
+        """
+        old = self.schedule
+        if self.auto:
+            stages = self._gather(self._stage_inputs(engine))
+            planned = self._on_rank0(lambda: self._plan(engine, iteration, stages, start))
+            if planned is None:
+                schedule = StageSchedule.together(iteration, self.cfg.planner.first_interval, self.stages)
+            elif planned[1] is None:
+                schedule = replace(old, origin=iteration)
+            else:
+                intervals = planned[1] or [planned[0]] * self.stages
+                schedule = StageSchedule(iteration, self._clamped(min(intervals)), multiples(intervals))
+        else:
+            persist = self._gather((self.stage, smoothed_costs(self.costs).get("persist_s")) if self.measuring else None)
+            measured = dict(p for p in persist if p is not None and p[1] is not None)
+            chosen = self._on_rank0(lambda: multiples([measured[s] for s in range(self.stages)])
+                                    if len(measured) == self.stages else old.multiples)
+            schedule = replace(old, multiples=tuple(chosen or old.multiples))
+        self.schedule, self.interval = schedule, schedule.base
+        if self.rank == 0 and (start or schedule.intervals() != old.intervals()):
+            logger.info("cpsr: per-stage checkpoint intervals: %s iterations; every stage together every %d",
+                        ", ".join(f"stage {k} {t}" for k, t in enumerate(schedule.intervals())), schedule.cycle)
 
     def _stage_inputs(self, engine: PipelineEngine) -> StageInputs | None:
         if not self.measuring:
@@ -308,8 +367,11 @@ class Runtime:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def _plan(self, engine: PipelineEngine, iteration: int, gathered: list, start: bool) -> int:
-        """Rank 0: plan if it is time to (first measurements, a restart, a new phase, a drift), else keep the interval."""
+    def _plan(self, engine: PipelineEngine, iteration: int, gathered: list, start: bool) -> tuple[int, list | None]:
+        """Rank 0: plan if it is time to (first measurements, a restart, a new phase, a drift), else keep the interval.
+
+        (the job's interval, each stage's own planned interval; None where no plan was made).
+        """
         stages = sorted({s.stage: s for s in gathered if s is not None}.values(), key=lambda s: s.stage)
         measured = len(stages) == engine.num_stages and all(s.measured for s in stages)
         lambda_per_hour, n, hours = self._failure_rate()
@@ -321,7 +383,7 @@ class Runtime:
             if start:
                 self._write_plan(iteration, "warm-up", phase, Planned(self.interval, "recompute", {}, [],
                                                                      "nothing measured yet: planner.first_interval"))
-            return self.interval
+            return self.interval, None
         cfg = self.cfg
         losses = journal_losses(self.directory)
         job = JobInputs(iteration, lambda_per_hour, fit_loss_o(losses, iteration), cfg.planner.cost_model,
@@ -334,7 +396,7 @@ class Runtime:
             planned = replace(planned, inputs={**planned.inputs, "drift": moved})
         self._write_plan(iteration, reason, phase, planned)
         self.planned, self.planned_phase = now, phase
-        return planned.T_c
+        return planned.T_c, [s["T_c"] for s in planned.stages]
 
     def _write_plan(self, iteration: int, reason: str, phase: int, planned: Planned) -> None:
         row = PlanRow(iteration, self.attempt, time.time(), reason, phase, self.cfg.planner.cost_model,
@@ -411,6 +473,13 @@ class CPSRPipelineEngine(PipelineEngine):
             loss = super().train_batch(data_iter)
             self.cpsr.after_iteration(self, float(loss))
         return loss
+
+    def _get_all_ckpt_names(self, checkpoints_path, tag):
+        # DeepSpeed's loader wants a model-state file per model-parallel rank and reads this rank's. A
+        # checkpoint of some stages (checkpoint.per_stage) holds only theirs: this rank's stands for each.
+        names = super()._get_all_ckpt_names(checkpoints_path, tag)
+        own = self._get_ckpt_name(checkpoints_path, tag)
+        return [own] * self.mp_world_size if len(names) != self.mp_world_size and own in names else names
 
     def eval_batch(self, *args, **kwargs):
         with exiting.marks_failure("eval_batch"):

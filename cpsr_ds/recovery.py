@@ -32,7 +32,7 @@ import os
 from dataclasses import asdict, dataclass
 from functools import partial
 from statistics import median
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -87,6 +87,8 @@ class RecoveryReport:
     guard_lag: float | None = None  # the pessimistic lag the loss-excess guard assumes, iterations
     loss_excess: float | None = None  # the relative loss excess guard_lag iterations of lag leave at f
     world_change: str | None = None  # how the job's layout changed since its last start (world.adapt)
+    # checkpoint.per_stage PB-R: the checkpoint each pipeline stage was predicted from (c is the newest full cut)
+    stage_checkpoints: list[int] | None = None
 
     @property
     def lost_iterations(self) -> int:
@@ -103,6 +105,9 @@ class RecoveryReport:
         if self.method == "restart":
             return f"cpsr recovery: job reached iteration {self.reached} but no checkpoint was committed; restarting from iteration 0"
         head = f"cpsr recovery: job reached iteration {self.reached}, last checkpoint {self.checkpoint}; "
+        if self.stage_checkpoints:
+            head = (f"cpsr recovery: job reached iteration {self.reached}, last full cut {self.checkpoint}, stages' "
+                    f"last checkpoints {', '.join(map(str, self.stage_checkpoints))}; ")
         if self.method == "predict":
             cost = "" if self.estimated_cost is None else f"estimated lag {self.estimated_cost:.1f} iterations against "
             return head + (
@@ -250,24 +255,30 @@ def nonfinite_tensor(state: dict[str, torch.Tensor]) -> str | None:
     return next((k for k, t in state.items() if t.is_floating_point() and not is_finite(t)), None)
 
 
-def on_any_rank(local: str | None) -> str | None:
+def on_any_rank(local: str | None, among=None) -> str | None:
     """The first rank's non-None ``local`` (naming the rank when there are several), on every rank.
 
     Each rank holds its own stage or partition, so what one rank finds must make all
-    of them decide alike.
+    of them decide alike. ``among``: only the ranks that pass the same (their pipeline
+    stage, where each stage decides for itself) count.
     """
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return local
     found = [None] * dist.get_world_size()
-    dist.all_gather_object(found, local)
-    return next((f"rank {r}: {value}" for r, value in enumerate(found) if value is not None), None)
+    dist.all_gather_object(found, (among, local))
+    return next((f"rank {r}: {value}" for r, (group, value) in enumerate(found)
+                 if value is not None and group == among), None)
 
 
-def _load_checked(engine, directory: str, tag: str) -> tuple[dict, dict | None]:
-    """Load ``tag``; (client state, engine state), the state None where a rank holds a non-finite value."""
+def _load_checked(engine, directory: str, tag: str | None, among=None) -> tuple[dict, dict | None]:
+    """Load ``tag``; (client state, engine state), the state None where a rank (of those ``among`` names, see
+    :func:`on_any_rank`) holds a non-finite value. ``tag`` None: load nothing, only join the others' check."""
+    if tag is None:
+        on_any_rank(None, among)
+        return {}, None
     client_state = _load(engine, directory, tag)
     state = engine_state(engine)
-    bad = on_any_rank(nonfinite_tensor(state))
+    bad = on_any_rank(nonfinite_tensor(state), among)
     if bad is None:
         return client_state, state
     log.error("cpsr recovery: checkpoint %s in %s has non-finite values in %s: leaving it out", tag, directory, bad)
@@ -391,7 +402,9 @@ def recover(engine, cfg: CPSRConfig, predictor) -> RecoveryReport:
     ``predictor`` (fresh, from :func:`new_predictor`) is given the retained history
     and, if the checkpoint carries them, its trained weights. No state with a NaN or
     an infinity is resumed from: such checkpoints are left out, such a prediction
-    means RB-R.
+    means RB-R. RB-R restores a full cut (every stage's state at one iteration); with
+    ``checkpoint.per_stage`` PB-R predicts each stage from its own checkpoints
+    (:func:`_recover_stages`).
     """
     directory = cfg.checkpoint.dir
     progress = agreed_progress(cfg.checkpoint)
@@ -400,12 +413,13 @@ def recover(engine, cfg: CPSRConfig, predictor) -> RecoveryReport:
     reached = progress.reached
     # Every rank gets the same checkpoints, verified on each node (layout.py).
     verified = agreed_checkpoints(cfg.checkpoint)
-    if not verified:
+    full = [ck for ck in verified if ck.full]
+    if not full:
         return RecoveryReport("fresh" if reached is None else "restart", reached, None, 0)
-    newest = verified[-1]
+    newest = full[-1]
     nothing_lost = reached is None or newest.iteration is None or reached <= newest.iteration
     if nothing_lost or cfg.recovery.mode == "recompute":
-        _restore(engine, directory, reversed(verified))
+        _restore(engine, directory, reversed(full))
         c = engine.global_steps
         if reached is not None and reached < c:
             # Every rank finished c before it was committed: a journal ending earlier is stale.
@@ -414,16 +428,82 @@ def recover(engine, cfg: CPSRConfig, predictor) -> RecoveryReport:
             reached = c
         reason = "recovery.mode is recompute" if reached is not None and reached > c else ""
         return RecoveryReport("recompute", reached, c, c, reason=reason)
+    if cfg.checkpoint.per_stage and engine.num_stages > 1:
+        return _recover_stages(engine, cfg, predictor, progress, verified, full)
 
     # The predictor learns from the retained checkpoints up to c.
-    history, client_state = _load_history(engine, directory, verified, cfg.predictor.history)
-    # Only a predictor of the same kind can use the trained weights the checkpoint carries.
+    history, client_state = _load_history(engine, directory, full, cfg.predictor.history)
+    _prepare(predictor, history, client_state)
+    # The newest of the history is c's state, the one the engine holds.
+    return _decide(engine, cfg, predictor, progress, engine.global_steps, history[-1][1])
+
+
+def _prepare(predictor, history: list, client_state: dict) -> None:
+    """Give ``predictor`` its history and, where the checkpoint carries a predictor of its kind, its weights."""
     if client_state.get(PREDICTOR_STATE, {}).get("name") == predictor.name:
         predictor.load_state_dict(client_state[PREDICTOR_STATE])
     for iteration, state in history:
         predictor.observe(iteration, state)
-    # The newest of the history is c's state, the one the engine holds.
-    return _decide(engine, cfg, predictor, progress, engine.global_steps, history[-1][1])
+
+
+class Cut(NamedTuple):
+    """Per stage: the newest full cut RB-R restores, and each stage's own newest checkpoint."""
+
+    iteration: int
+    stages: list[int]
+    restore: Callable[[], int]  # restores the full cut on every rank (collective); its iteration
+
+
+def _recover_stages(engine, cfg: CPSRConfig, predictor, progress: Progress, verified: list, full: list) -> RecoveryReport:
+    """PB-R with ``checkpoint.per_stage``: each stage predicted to f from its own retained checkpoints, the
+    newest c_k (a checkpoint of its stage alone, or a full cut); RB-R from the newest full cut where any
+    stage cannot predict."""
+    directory = cfg.checkpoint.dir
+    own = [ck for ck in verified if ck.holds(engine.global_rank)]
+    history, client_state = _stage_history(engine, directory, own, cfg.predictor.history, engine.stage_id)
+
+    def restore() -> int:
+        _restore(engine, directory, reversed(full))
+        return engine.global_steps
+
+    missing = on_any_rank(None if history else f"stage {engine.stage_id} has no checkpoint with a finite state")
+    if missing is not None:
+        c = restore()
+        return RecoveryReport("recompute", progress.reached, c, c, reason=missing)
+    _prepare(predictor, history, client_state)
+    newest = dict(_gathered((engine.stage_id, history[-1][0])))
+    cut = Cut(full[-1].iteration, [newest[s] for s in sorted(newest)], restore)
+    return _decide(engine, cfg, predictor, progress, engine.global_steps, history[-1][1], cut)
+
+
+def _gathered(local) -> list:
+    """Every rank's ``local``, in rank order (just ``[local]`` without a process group)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [local]
+    found = [None] * dist.get_world_size()
+    dist.all_gather_object(found, local)
+    return found
+
+
+def _stage_history(engine, directory: str, own: list, n: int, stage: int) -> tuple[list, dict]:
+    """This stage's finite states among the ``n`` newest of ``own`` checkpoints, oldest first, and the newest's
+    client state; the engine is left holding the newest finite one.
+
+    Stages hold different numbers of checkpoints: every rank loads as often as the one
+    with the most (an empty round where it has fewer), so that the checks' collectives pair up.
+    """
+    window = own[-n:]
+    rounds = max(_gathered(len(window)))
+    history, client_state, newest = [], {}, None
+    for ck in [None] * (rounds - len(window)) + window:
+        loaded, state = _load_checked(engine, directory, ck and ck.tag, among=stage)
+        if state is not None:
+            history.append((engine.global_steps, state))
+            client_state, newest = loaded, ck
+    if newest is not None and newest is not window[-1]:
+        # Loading involves no rank beyond this stage's.
+        client_state = _load(engine, directory, newest.tag)
+    return history, client_state
 
 
 def implausible_reach(progress: Progress, c: int, planned: int | None) -> str | None:
@@ -438,16 +518,29 @@ def implausible_reach(progress: Progress, c: int, planned: int | None) -> str | 
     return None
 
 
-def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int, state: dict) -> RecoveryReport:
-    """PB-R or RB-R for a failure at the journal's f, the engine holding checkpoint c, ``state`` its engine_state."""
+def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int, state: dict,
+            cut: Cut | None = None) -> RecoveryReport:
+    """PB-R or RB-R for a failure at the journal's f, the engine holding checkpoint c, ``state`` its engine_state.
+
+    ``cut`` (per stage): c is this stage's own; recomputing restores the newest full cut
+    and redoes the iterations from there, the cost PB-R is weighed against.
+    """
     f = progress.reached
-    d = f - c
-    implausible = implausible_reach(progress, c, planned_iterations(engine))
+    base = c if cut is None else cut.iteration
+    d = f - base
+
+    def recompute(reason: str, **numbers) -> RecoveryReport:
+        restored = c if cut is None else cut.restore()
+        return RecoveryReport("recompute", f, restored, restored, reason=reason, **numbers)
+
+    implausible = implausible_reach(progress, c if cut is None else min(cut.stages), planned_iterations(engine))
     if implausible is not None:
-        log.error("cpsr recovery: %s: recomputing from checkpoint %d", implausible, c)
-        return RecoveryReport("recompute", f, c, c, reason=implausible)
+        log.error("cpsr recovery: %s: recomputing from checkpoint %d", implausible, base)
+        return recompute(implausible)
     numbers = {"predictor": predictor.name}
-    if predictor.ready():
+    if f == c:  # per stage: this stage's own checkpoint is at f, nothing to predict
+        why, predicted = None, None
+    elif predictor.ready():
         held_out = predictor.validation_error()
         r = None if held_out is None else held_out.relative
         losses = progress_losses(progress)
@@ -464,11 +557,14 @@ def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int, stat
     # rank's reason to recompute is every rank's.
     why = on_any_rank(why)
     if why is not None:
-        return RecoveryReport("recompute", f, c, c, reason=why, **numbers)
-    load_engine_state(engine, predicted)
-    advance_counters(engine, d)
-    reason = "recovery.mode is predict" if cfg.recovery.mode == "predict" else f"held-out error r = {r:.3f}, {choice.reason}"
-    return RecoveryReport("predict", f, c, f, reason=reason, **numbers)
+        return recompute(why, **numbers)
+    if predicted is not None:
+        load_engine_state(engine, predicted)
+    advance_counters(engine, f - c)
+    reason = ("recovery.mode is predict" if cfg.recovery.mode == "predict"
+              else f"stage {engine.stage_id} checkpointed at {f}" if predicted is None
+              else f"held-out error r = {r:.3f}, {choice.reason}")
+    return RecoveryReport("predict", f, base, f, reason=reason, stage_checkpoints=cut and cut.stages, **numbers)
 
 
 def _prediction(rc: RecoveryConfig, predictor, f: int, r: float | None,

@@ -8,7 +8,9 @@ node ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes N --max-restarts K
 --rdzv-backend c10d ... launch/train_gpt.py ...`` (see cpsr_ds/elastic.py for why).
 
 Pipeline degree: ``"pipeline": {"stages": S}`` in the DeepSpeed config; the
-data-parallel degree is the world size over S. Model shape: the ``"gpt"`` block.
+data-parallel degree is the world size over S. Model shape: the ``"gpt"`` block;
+``--layers-per-stage 1 3`` puts 1 transformer block on stage 0 (say, on an A30) and
+3 on stage 1 (an H100).
 Failure recovery: the ``"cpsr"`` block (see the README); a restarted job resumes at
 the iteration ``cpsr_ds.initialize`` restored, with the batches the failure-free
 run would have seen from there on.
@@ -65,6 +67,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     model.add_argument("--hidden-size", type=int)
     model.add_argument("--num-attention-heads", type=int)
     model.add_argument("--seq-length", type=int)
+    split = model.add_mutually_exclusive_group()
+    split.add_argument("--partition-method", help="gpt.partition_method: DeepSpeed's (uniform, parameters, "
+                       "type:REGEX) or blocks:N,N,...")
+    split.add_argument("--layers-per-stage", type=positive_int, nargs="+", metavar="N",
+                       help="transformer blocks on each pipeline stage, in order (fewer on smaller GPUs): "
+                       "gpt.partition_method blocks:N,N,...")
     cpsr = p.add_argument_group("cpsr (overrides the config's \"cpsr\" block)")
     cpsr.add_argument("--checkpoint-dir", help="cpsr.checkpoint.dir")
     cpsr.add_argument("--checkpoint-interval", type=interval, help='cpsr.checkpoint.interval: iterations, or "auto"')
@@ -96,8 +104,10 @@ def build_config(args: argparse.Namespace) -> dict:
         raise SystemExit("train_gpt.py: --deepspeed_config is required")
     config = load_ds_config(args.deepspeed_config)
     config.setdefault("gpt", {})
-    for key in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
+    for key in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "partition_method"):
         _override(config, f"gpt.{key}", getattr(args, key))
+    if args.layers_per_stage:
+        _override(config, "gpt.partition_method", "blocks:" + ",".join(map(str, args.layers_per_stage)))
     _override(config, "cpsr.checkpoint.dir", args.checkpoint_dir)
     _override(config, "cpsr.checkpoint.interval", args.checkpoint_interval)
     _override(config, "cpsr.faults.kill_rank", args.kill_rank)

@@ -21,7 +21,7 @@ import time
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Collection, Optional
 
 import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
@@ -94,6 +94,8 @@ class AsyncCheckpointEngine(CheckpointEngine):
         self._pool = BufferPool([HostBuffers(pin) for _ in range(max_in_flight)])
         self._job: Optional[Job] = None
         self._info: Optional[CheckpointCommitInfo] = None
+        # (ranks, stages) of the next checkpoint, given by select(); None: every rank's, as without per_stage.
+        self._next_part: Optional[tuple] = None
         self._stall_s = 0.0
         self._jobs: list[Job] = []
         self._lock = threading.Lock()
@@ -117,8 +119,14 @@ class AsyncCheckpointEngine(CheckpointEngine):
         t0 = time.perf_counter()
         if self._job is not None:
             self._seal()
-        buffers, failure = self._pool.take()
-        job = Job(info.tag, info.save_dir, self.attempt, buffers, self._created)
+        selected = self._next_part is not None
+        ranks, stages = self._next_part or (None, None)
+        self._next_part = None
+        part = ranks is None or self.rank in ranks
+        # A rank that writes nothing must not wait for host buffers its last part still holds.
+        buffers, failure = self._pool.take() if part else (None, None)
+        job = Job(info.tag, info.save_dir, self.attempt, buffers, self._created, ranks=ranks, stages=stages,
+                  part=part, own_persist=selected)
         self._created += 1
         if job.skipped:
             job.give_up(f"skipped, storage failing: {failure}")
@@ -128,7 +136,7 @@ class AsyncCheckpointEngine(CheckpointEngine):
         else:
             # What an earlier run left under this tag must not be mistaken for this run's.
             store.forget_metadata(job.tag_dir, self.rank)
-            self.stats.started += 1
+            self.stats.started += job.part
         with self._lock:
             self._jobs.append(job)
         self._job, self._info = job, info
@@ -139,7 +147,7 @@ class AsyncCheckpointEngine(CheckpointEngine):
         t0 = time.perf_counter()
         if self._job is None:
             raise RuntimeError(f"{self.name}.save({path}) outside create()/commit()")
-        if self._job.skipped:
+        if not self._job.writes:
             return
         rel = os.path.relpath(path, self._job.tag_dir)
         snap = snapshot_file(rel, state_dict, self._job.buffers, self.chunk_bytes)
@@ -154,7 +162,7 @@ class AsyncCheckpointEngine(CheckpointEngine):
         if job is not None:
             self._seal()
         self.wait_snapshot()
-        if job is None or not job.skipped:
+        if job is None or job.writes:
             self.stats.last_stall_s = self._stall_s + time.perf_counter() - t0
         self._stall_s = 0.0
         return True
@@ -164,7 +172,7 @@ class AsyncCheckpointEngine(CheckpointEngine):
         return store.load_file(path, map_location)
 
     def makedirs(self, path, exist_ok=False):
-        if self._job is not None and self._job.skipped and _inside(path, self._job.tag_dir):
+        if self._job is not None and not self._job.writes and _inside(path, self._job.tag_dir):
             return
         # Storage trouble must not stop training here; the writer retries and reports it.
         try:
@@ -227,6 +235,16 @@ class AsyncCheckpointEngine(CheckpointEngine):
                 return False
         return True
 
+    def select(self, ranks: Optional[Collection[int]], stages: Optional[Collection[int]] = None) -> None:
+        """The next checkpoint holds the parts of ``ranks`` (of pipeline ``stages``) only; None: every rank's.
+
+        Every rank still calls DeepSpeed's save_checkpoint (its barriers are collective); the
+        others write nothing, and the commit record names the ranks and stages it holds. Each
+        rank's persist time of a selected checkpoint is its own part's (each stage plans its
+        own interval), not until every part is there.
+        """
+        self._next_part = (None, None) if ranks is None else (tuple(sorted(ranks)), tuple(sorted(stages or ())))
+
     def interval(self, iteration_time_s: Optional[float] = None) -> Optional[int]:
         """Iterations until the next checkpoint by this engine's own rule: the fixed ``checkpoint.interval``;
         None with "auto" (the planner chooses for cpsr)."""
@@ -264,12 +282,13 @@ class AsyncCheckpointEngine(CheckpointEngine):
             self._finish(job)
 
     def _finish(self, job: Job) -> None:
-        if job.ok:
+        # A rank without a part in the checkpoint has no cost of its own to report.
+        if job.part and job.ok:
             self.stats.persisted += 1
             self.stats.last_persist_s = job.persist_s
             self.stats.last_bytes = job.nbytes
             self.stats.recent.append((job.tag, job.nbytes, job.persist_s))
-        else:
+        elif job.part:
             self.stats.failed += not job.skipped
             self.stats.given_up.append(job.tag)
         job.finished.set()

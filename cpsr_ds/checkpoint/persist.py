@@ -82,6 +82,13 @@ class Job:
     buffers: Optional[HostBuffers]
     # The checkpoint's number in this process: every rank creates the same ones in the same order.
     seq: int = 0
+    # The ranks whose parts the checkpoint holds and their pipeline stages (checkpoint.per_stage); None: every rank.
+    ranks: Optional[tuple[int, ...]] = None
+    stages: Optional[tuple[int, ...]] = None
+    # Whether this rank writes a part of it; a rank that does not still takes part in DeepSpeed's save.
+    part: bool = True
+    # Durable once this rank's own part is (checkpoint.per_stage), on rank 0 too, not once committed.
+    own_persist: bool = False
     # Information for operators only: clocks differ between hosts and attempts.
     started_ns: int = field(default_factory=time.time_ns)
     files: queue.Queue = field(default_factory=queue.Queue)
@@ -103,7 +110,12 @@ class Job:
 
     @property
     def skipped(self) -> bool:
-        return self.buffers is None
+        return self.part and self.buffers is None
+
+    @property
+    def writes(self) -> bool:
+        """Whether this rank writes files for it."""
+        return self.buffers is not None
 
     def give_up(self, cause: str) -> None:
         if self.error is None:
@@ -235,6 +247,10 @@ class Writer:
             self._persist(job)
 
     def _persist(self, job: Job) -> None:
+        if not job.part:
+            job.durable = time.perf_counter()
+            self._persisted(job)
+            return
         entries = {} if job.skipped else self._write_files(job)
         name = store.manifest_name(self.rank)
         if job.ok:
@@ -459,7 +475,9 @@ class Committer:
             ranks, cause = {}, err
         else:
             cause = None
-        missing = [r for r in range(self.world_size) if r not in ranks]
+        expected = job.ranks or range(self.world_size)
+        ranks = {r: m for r, m in ranks.items() if r in expected}
+        missing = [r for r in expected if r not in ranks]
         aborted = [f"rank {r} gave its part up: {m['failed']}" for r, m in sorted(ranks.items()) if m.get("failed")]
         if aborted:
             return Decision(reason="; ".join(aborted))
@@ -470,9 +488,12 @@ class Committer:
             if time.monotonic() < deadline:
                 return None
             return Decision(reason=f"rank manifests {missing} missing{self._waited()}" + (f" ({cause})" if cause else ""))
-        return Decision({"tag": job.tag, "world_size": self.world_size, "attempt": job.attempt,
-                         "started_ns": job.started_ns, "iteration": store.tag_iteration(job.tag),
-                         "committed_time": time.time()})
+        record = {"tag": job.tag, "world_size": self.world_size, "attempt": job.attempt,
+                  "started_ns": job.started_ns, "iteration": store.tag_iteration(job.tag),
+                  "committed_time": time.time()}
+        if job.ranks is not None:
+            record.update(ranks=list(job.ranks), stages=list(job.stages or ()))
+        return Decision(record)
 
     def _waited(self) -> str:
         return (f", not waited for: this process is failing ({self._no_wait})" if self._no_wait is not None
@@ -499,7 +520,8 @@ class Committer:
                 store.apply_retention(job.ckpt_dir, self.keep_last, self._in_flight, self.layout.retention_ranks)
             except OSError as err:
                 log.warning("checkpoint %s: retention failed: %s", job.tag, describe_error(err))
-        job.durable = time.perf_counter()
+        if not (job.own_persist and job.part):
+            job.durable = time.perf_counter()
         self.layout.committed(job.tag, job.ckpt_dir, record)
         return True
 

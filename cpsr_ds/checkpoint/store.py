@@ -264,7 +264,21 @@ class _Record(BaseModel):
 
 
 class CommitRecord(_Record):
-    """``cpsr_commit.json``: rank 0 saw every rank's manifest. Other keys (``started_ns``) are information only."""
+    """``cpsr_commit.json``: rank 0 saw every rank's manifest. Other keys (``started_ns``) are information only.
+
+    ``ranks`` and ``stages``: the ranks, and their pipeline stages, whose parts a checkpoint
+    of some stages holds (``checkpoint.per_stage``); absent: every rank's (a full cut).
+    """
+
+    ranks: Optional[list[int]] = None
+    stages: Optional[list[int]] = None
+
+    @model_validator(mode="after")
+    def _ranks_in_world(self) -> "CommitRecord":
+        outside = [r for r in self.ranks or () if not 0 <= r < self.world_size]
+        if outside:
+            raise ValueError(f"ranks {outside} not in a world of {self.world_size}")
+        return self
 
 
 class FileEntry(BaseModel):
@@ -458,10 +472,13 @@ def commit_checkpoint(ckpt_dir: str, tag: str, record: dict) -> bool:
     """Make ``tag`` committed and move ``latest`` to it if it is the newest; returns whether it moved.
 
     ``record`` carries ``iteration`` and ``attempt``, the order of checkpoints (``order_key``);
-    ``latest`` also moves when what it names is missing or damaged. Retention is the
-    caller's next step (``apply_retention``).
+    ``latest`` also moves when what it names is missing or damaged, never to a checkpoint
+    of some stages only (``ranks`` in the record). Retention is the caller's next step
+    (``apply_retention``).
     """
     write_json_atomic(os.path.join(ckpt_dir, tag, COMMIT), record)
+    if record.get("ranks") is not None:
+        return False  # ``latest`` names a checkpoint every rank can load: a full cut
     current = _sound(ckpt_dir, read_latest(ckpt_dir))
     moved = current is None or current.tag == tag or order_key(*_iteration_attempt(tag, record)) >= current.key
     if moved:
@@ -487,7 +504,7 @@ def _sound(ckpt_dir: str, tag: Optional[str]) -> Optional[Checkpoint]:
 
 def apply_retention(ckpt_dir: str, keep_last: int, protected: Callable[[str], bool],
                     ranks: Optional[Collection[int]] = None) -> list[str]:
-    """Delete our checkpoints beyond the ``keep_last`` newest sound committed ones; returns the tags deleted.
+    """Delete our sound committed checkpoints beyond those :func:`retained` keeps; returns the tags deleted.
 
     Only directories carrying our manifests, commit records or snapshot files are
     touched, and never the one ``latest`` names. Sound: nothing wrong short of reading
@@ -498,8 +515,8 @@ def apply_retention(ckpt_dir: str, keep_last: int, protected: Callable[[str], bo
     sound = [c for c in ours if c.committed and not verify(ckpt_dir, c, read_data=False, ranks=ranks)]
     if not sound:
         return []
-    kept = {c.tag for c in sound[-keep_last:]}
-    floor = sound[-keep_last:][0].key
+    kept = retained(sound, keep_last)
+    floor = min(c.key for c in sound if c.tag in kept)
     sound_tags = {c.tag for c in sound}
     latest = read_latest(ckpt_dir)
     doomed = [c.tag for c in ours if c.tag not in kept and c.tag != latest and not protected(c.tag)
@@ -508,6 +525,17 @@ def apply_retention(ckpt_dir: str, keep_last: int, protected: Callable[[str], bo
     for tag in doomed:
         remove_checkpoint(ckpt_dir, tag)
     return doomed
+
+
+def retained(sound: list[Checkpoint], keep_last: int) -> set[str]:
+    """The tags to keep of ``sound`` committed checkpoints (oldest first): for every rank the ``keep_last``
+    newest holding its part (the predictor's history of its stage), and the newest full cut (the one
+    recompute-based recovery restores). Without checkpoints of some stages: the ``keep_last`` newest."""
+    world = max((c.world_size for c in sound), default=0)
+    kept = {c.tag for c in [c for c in sound if c.full][-1:]}
+    for rank in range(world):
+        kept.update(c.tag for c in [c for c in sound if c.holds(rank)][-keep_last:])
+    return kept or {c.tag for c in sound[-keep_last:]}
 
 
 def remove_checkpoint(ckpt_dir: str, tag: str) -> bool:
@@ -552,10 +580,20 @@ class Checkpoint:
     size: int
     committed: bool           # DeepSpeed's format: ``latest`` names it or a newer one
     problems: list[str] = field(default_factory=list)
+    ranks: Optional[tuple[int, ...]] = None  # the ranks whose parts it holds (checkpoint.per_stage); None: all
+    world_size: int = 0       # of the job that wrote it; 0: unknown (DeepSpeed's format)
 
     @property
     def key(self) -> tuple[int, int]:
         return order_key(self.iteration, self.attempt)
+
+    @property
+    def full(self) -> bool:
+        """Every rank's part: a consistent cut of the whole job."""
+        return self.ranks is None
+
+    def holds(self, rank: int) -> bool:
+        return self.ranks is None or rank in self.ranks
 
     @property
     def valid(self) -> bool:
@@ -606,7 +644,9 @@ def _describe(tag_dir: str, tag: str) -> Optional[Checkpoint]:
             return None
         return Checkpoint(tag, kind, tag_iteration(tag), 0, size, committed=False)
     record = meta.commit or next((meta.manifests[r] for r in sorted(meta.manifests)), {})
-    return Checkpoint(tag, "cpsr", *_iteration_attempt(tag, record), size, committed=meta.committed)
+    ranks = record.get("ranks") if meta.commit else None
+    return Checkpoint(tag, "cpsr", *_iteration_attempt(tag, record), size, committed=meta.committed,
+                      ranks=None if ranks is None else tuple(ranks), world_size=record.get("world_size", 0))
 
 
 def _files(tag_dir: str) -> dict[str, int]:
@@ -673,6 +713,12 @@ def verify(ckpt_dir: str, ckpt: Checkpoint, read_data: bool = True,
         return [p for rel in _data_files(files) for p in _check_file(os.path.join(tag_dir, rel), None, read_data)]
     if not meta.found:
         return [f"{ckpt.tag}: no manifest, snapshot files only (partial checkpoint)"]
+    part = meta.commit.get("ranks") if meta.commit else None
+    if part is not None:
+        # A checkpoint of some stages: the other ranks wrote nothing into it, what they left is not its.
+        ranks = sorted(set(part) if ranks is None else set(part) & set(ranks))
+        meta.manifests = {r: m for r, m in meta.manifests.items() if r in ranks}
+        meta.present &= set(ranks)
     problems = meta.problems + _incomplete(ckpt.tag, meta, ranks, need_commit)
     listed = {rel: (entry, man["checksum"]) for man in meta.manifests.values() for rel, entry in man["files"].items()}
     if not problems and ranks is None:
@@ -759,6 +805,6 @@ def loadable_checkpoints(ckpt_dir: str, read_data: bool = True) -> list[Checkpoi
 
 
 def select_checkpoint(ckpt_dir: str, read_data: bool = True) -> Optional[str]:
-    """The tag to load: the newest valid checkpoint, or None when there is none."""
-    valid = loadable_checkpoints(ckpt_dir, read_data)
+    """The tag to load: the newest valid full cut (every rank's part), or None when there is none."""
+    valid = [c for c in loadable_checkpoints(ckpt_dir, read_data) if c.full]
     return valid[-1].tag if valid else None

@@ -15,11 +15,12 @@ those; megatron-core only needs its (trivial, TP = PP = 1) model-parallel state.
 from __future__ import annotations
 
 import copy
+import itertools
 import warnings
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from torch import nn
 
 with warnings.catch_warnings():
@@ -47,6 +48,49 @@ class GPTConfig(BaseModel):
     seq_length: int = Field(128, gt=0)
     vocab_size: int = Field(VOCAB_SIZE, gt=0)
     init_method_std: float = Field(0.02, gt=0)
+    partition_method: str = Field(
+        "type:Block",
+        description="How the layers are split across pipeline stages: DeepSpeed's partition_method (uniform, "
+        "parameters, type:REGEX; type:Block balances the transformer blocks), or blocks:N,N,... for N blocks on "
+        "each stage in order (fewer on the stages of smaller GPUs; the embedding goes with the first, the head "
+        "with the last).",
+    )
+
+    @field_validator("partition_method")
+    @classmethod
+    def _known_method(cls, value: str) -> str:
+        if value.startswith(BLOCKS):
+            block_counts(value)
+        elif value.lower() not in ("uniform", "parameters") and not value.lower().startswith("type:"):
+            raise ValueError(f"expected uniform, parameters, type:REGEX or {BLOCKS}N,N,... (got {value!r})")
+        return value
+
+    @model_validator(mode="after")
+    def _blocks_add_up(self) -> "GPTConfig":
+        if self.partition_method.startswith(BLOCKS) and sum(block_counts(self.partition_method)) != self.num_layers:
+            raise ValueError(f"partition_method {self.partition_method} places {sum(block_counts(self.partition_method))} "
+                             f"blocks, the model has num_layers {self.num_layers}")
+        return self
+
+
+BLOCKS = "blocks:"
+
+
+def block_counts(method: str) -> list[int]:
+    """The blocks per stage of a ``blocks:N,N,...`` partition method; ValueError naming what is wrong."""
+    try:
+        counts = [int(n) for n in method[len(BLOCKS):].split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise ValueError(f"{method!r}: expected {BLOCKS} and a whole number >= 1 of blocks per stage, comma-separated")
+    return counts
+
+
+def stage_bounds(counts: list[int]) -> list[int]:
+    """Where each stage's layers begin in [embedding, blocks..., head], and where the last ends."""
+    ends = list(itertools.accumulate(counts))
+    return [0] + [1 + end for end in ends[:-1]] + [ends[-1] + 2]
 
 
 class SDPAttention(DotProductAttention):
@@ -132,8 +176,23 @@ def ensure_model_parallel_state() -> None:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
 
 
+class GPTPipeline(PipelineModule):
+    """DeepSpeed's PipelineModule, also split by ``blocks:N,N,...`` (GPTConfig.partition_method)."""
+
+    def _partition_layers(self, method="uniform"):
+        if not method.startswith(BLOCKS):
+            return super()._partition_layers(method)
+        counts = block_counts(method)
+        if len(counts) != self.num_stages:
+            raise ValueError(f"partition_method {method} names {len(counts)} stages, the pipeline has {self.num_stages}")
+        self.parts = stage_bounds(counts)
+        stage = self._topo.get_coord(self.global_rank).pipe
+        self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+
+
 def gpt_pipeline(cfg: GPTConfig, num_stages: int, seed: int, params_dtype: torch.dtype = torch.float32) -> PipelineModule:
-    """The GPT as ``num_stages`` pipeline stages, transformer blocks balanced across them.
+    """The GPT as ``num_stages`` pipeline stages, split by ``cfg.partition_method`` (by default the transformer
+    blocks balanced across them).
 
     Each layer is seeded from ``seed`` and its index, so the initial weights do not
     depend on the number of stages.
@@ -142,11 +201,11 @@ def gpt_pipeline(cfg: GPTConfig, num_stages: int, seed: int, params_dtype: torch
     layers = [LayerSpec(Embedding, cfg)]
     layers += [LayerSpec(Block, cfg, n + 1, params_dtype) for n in range(cfg.num_layers)]
     layers += [LayerSpec(Head, cfg)]
-    return PipelineModule(
+    return GPTPipeline(
         layers=layers,
         loss_fn=lm_loss,
         num_stages=num_stages,
-        partition_method="type:Block",
+        partition_method=cfg.partition_method,
         seed_layers=True,
         # DeepSpeed's default seeder hands numpy ints to random.seed, which rejects them.
         seed_fn=lambda layer_seed: torch.manual_seed(int(layer_seed)),
