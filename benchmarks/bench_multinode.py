@@ -326,18 +326,18 @@ def _values(values: list) -> str:
 
 
 def print_table(records: list[dict]) -> None:
-    head = (f"{'layout':<10} {'launch':<8} {'failure':<8} {'outcome':<16} {'method':<9} {'c':>5} {'f':>5} "
+    head = (f"{'layout':<10} {'launch':<8} {'failure':<8} {'outcome':<20} {'method':<9} {'c':>5} {'f':>5} "
             f"{'resume':>6} {'commit<fail':>11} {'lost':>5} {'restart s (median, 95% CI)':>28} {'n':>2}")
     print(head)
     print("-" * len(head))
     for r in records:
         if not r["repeats"]:
-            print(f"{r['layout']:<10} {r['launch']:<8} {r['failure']:<8} {r['outcome']:<16} {r['reason']}")
+            print(f"{r['layout']:<10} {r['launch']:<8} {r['failure']:<8} {r['outcome']:<20} {r['reason']}")
             continue
         s = r["restart_s"]
         ci = "" if s["ci95"] is None else f" [{s['ci95'][0]:.1f}, {s['ci95'][1]:.1f}]"
         restart = "-" if s["median"] is None else f"{s['median']:.1f}{ci}"
-        print(f"{r['layout']:<10} {r['launch']:<8} {r['failure']:<8} {r['outcome']:<16} {_values(r['method']):<9} "
+        print(f"{r['layout']:<10} {r['launch']:<8} {r['failure']:<8} {r['outcome']:<20} {_values(r['method']):<9} "
               f"{_values(r['c']):>5} {_values(r['f']):>5} {_values(r['resume']):>6} "
               f"{_values(r['committed_before_failure']):>11} {'yes' if r['progress_lost'] else 'no':>5} "
               f"{restart:>28} {r['repeats']:>2}")
