@@ -1,4 +1,6 @@
 """Command line: ``python -m cpsr_ds inspect CKPT_DIR`` lists checkpoints and journal progress;
+``python -m cpsr_ds inspect NODE0_DIR NODE1_DIR ...`` shows each node's part of a node-local job and the
+checkpoint and failure point its ranks would agree on;
 ``python -m cpsr_ds plan RUN_DIR [--plot FILE.png]`` shows a run's plans beside the checkpoints it took;
 ``python -m cpsr_ds plan --lambda L --ts S --alpha1 ...`` plans a checkpoint interval for given inputs."""
 
@@ -10,27 +12,53 @@ import os
 import sys
 from typing import Optional
 
-from cpsr_ds import plan_report, planner
+from cpsr_ds import node_view, plan_report, planner
 from cpsr_ds.checkpoint import store
 from cpsr_ds.checkpoint.journal import reached_iteration
 
 
-def inspect_report(ckpt_dir: str, read_data: bool = True) -> dict:
+def inspect_report(ckpt_dir: str, read_data: bool = True, ranks: Optional[set[int]] = None) -> dict:
     """Every checkpoint with iteration, size, status and problems; which is latest, which would load.
 
     ``valid``: it would load (``status`` valid, or unverified: DeepSpeed's format, no manifest vouches for it).
+    ``ranks``: the parts of these ranks only (a node-local directory holds no others'). A directory
+    of a node-local job also gets :func:`nodes_report`'s view of that one node.
     """
+    if ranks is None and node_view.is_node_local(ckpt_dir):
+        # One node's directory: the agreed checkpoint needs the others'.
+        return {**nodes_report([ckpt_dir], read_data)["nodes"][0], "agreed": None}
     latest = store.read_latest(ckpt_dir)
     rows = [{"tag": c.tag, "kind": c.kind, "iteration": c.iteration, "attempt": c.attempt, "size_bytes": c.size,
              "committed": c.committed, "status": c.status, "valid": c.valid, "latest": c.tag == latest,
              "problems": c.problems}
-            for c in store.list_checkpoints(ckpt_dir, read_data)]
+            for c in store.list_checkpoints(ckpt_dir, read_data, ranks)]
     usable = next((r["tag"] for r in reversed(rows) if r["valid"]), None)
     return {"dir": ckpt_dir, "latest": latest, "usable": usable, "checkpoints": rows,
             "journal_iteration": reached_iteration(ckpt_dir)}
 
 
+def nodes_report(dirs: list[str], read_data: bool = True) -> dict:
+    """Each node's directory (its own checkpoints, ranks, their newest valid parts and replicas) and, for more
+    than one, the checkpoint c and failure point f its ranks would agree on; a missing directory (a lost
+    node's) holds nothing, its ranks' replicas stand in."""
+    present = [d for d in dirs if os.path.isdir(d)]
+    nodes, owner, reports = node_view.rank_reports(present, read_data)
+    shown = []
+    for d in present:
+        ranks = node_view.held_ranks(d)
+        node = nodes.node_of(ranks[0]) if ranks else None
+        shown.append({**inspect_report(d, read_data, set(ranks)), "storage": "node_local", "node": node,
+                      "ranks": ranks, "world_size": len(reports),
+                      "parts": [] if node is None else node_view.rank_rows(nodes, reports, owner, node),
+                      "replicas_kept": node_view.replicas_kept(reports, ranks) if ranks else {}})
+    agreed = node_view.agreed(present, reports) if len(dirs) > 1 else None
+    return {"nodes": shown, "missing": [d for d in dirs if d not in present], "agreed": agreed}
+
+
 def _print_table(report: dict) -> None:
+    if "nodes" in report:
+        _print_nodes(report)
+        return
     print(f"{'tag':<24} {'iteration':>9} {'size MiB':>10}  {'kind':<9} {'status':<13} problems")
     for r in report["checkpoints"]:
         mark = "<- latest " if r["latest"] else ""
@@ -39,6 +67,41 @@ def _print_table(report: dict) -> None:
               f"{mark}{'; '.join(r['problems'])}")
     print(f"latest: {report['latest']}   loads: {report['usable']}   "
           f"journal reached iteration: {report['journal_iteration']}")
+    if report.get("storage") == "node_local":
+        _print_node(report)
+    if report.get("agreed", {}) is None:
+        _print_needs_every_node()
+
+
+def _print_node(report: dict) -> None:
+    """A node-local directory's ranks: their newest valid parts, their replicas', the replicas kept here."""
+    print(f"node-local directory of node {report['node']}: ranks {report['ranks']} of {report['world_size']}")
+    print(f"{'rank':>6}  {'newest valid part':<24} replica on the next node")
+    for p in report["parts"]:
+        replica = p["replica_newest_valid"] if p["replica_dir"] else f"(node {p['replica_node']}'s directory not given)"
+        print(f"{p['rank']:>6}  {p['newest_valid'] or '-':<24} {replica or '-'}")
+    for rank, tag in report["replicas_kept"].items():
+        print(f"replica kept here of rank {rank}: newest valid {tag or '-'}")
+
+
+def _print_needs_every_node() -> None:
+    print("the checkpoint and failure point the ranks agree on need every node's directory: "
+          "python -m cpsr_ds inspect NODE0_DIR NODE1_DIR ... (a lost node's directory may be missing)")
+
+
+def _print_nodes(report: dict) -> None:
+    for node in report["nodes"]:
+        print(f"== {node['dir']}")
+        _print_table(node)
+    for d in report["missing"]:
+        print(f"== {d}: missing; its ranks' parts only where replicas keep them")
+    agreed = report["agreed"]
+    stand_in = "".join(f"; rank {r}'s part from the replica on rank {holder}"
+                       for r, holder in agreed["from_replica"].items())
+    print(f"agreed: checkpoint {agreed['checkpoint']} (c = {agreed['iteration']}){stand_in}")
+    print(f"agreed: journals reached iteration {agreed['reached']} (f)")
+    for problem in agreed["problems"]:
+        print(f"  {problem}")
 
 
 def _print_plan(report: dict) -> None:
@@ -116,16 +179,21 @@ def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 def _inspect(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    if not os.path.isdir(args.ckpt_dir):
-        parser.error(f"{args.ckpt_dir}: not a directory")
-    return _emit(inspect_report(args.ckpt_dir, read_data=not args.no_checksums), args.json, _print_table)
+    dirs = args.ckpt_dirs
+    if not any(os.path.isdir(d) for d in dirs) or (len(dirs) == 1 and not os.path.isdir(dirs[0])):
+        parser.error(f"{', '.join(dirs)}: not a directory")
+    read_data = not args.no_checksums
+    report = inspect_report(dirs[0], read_data) if len(dirs) == 1 else nodes_report(dirs, read_data)
+    return _emit(report, args.json, _print_table)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cpsr_ds")
     sub = parser.add_subparsers(dest="command", required=True)
-    insp = sub.add_parser("inspect", help="list the checkpoints of a directory and the journal's progress")
-    insp.add_argument("ckpt_dir")
+    insp = sub.add_parser("inspect", help="list the checkpoints of a directory and the journal's progress; "
+                                          "with node-local storage, give every node's directory")
+    insp.add_argument("ckpt_dirs", nargs="+", metavar="CKPT_DIR",
+                      help="a checkpoint directory; several: one per node (node_local), a lost node's may be missing")
     insp.add_argument("--json", action="store_true", help="print the report as JSON")
     insp.add_argument("--no-checksums", action="store_true", help="check sizes only, do not read the data")
     plan = sub.add_parser("plan", help="a run's plans and checkpoints (RUN_DIR), or a what-if plan for given "

@@ -2,7 +2,6 @@
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -11,13 +10,12 @@ import uuid
 
 import pytest
 
-from conftest import ROOT, free_port, tiny_config
+from conftest import JOB_ENV, ROOT, NoLoopbackSsh, finish, free_port, kill_tagged, loopback_ssh, start, tiny_config
 from cpsr_ds.elastic import STORE_SETTING, restart_problem
 
 TRAIN_ITERS = 12
 KILL_AT = 6
 BIN = os.path.dirname(sys.executable)
-JOB_ENV = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": "1"}
 
 
 def test_a_shared_agent_store_with_restarts_is_refused_and_named():
@@ -38,30 +36,6 @@ def job_config(tmp_path):
     return run_dir, ["launch/train_gpt.py", "--deepspeed_config", str(path), "--train-iters", str(TRAIN_ITERS),
                      "--eval-interval", "1000", "--valid-sequences", "16", "--kill-rank", "1",
                      "--kill-at-iteration", str(KILL_AT)]
-
-
-def start(command, log_path, env):
-    with open(log_path, "w") as out:
-        return subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-
-
-def finish(procs, timeout_s):
-    """Wait for every process; on a timeout, or once done, kill what is left of each one's process group."""
-    deadline = time.monotonic() + timeout_s
-    try:
-        for proc in procs:
-            proc.wait(max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for proc in procs:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
-    return [proc.returncode for proc in procs]
 
 
 def assert_recovered(run_dir, output: str) -> float:
@@ -94,52 +68,24 @@ def test_torchrun_elastic_agents_restart_every_node_and_the_job_recovers(tmp_pat
 # ---------------------------------------------------------------- deepspeed --hostfile over ssh
 
 
-def kill_tagged(tag: str) -> None:
-    """SIGKILL the processes whose environment holds ``tag``: this test's remote launchers and ranks."""
-    needle = f"CPSR_LAUNCH_TEST={tag}".encode()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if needle in f.read().split(b"\0"):
-                    os.kill(int(pid), signal.SIGKILL)
-        except (OSError, PermissionError):
-            pass
-
-
 @pytest.fixture
-def loopback_ssh(tmp_path):
-    """node0 and node1 served by an sshd on 127.0.0.1 (launch/loopback_ssh.sh); yields its directory."""
-    if shutil.which("pdsh") is None:
-        pytest.skip("pdsh is not installed (apt-get install pdsh): DeepSpeed's multi-node runner launches over it")
+def loopback_ssh_dir(tmp_path):
+    """node0 and node1 served by an sshd on 127.0.0.1 (conftest.loopback_ssh); yields its directory."""
     directory = tmp_path / "ssh"
     directory.mkdir()
-    sshd = subprocess.Popen([os.path.join(ROOT, "launch", "loopback_ssh.sh"), str(directory), str(free_port())],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-    ssh = [str(directory / "bin" / "ssh"), "node1", "true"]
     try:
-        deadline = time.monotonic() + 20
-        while True:
-            if sshd.poll() is not None:
-                reason = sshd.stderr.read().decode().strip()
-                if sshd.returncode == 3:
-                    pytest.skip(f"no sshd to serve the nodes over ssh: {reason}")
-                pytest.fail(f"launch/loopback_ssh.sh exited with {sshd.returncode}: {reason}")
-            if (directory / "bin" / "ssh").exists() and subprocess.run(ssh, capture_output=True, timeout=10).returncode == 0:
-                break
-            assert time.monotonic() < deadline, "sshd on 127.0.0.1 did not accept the test's key within 20 s"
-            time.sleep(0.2)
-        yield directory
-    finally:
-        os.killpg(sshd.pid, signal.SIGTERM)
-        sshd.wait(10)
+        with loopback_ssh(directory):
+            yield directory
+    except NoLoopbackSsh as reason:
+        pytest.skip(str(reason))
 
 
-def test_deepspeed_hostfile_over_ssh_under_resilient_restarts_the_whole_job(tmp_path, loopback_ssh):
+def test_deepspeed_hostfile_over_ssh_under_resilient_restarts_the_whole_job(tmp_path, loopback_ssh_dir):
     run_dir, script = job_config(tmp_path)
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
     tag = uuid.uuid4().hex
-    path = f"{loopback_ssh / 'bin'}:{BIN}:{os.environ['PATH']}"
+    path = f"{loopback_ssh_dir / 'bin'}:{BIN}:{os.environ['PATH']}"
     # What the ranks on the other nodes need, as DeepSpeed's runner exports it to them over pdsh.
     env_file = tmp_path / "deepspeed_env"
     env_file.write_text("".join(f"{k}={v}\n" for k, v in {**JOB_ENV, "PATH": path, "CPSR_LAUNCH_TEST": tag}.items()))
