@@ -7,12 +7,15 @@ retention (store.py).
 ``node_local``: each node's ranks write into their node's own directory, and nothing
 but the job connects the nodes. A rank publishes a summary of its durable manifest
 (whether it gave up, its non-finite tensors) in torch.distributed's key-value store;
-rank 0's committer decides from the summaries and publishes the decision; each node's
-lowest rank then writes the commit record into its node's directory, moves that
-node's ``latest`` and applies retention there, and every rank hands its committed
-part to replication (replica.py). The key-value store, not a collective: the
-committers run on threads of their own, beside training's collectives, and the store
-is thread-safe.
+rank 0's committer decides from the summaries and publishes the decision; every rank
+then hands its part to replication (replica.py), which copies it to the next node and
+says so in the store; once every rank has, each node's lowest rank writes the commit
+record into its node's directory, moves that node's ``latest`` and applies retention
+there. So a committed checkpoint is on two nodes, and losing one loses none; a
+checkpoint whose replication fails or is not confirmed within ``commit_timeout_s`` is
+not committed (its parts stay, recovery may still use it where every part is sound).
+The key-value store, not a collective: the committers run on threads of their own,
+beside training's collectives, and the store is thread-safe.
 
 A node is the set of ranks that see each other's files: :func:`verify_storage` finds
 them at start, where collectives are safe, and refuses a ``shared`` directory that
@@ -111,8 +114,16 @@ class SharedLayout:
     def decision(self, job_key: str) -> Optional[Decision]:
         raise AssertionError("with shared storage only rank 0 commits")
 
-    def committed(self, tag: str, ckpt_dir: str, record: dict) -> None:
-        """A checkpoint committed: nothing more to do with one shared copy."""
+    def replicate(self, job_key: str, tag: str, ckpt_dir: str, record: dict) -> None:
+        """Rank 0 decided to commit ``tag``: nothing to copy with one shared copy."""
+
+    def replicated(self, job_key: str) -> bool:
+        """Whether every rank's part is on the next node too, as the commit needs."""
+        return True
+
+    def replication_failed(self, job_key: str) -> Optional[str]:
+        """Why a part of the checkpoint could not be replicated; None while none failed."""
+        return None
 
     def close(self, timeout_s: float) -> bool:
         """Finish the work left after the commits, for at most ``timeout_s``; whether it finished."""
@@ -154,13 +165,17 @@ class NodeLocalLayout(SharedLayout):
                              if e.get("nonfinite")}}
         self._kv.set(self._key(job_key, f"rank{self.rank}"), json.dumps(summary))
 
+    @property
+    def _world_size(self) -> int:
+        return sum(map(len, self.nodes.groups))
+
     def parts(self, job_key: str, tag_dir: str) -> dict[int, dict]:
-        keys = {r: self._key(job_key, f"rank{r}") for r in range(sum(map(len, self.nodes.groups)))}
+        keys = {r: self._key(job_key, f"rank{r}") for r in range(self._world_size)}
         return {r: json.loads(self._kv.get(key)) for r, key in keys.items() if self._kv.check([key])}
 
     def announce(self, job_key: str, decision: Decision) -> None:
         self._kv.set(self._key(job_key, "decision"), json.dumps({"record": decision.record, "reason": decision.reason}))
-        for r in range(sum(map(len, self.nodes.groups))):
+        for r in range(self._world_size):
             self._kv.delete_key(self._key(job_key, f"rank{r}"))
 
     def decision(self, job_key: str) -> Optional[Decision]:
@@ -169,9 +184,26 @@ class NodeLocalLayout(SharedLayout):
             return None
         return Decision(**json.loads(self._kv.get(key)))
 
-    def committed(self, tag: str, ckpt_dir: str, record: dict) -> None:
+    def replicate(self, job_key: str, tag: str, ckpt_dir: str, record: dict) -> None:
         if self._replicator is not None:
-            self._replicator.submit(tag, ckpt_dir, record)
+            self._replicator.submit(tag, ckpt_dir, record, lambda error: self._confirm(job_key, error))
+
+    def _confirm(self, job_key: str, error: Optional[str]) -> None:
+        """This rank's replication of the checkpoint done (``error`` None) or failed, for every node's lead to see."""
+        if error is None:
+            self._kv.add(self._key(job_key, "replicated"), 1)
+        else:
+            self._kv.set(self._key(job_key, "replication_failed"), f"rank {self.rank}: {error}")
+
+    def replicated(self, job_key: str) -> bool:
+        # Every rank sends its part and receives the node before's, so all ranks' word covers every part.
+        return self._replicator is None or self._kv.add(self._key(job_key, "replicated"), 0) == self._world_size
+
+    def replication_failed(self, job_key: str) -> Optional[str]:
+        key = self._key(job_key, "replication_failed")
+        if self._replicator is None or not self._kv.check([key]):
+            return None
+        return self._kv.get(key).decode()
 
     def close(self, timeout_s: float) -> bool:
         return self._replicator is None or self._replicator.stop(timeout_s)

@@ -103,6 +103,8 @@ class Job:
     # durable: this rank's manifest on storage, or on rank 0 ``latest`` moved.
     write_start: Optional[float] = None
     durable: Optional[float] = None
+    # Rank 0's commit record once it decided to commit; the commit waits for the replicas (layout.py).
+    decided: Optional[dict] = None
 
     @property
     def ok(self) -> bool:
@@ -447,22 +449,39 @@ class Committer:
             return self._give_up(job, f"the commit failed: {err!r}")
 
     def _try_commit(self, job: Job, deadline: float) -> bool:
+        if job.decided is None:
+            decision = self._decision(job, deadline)
+            if decision is None:
+                if self.layout.decides or time.monotonic() < deadline:
+                    return False
+                return self._leave(job, f"no commit decision from rank 0{self._waited()}")
+            if decision.record is None:
+                # Where this rank's own part failed its writer logged why; other reasons rank 0 logs as errors.
+                level = logging.ERROR if self.layout.decides and job.ok else logging.INFO
+                return self._give_up(job, decision.reason, level)
+            job.decided = decision.record
+            self.layout.replicate(job.key, job.tag, job.ckpt_dir, job.decided)
+        if self.layout.writes_commit:
+            failed = self.layout.replication_failed(job.key)
+            if failed is not None:
+                return self._leave(job, f"not replicated to the next node: {failed}", logging.ERROR)
+            if not self.layout.replicated(job.key):
+                if time.monotonic() < deadline:
+                    return False
+                return self._leave(job, f"its replicas on the next nodes not confirmed{self._waited()}")
+        return self._commit(job, job.decided)
+
+    def _decision(self, job: Job, deadline: float) -> Optional[Decision]:
+        """Rank 0's decision on ``job``, announced where it is rank 0's own; None: not yet."""
         if self.layout.decides:
             decision = self._decide(job, deadline)
-            if decision is None:
-                return False
-            self.layout.announce(job.key, decision)
-        elif job.ok:
-            decision = self.layout.decision(job.key)
-            if decision is None:
-                return False if time.monotonic() < deadline else self._leave(job)
-        else:
-            # This rank told rank 0 it gave up (Writer._report_failure): the decision can only be that.
-            decision = Decision(reason=f"rank {self.layout.rank} gave it up: {job.error}")
-        if decision.record is not None:
-            return self._commit(job, decision.record)
-        # Where this rank's own part failed its writer logged why; other reasons rank 0 logs as errors.
-        return self._give_up(job, decision.reason, logging.ERROR if self.layout.decides and job.ok else logging.INFO)
+            if decision is not None:
+                self.layout.announce(job.key, decision)
+            return decision
+        if job.ok:
+            return self.layout.decision(job.key)
+        # This rank told rank 0 it gave up (Writer._report_failure): the decision can only be that.
+        return Decision(reason=f"rank {self.layout.rank} gave it up: {job.error}")
 
     def _decide(self, job: Job, deadline: float) -> Optional[Decision]:
         """Rank 0: commit or give up once every rank's manifest is there or one says no; None: wait on."""
@@ -500,7 +519,7 @@ class Committer:
                 else f" after {self.timeout_s:.0f} s")
 
     def _commit(self, job: Job, record: dict) -> bool:
-        """Write the commit record and move ``latest`` (where this rank writes them), retention, replication."""
+        """Write the commit record and move ``latest`` (where this rank writes them), retention."""
         if self.layout.writes_commit:
             try:
                 moved = with_retries(lambda: store.commit_checkpoint(job.ckpt_dir, job.tag, record),
@@ -522,13 +541,13 @@ class Committer:
                 log.warning("checkpoint %s: retention failed: %s", job.tag, describe_error(err))
         if not (job.own_persist and job.part):
             job.durable = time.perf_counter()
-        self.layout.committed(job.tag, job.ckpt_dir, record)
         return True
 
-    def _leave(self, job: Job) -> bool:
-        """No decision came in time: keep this rank's part as it is, rank 0 may have committed it."""
-        job.give_up(f"no commit decision from rank 0{self._waited()}")
-        log.warning("checkpoint %s: %s; its part here stays, uncommitted on this node", job.tag, job.error)
+    def _leave(self, job: Job, cause: str, level: int = logging.WARNING) -> bool:
+        """Not committed here, but keep this rank's part as it is: the other ranks' parts may stand beside it
+        (rank 0 may have decided to commit), and recovery takes a checkpoint whose every part is sound."""
+        job.give_up(cause)
+        log.log(level, "checkpoint %s: %s; its part here stays, uncommitted on this node", job.tag, job.error)
         return True
 
     @staticmethod

@@ -1,7 +1,7 @@
 """Replicas: with node-local storage each rank's committed part also lives on the next node.
 
-After a commit, each rank's :class:`Replicator` sends its part (manifest, the files it
-lists, the commit record) to its peer on the next node, ``(node + 1) % nodes``, which
+Once rank 0 has decided to commit a checkpoint, each rank's :class:`Replicator` sends
+its part (manifest, the files it lists, the commit record) to its peer on the next node, ``(node + 1) % nodes``, which
 keeps it under ``CKPT_DIR/replicas/TAG``: a checkpoint directory of its own, never
 taken for the node's own checkpoints (store.scan skips it), verified with the same
 manifests and checksums, and retained alike. At recovery a rank whose own part is gone
@@ -23,7 +23,7 @@ import os
 import queue
 import re
 import threading
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -141,8 +141,9 @@ class Replicator:
         self._thread = threading.Thread(target=self._run, name="cpsr-replicator", daemon=True)
         self._thread.start()
 
-    def submit(self, tag: str, ckpt_dir: str, record: dict) -> None:
-        self._queue.put((tag, ckpt_dir, record))
+    def submit(self, tag: str, ckpt_dir: str, record: dict, done: Callable[[Optional[str]], None]) -> None:
+        """Replicate ``tag``, then ``done(None)``, or ``done(why)`` where it failed."""
+        self._queue.put((tag, ckpt_dir, record, done))
 
     def stop(self, timeout_s: float) -> bool:
         """Finish the replications submitted, for at most ``timeout_s``; whether they finished.
@@ -154,13 +155,17 @@ class Replicator:
         return not self._thread.is_alive()
 
     def _run(self) -> None:
-        for tag, ckpt_dir, record in iter(self._queue.get, None):
-            try:
-                self._replicate(tag, ckpt_dir, record)
-            except Exception as err:
-                # The peer died or its storage failed: this node's own copy still stands.
-                log.error("checkpoint %s: replication to rank %d stopped: %s", tag, self._dst, err)
-                return
+        broken = None
+        for tag, ckpt_dir, record, done in iter(self._queue.get, None):
+            if broken is None:
+                try:
+                    self._replicate(tag, ckpt_dir, record)
+                except Exception as err:
+                    # The peer died or its storage failed. Sends and receives pair up only while every
+                    # rank replicates the same checkpoints, so no later one is tried either.
+                    broken = f"replication to rank {self._dst} stopped at checkpoint {tag}: {err}"
+                    log.error("%s; no checkpoint commits from now on", broken)
+            done(broken)
 
     def _replicate(self, tag: str, ckpt_dir: str, record: dict) -> None:
         # Sends first: gloo buffers them, so a ring of ranks all sending then receiving does not deadlock.
