@@ -383,13 +383,13 @@ def agree(reports: list[dict]) -> list[Agreed]:
     described: dict[str, dict] = {}
     holders: dict[str, dict[int, list[Held]]] = {}
     for rank, report in enumerate(reports):
-        for replica_, found in ((False, report["parts"]), (True, report["replicas"])):
+        for in_replicas, found in ((False, report["parts"]), (True, report["replicas"])):
             for owner, parts in sorted(found.items()):
                 for tag, part in parts.items():
                     if part["committed"] or tag not in described:
                         described[tag] = part
                     if not part["problems"]:
-                        holders.setdefault(tag, {}).setdefault(owner, []).append(Held(rank, replica_))
+                        holders.setdefault(tag, {}).setdefault(owner, []).append(Held(rank, in_replicas))
     agreed = []
     for tag, part in sorted(described.items(), key=lambda item: (tuple(item[1]["key"]), item[0])):
         owners = range(part["world_size"]) if part["ranks"] is None else part["ranks"]
