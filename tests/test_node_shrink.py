@@ -6,8 +6,11 @@ import json
 import os
 import shutil
 
+import torch.distributed as dist
+
 from cpsr_ds.checkpoint import layout, replica, store
-from test_checkpoint_engine import MODEL, config, optim
+from cpsr_ds.checkpoint.factory import create_engine
+from test_checkpoint_engine import MODEL, checkpoint, config, optim, states
 from test_inspect_nodes import two_nodes  # noqa: F401 (a fixture)
 from test_storage import TWO_NODES, node_engines  # noqa: F401 (the fixture two_nodes uses)
 
@@ -71,3 +74,20 @@ def test_model_states_shared_alone_are_not_a_part(two_nodes):  # noqa: F811
     # Node 1 holds rank 0's model states but not its optimizer partition: no checkpoint every rank's part of.
     assert layout.holdings(node1, 0, layout.Nodes.single(1))["parts"].keys() == {1}
     assert layout.agreed_checkpoints(config(node1, storage="node_local")) == []
+
+
+def test_a_tag_written_again_on_the_smaller_world_is_the_newer_checkpoint(two_nodes):  # noqa: F811
+    node0, node1 = two_nodes
+    shutil.rmtree(node0)
+    cfg = config(node1, storage="node_local")
+    assert [c.tag for c in layout.agreed_checkpoints(cfg)] == TAGS
+    # The one-rank job resumed from global_step5 (say) and wrote global_step10 again: rank 1's part of the
+    # two-rank global_step10 is still under the tag, rank 0's in the replicas.
+    one = layout.make_layout(cfg, 0, 1, kv=dist.HashStore(), nodes=layout.Nodes.single(1))
+    eng = create_engine(cfg, 0, 1, attempt=1, layout=one)
+    checkpoint(eng, node1, 10, states(n=100))
+    assert eng.flush(30)
+    eng.cleanup()
+    found = layout.agreed_checkpoints(cfg)
+    assert [(c.tag, c.world_size, c.attempt) for c in found] == [("global_step5", 2, 0), ("global_step10", 1, 1)]
+    assert manifest(node1, "global_step10", 0)["attempt"] == 1  # not replaced by the earlier attempt's replica

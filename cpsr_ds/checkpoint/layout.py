@@ -299,20 +299,21 @@ def agreed_progress(cfg: CheckpointConfig) -> Progress:
     return combine_progress(_gathered(progress)) if _several() else progress
 
 
-def _full_owners(tag_dir: str) -> set[int]:
-    """The ranks whose whole part ``tag_dir`` holds: a manifest not marked partial (replica.py's model-states
-    files alone); a damaged manifest counts, so that its verification names the damage."""
-    owners = set()
+def _full_owners(tag_dir: str) -> dict[int, dict]:
+    """The ranks whose whole part ``tag_dir`` holds, with their manifests: those not marked partial (replica.py's
+    model-states files alone); a damaged manifest counts, as {}, so that its verification names the damage."""
+    owners = {}
     for name in _names(tag_dir):
         if (m := store.MANIFEST_RE.match(name)) is None:
             continue
         try:
             with open(os.path.join(tag_dir, name)) as f:
-                partial = json.load(f).get(replica.PARTIAL) is True
-        except (OSError, ValueError, AttributeError):
-            partial = False
-        if not partial:
-            owners.add(int(m.group(1)))
+                manifest = json.load(f)
+            manifest = manifest if isinstance(manifest, dict) else {}
+        except (OSError, ValueError):
+            manifest = {}
+        if manifest.get(replica.PARTIAL) is not True:
+            owners[int(m.group(1))] = manifest
     return owners
 
 
@@ -323,17 +324,28 @@ def _names(path: str) -> list[str]:
         return []
 
 
+def _describe(c: store.Checkpoint, manifest: dict) -> dict:
+    """What a part is of: ``c`` as its directory's commit record says, or, for a part an earlier attempt left
+    under a tag a later one wrote again, that attempt's uncommitted checkpoint of its own world."""
+    attempt = manifest.get("attempt", c.attempt)
+    if attempt == c.attempt:
+        return {"key": c.key, "committed": c.committed, "world_size": c.world_size, "ranks": c.ranks}
+    return {"key": store.order_key(c.iteration, attempt), "committed": False,
+            "world_size": manifest.get("world_size", c.world_size), "ranks": None}
+
+
 def _parts(ckpt_dir: str, vouches: Callable[[int], bool], read_data: bool) -> dict[int, dict[str, dict]]:
     """By owner (the rank that wrote it), of the owners ``vouches`` for: its whole part of each of our
-    checkpoints in ``ckpt_dir``, with the order key, committed there, the checkpoint's world and ranks, problems."""
+    checkpoints in ``ckpt_dir``: which checkpoint it is of (:func:`_describe`) and its problems."""
     found: dict[int, dict[str, dict]] = {}
     for c in store.scan(ckpt_dir):
         if c.kind != "cpsr":
             continue
-        for owner in sorted(filter(vouches, _full_owners(os.path.join(ckpt_dir, c.tag)))):
-            found.setdefault(owner, {})[c.tag] = {
-                "key": c.key, "committed": c.committed, "world_size": c.world_size, "ranks": c.ranks,
-                "problems": store.verify(ckpt_dir, c, read_data, ranks={owner}, need_commit=False)}
+        for owner, manifest in sorted(_full_owners(os.path.join(ckpt_dir, c.tag)).items()):
+            if vouches(owner):
+                found.setdefault(owner, {})[c.tag] = {
+                    **_describe(c, manifest),
+                    "problems": store.verify(ckpt_dir, c, read_data, ranks={owner}, need_commit=False)}
     return found
 
 
@@ -380,16 +392,19 @@ def agree(reports: list[dict]) -> list[Agreed]:
     rank's manifest was durable: a node that did not write its record in time still
     holds a committed part.
     """
+    found = [(tag, owner, Held(rank, in_replicas), part) for rank, report in enumerate(reports)
+             for in_replicas, kept in ((False, report["parts"]), (True, report["replicas"]))
+             for owner, parts in sorted(kept.items()) for tag, part in parts.items()]
+    # Each tag stands for its newest committed checkpoint: a later attempt may have written the tag again.
     described: dict[str, dict] = {}
+    for tag, _, _, part in found:
+        best = described.get(tag)
+        if best is None or (part["committed"], tuple(part["key"])) > (best["committed"], tuple(best["key"])):
+            described[tag] = part
     holders: dict[str, dict[int, list[Held]]] = {}
-    for rank, report in enumerate(reports):
-        for in_replicas, found in ((False, report["parts"]), (True, report["replicas"])):
-            for owner, parts in sorted(found.items()):
-                for tag, part in parts.items():
-                    if part["committed"] or tag not in described:
-                        described[tag] = part
-                    if not part["problems"]:
-                        holders.setdefault(tag, {}).setdefault(owner, []).append(Held(rank, in_replicas))
+    for tag, owner, held, part in found:
+        if not part["problems"] and tuple(part["key"]) == tuple(described[tag]["key"]):
+            holders.setdefault(tag, {}).setdefault(owner, []).append(held)
     agreed = []
     for tag, part in sorted(described.items(), key=lambda item: (tuple(item[1]["key"]), item[0])):
         owners = range(part["world_size"]) if part["ranks"] is None else part["ranks"]
