@@ -113,8 +113,8 @@ def rank_reports(dirs: list[str], read_data: bool = True) -> tuple[layout.Nodes,
     whose directory is missing)."""
     nodes, owner = job_nodes(dirs)
     world = max([r for g in nodes.groups for r in g] + [(world_size(d) or 0) - 1 for d in dirs]) + 1
-    return nodes, owner, [layout.holdings(owner[r], r, nodes, read_data) if r in owner else {"own": {}, "replicas": {}}
-                   for r in range(world)]
+    empty = {"parts": {}, "replicas": {}}
+    return nodes, owner, [layout.holdings(owner[r], r, nodes, read_data) if r in owner else empty for r in range(world)]
 
 
 def agreed(dirs: list[str], reports: list[dict]) -> dict:
@@ -131,7 +131,7 @@ def rank_rows(nodes: layout.Nodes, reports: list[dict], owner: dict[int, str], n
     """Node ``node``'s ranks: each one's newest valid own part, and its replica's on the next node (None there too
     where that node's directory is not given: ``replica_dir``)."""
     keeper = nodes.ranks(node + 1)[0]
-    return [{"rank": r, "newest_valid": newest_valid(reports[r]["own"]),
+    return [{"rank": r, "newest_valid": newest_valid(reports[r]["parts"].get(r, {})),
              "replica_node": (node + 1) % len(nodes.groups), "replica_dir": owner.get(keeper),
              "replica_newest_valid": newest_valid(reports[keeper]["replicas"].get(r, {}))}
             for r in nodes.ranks(node)]

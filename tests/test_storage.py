@@ -112,21 +112,32 @@ def test_storage_node_local_refuses_the_synchronous_strategy(tmp_path):
 
 
 def part(key, committed=True, problems=()):
-    return {"key": key, "committed": committed, "problems": list(problems)}
+    return {"key": key, "committed": committed, "world_size": 2, "ranks": None, "problems": list(problems)}
 
 
 def test_agreement_takes_the_newest_checkpoint_every_rank_holds_own_copy_or_replica():
     reports = [
-        {"own": {"a": part((5, 1)), "b": part((10, 1)), "c": part((15, 1), committed=False)}, "replicas": {}},
+        {"parts": {0: {"a": part((5, 1)), "b": part((10, 1)), "c": part((15, 1), committed=False)}}, "replicas": {}},
         # Rank 1's node lost its directory; rank 0's node keeps rank 1's replicas of a and b.
-        {"own": {}, "replicas": {}},
+        {"parts": {}, "replicas": {}},
     ]
     reports[0]["replicas"] = {1: {"a": part((5, 1)), "b": part((10, 1), problems=["damaged"])}}
     assert [(a.tag, a.sources) for a in layout.agree(reports)] == [("a", {1: 0})]
     reports[0]["replicas"][1]["b"] = part((10, 1))
-    reports[1]["own"]["c"] = part((15, 1), committed=True)  # c committed where node 0 had not written its record yet
+    # c committed where node 0 had not written its record yet
+    reports[1]["parts"][1] = {"c": part((15, 1), committed=True)}
     reports[0]["replicas"][1]["c"] = part((15, 1))
     assert [(a.tag, a.sources) for a in layout.agree(reports)] == [("a", {1: 0}), ("b", {1: 0}), ("c", {})]
+
+
+def test_a_checkpoint_whose_every_part_is_sound_is_agreed_before_its_record_is_written():
+    """A node killed while the replicas were on their way: no node wrote the record, every part stands."""
+    reports = [{"parts": {0: {"a": part((5, 1)), "b": part((10, 1), committed=False)}}, "replicas": {}},
+               {"parts": {1: {"a": part((5, 1)), "b": part((10, 1), committed=False)}}, "replicas": {}}]
+    assert [a.tag for a in layout.agree(reports)] == ["a", "b"]
+    # Rank 0 gave b up for rank 1's part (its non-finite tensor, say): not loadable, not agreed.
+    reports[1]["parts"][1]["b"] = part((10, 1), committed=False, problems=["non-finite values in fp32"])
+    assert [a.tag for a in layout.agree(reports)] == ["a"]
 
 
 def test_progress_combines_every_node_s_journals_f_the_slowest():

@@ -30,7 +30,7 @@ import logging
 import os
 import uuid
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch.distributed as dist
 
@@ -53,6 +53,10 @@ class Nodes:
     @staticmethod
     def single(world_size: int) -> "Nodes":
         return Nodes((tuple(range(world_size)),))
+
+    @property
+    def world_size(self) -> int:
+        return sum(map(len, self.groups))
 
     def node_of(self, rank: int) -> int:
         return next(n for n, group in enumerate(self.groups) if rank in group)
@@ -165,17 +169,13 @@ class NodeLocalLayout(SharedLayout):
                              if e.get("nonfinite")}}
         self._kv.set(self._key(job_key, f"rank{self.rank}"), json.dumps(summary))
 
-    @property
-    def _world_size(self) -> int:
-        return sum(map(len, self.nodes.groups))
-
     def parts(self, job_key: str, tag_dir: str) -> dict[int, dict]:
-        keys = {r: self._key(job_key, f"rank{r}") for r in range(self._world_size)}
+        keys = {r: self._key(job_key, f"rank{r}") for r in range(self.nodes.world_size)}
         return {r: json.loads(self._kv.get(key)) for r, key in keys.items() if self._kv.check([key])}
 
     def announce(self, job_key: str, decision: Decision) -> None:
         self._kv.set(self._key(job_key, "decision"), json.dumps({"record": decision.record, "reason": decision.reason}))
-        for r in range(self._world_size):
+        for r in range(self.nodes.world_size):
             self._kv.delete_key(self._key(job_key, f"rank{r}"))
 
     def decision(self, job_key: str) -> Optional[Decision]:
@@ -197,7 +197,7 @@ class NodeLocalLayout(SharedLayout):
 
     def replicated(self, job_key: str) -> bool:
         # Every rank sends its part and receives the node before's, so all ranks' word covers every part.
-        return self._replicator is None or self._kv.add(self._key(job_key, "replicated"), 0) == self._world_size
+        return self._replicator is None or self._kv.add(self._key(job_key, "replicated"), 0) == self.nodes.world_size
 
     def replication_failed(self, job_key: str) -> Optional[str]:
         key = self._key(job_key, "replication_failed")
@@ -305,6 +305,9 @@ def _several() -> bool:
 
 
 def _gathered(local) -> list:
+    """Every rank's ``local``, in rank order (collective where the job has several ranks)."""
+    if not _several():
+        return [local]
     found: list = [None] * dist.get_world_size()
     dist.all_gather_object(found, local)
     return found
@@ -328,87 +331,184 @@ def agreed_progress(cfg: CheckpointConfig) -> Progress:
     return combine_progress(_gathered(progress)) if _several() else progress
 
 
-def _parts(ckpt_dir: str, rank: int, read_data: bool) -> dict[str, dict]:
-    """``rank``'s part of each of our checkpoints in ``ckpt_dir``: order key, committed there, its problems."""
-    return {c.tag: {"key": c.key, "committed": c.committed,
-                    "problems": store.verify(ckpt_dir, c, read_data, ranks={rank}, need_commit=False)}
-            for c in store.scan(ckpt_dir) if c.kind == "cpsr"}
+def _full_owners(tag_dir: str) -> dict[int, dict]:
+    """The ranks whose whole part ``tag_dir`` holds, with their manifests: those not marked partial (replica.py's
+    model-states files alone); a damaged manifest counts, as {}, so that its verification names the damage."""
+    owners = {}
+    for name in _names(tag_dir):
+        if (m := store.MANIFEST_RE.match(name)) is None:
+            continue
+        try:
+            with open(os.path.join(tag_dir, name)) as f:
+                manifest = json.load(f)
+            manifest = manifest if isinstance(manifest, dict) else {}
+        except (OSError, ValueError):
+            manifest = {}
+        if manifest.get(replica.PARTIAL) is not True:
+            owners[int(m.group(1))] = manifest
+    return owners
+
+
+def _names(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def _describe(c: store.Checkpoint, manifest: dict) -> dict:
+    """What a part is of: ``c`` as its directory's commit record says, or, for a part an earlier attempt left
+    under a tag a later one wrote again, that attempt's uncommitted checkpoint of its own world."""
+    attempt = manifest.get("attempt", c.attempt)
+    if attempt == c.attempt:
+        return {"key": c.key, "committed": c.committed, "world_size": c.world_size, "ranks": c.ranks}
+    return {"key": store.order_key(c.iteration, attempt), "committed": False,
+            "world_size": manifest.get("world_size", c.world_size), "ranks": None}
+
+
+def _parts(ckpt_dir: str, vouches: Callable[[int], bool], read_data: bool) -> dict[int, dict[str, dict]]:
+    """By owner (the rank that wrote it), of the owners ``vouches`` for: its whole part of each of our
+    checkpoints in ``ckpt_dir``: which checkpoint it is of (:func:`_describe`) and its problems."""
+    found: dict[int, dict[str, dict]] = {}
+    for c in store.scan(ckpt_dir):
+        if c.kind != "cpsr":
+            continue
+        for owner, manifest in sorted(_full_owners(os.path.join(ckpt_dir, c.tag)).items()):
+            if vouches(owner):
+                found.setdefault(owner, {})[c.tag] = {
+                    **_describe(c, manifest),
+                    "problems": store.verify(ckpt_dir, c, read_data, ranks={owner}, need_commit=False)}
+    return found
 
 
 def holdings(ckpt_dir: str, rank: int, nodes: Nodes, read_data: bool = True) -> dict:
-    """What this rank can vouch for: its own parts and, on its node's lowest rank, the replicas the node keeps."""
-    replicas = {}
-    if nodes.leads(rank) and len(nodes.groups) > 1:
-        kept = os.path.join(ckpt_dir, store.REPLICAS)
-        replicas = {r: _parts(kept, r, read_data) for r in nodes.ranks(nodes.node_of(rank) - 1)}
-    return {"own": _parts(ckpt_dir, rank, read_data), "replicas": replicas}
+    """The parts this rank vouches for, by owner: in ``parts`` its own rank's in its directory and, on its node's
+    lowest rank, those of every other owner there that no rank of its node has (a departed rank's, a rank's of
+    another numbering); in ``replicas`` (the lowest rank) every owner's the node keeps."""
+    if not nodes.leads(rank):
+        return {"parts": _parts(ckpt_dir, lambda owner: owner == rank, read_data), "replicas": {}}
+    others = set(nodes.ranks(nodes.node_of(rank))) - {rank}
+    return {"parts": _parts(ckpt_dir, lambda owner: owner not in others, read_data),
+            "replicas": _parts(replica.replica_dir(ckpt_dir), lambda owner: True, read_data)}
+
+
+@dataclass(frozen=True)
+class Held:
+    """A sound copy of a part: in ``rank``'s checkpoint directory, or in its replicas (``replica``)."""
+
+    rank: int
+    replica: bool
 
 
 @dataclass(frozen=True)
 class Agreed:
-    """A checkpoint every rank can load; ``sources``: rank -> the rank keeping its replica, where its own is unusable."""
+    """A checkpoint whose every part is sound somewhere: ``holders``, by owner, where it is (reports' order)."""
 
     tag: str
     key: tuple
-    sources: dict
+    world_size: int
+    ranks: Optional[tuple]  # the owners of a checkpoint of some stages; None: every rank of ``world_size``
+    holders: dict
 
-
-def _replica_holder(reports: list[dict], rank: int, tag: str) -> Optional[int]:
-    return next((holder for holder, report in enumerate(reports)
-                 if (part := report["replicas"].get(rank, {}).get(tag)) is not None and not part["problems"]), None)
+    @property
+    def sources(self) -> dict[int, int]:
+        """Owner -> the first rank holding its part, for the owners whose own rank does not hold it in its directory."""
+        return {owner: held[0].rank for owner, held in self.holders.items() if Held(owner, False) not in held}
 
 
 def agree(reports: list[dict]) -> list[Agreed]:
-    """The checkpoints committed on some node whose every rank's part is sound there or in a replica, oldest first.
+    """The checkpoints whose every part (every rank of the world that wrote them, whatever ranks the job has
+    now) is sound in some rank's directory or replicas, oldest first.
 
-    A commit record anywhere says rank 0 decided to commit, which it did once every
-    rank's manifest was durable: a node that did not write its record in time still
-    holds a committed part.
+    No commit record is needed: rank 0 commits once every rank's manifest is durable and
+    none gave up or holds a non-finite tensor, which is what every part being sound
+    says, and the record itself waits for the replicas (a node may have died before
+    writing it). A checkpoint rank 0 gave up has lost at least one part.
     """
-    keys = {tag: part["key"] for report in reports for parts in [report["own"], *report["replicas"].values()]
-            for tag, part in parts.items()}
+    found = [(tag, owner, Held(rank, in_replicas), part) for rank, report in enumerate(reports)
+             for in_replicas, kept in ((False, report["parts"]), (True, report["replicas"]))
+             for owner, parts in sorted(kept.items()) for tag, part in parts.items()]
+    # Each tag stands for its newest committed checkpoint: a later attempt may have written the tag again.
+    described: dict[str, dict] = {}
+    for tag, _, _, part in found:
+        best = described.get(tag)
+        if best is None or (part["committed"], tuple(part["key"])) > (best["committed"], tuple(best["key"])):
+            described[tag] = part
+    holders: dict[str, dict[int, list[Held]]] = {}
+    for tag, owner, held, part in found:
+        if not part["problems"] and tuple(part["key"]) == tuple(described[tag]["key"]):
+            holders.setdefault(tag, {}).setdefault(owner, []).append(held)
     agreed = []
-    for tag, key in sorted(keys.items(), key=lambda item: (item[1], item[0])):
-        committed = any(parts.get(tag, {}).get("committed") for report in reports
-                        for parts in [report["own"], *report["replicas"].values()])
-        unusable = [r for r, report in enumerate(reports)
-                    if tag not in report["own"] or report["own"][tag]["problems"]]
-        sources = {r: _replica_holder(reports, r, tag) for r in unusable}
-        if committed and None not in sources.values():
-            agreed.append(Agreed(tag, key, sources))
+    for tag, part in sorted(described.items(), key=lambda item: (tuple(item[1]["key"]), item[0])):
+        owners = range(part["world_size"]) if part["ranks"] is None else part["ranks"]
+        held = holders.get(tag, {})
+        if all(owner in held for owner in owners):
+            agreed.append(Agreed(tag, tuple(part["key"]), part["world_size"],
+                                 None if part["ranks"] is None else tuple(part["ranks"]),
+                                 {owner: tuple(held[owner]) for owner in owners}))
     return agreed
+
+
+def placement(agreed: list[Agreed], nodes: Nodes) -> list[replica.Move]:
+    """The copies that let every rank load the ``agreed`` checkpoints from its node's directory.
+
+    At the world size that wrote a checkpoint, owner o's part belongs in rank o's node's
+    directory, and the other owners' model-states files there too (DeepSpeed reads them
+    whichever rank loads); at another world size every node's directory gets every
+    owner's part (recovery reassembles ZeRO partitions from all of them). Each missing
+    part comes from a replica on the same node where there is one, else from the first
+    rank holding it.
+    """
+    world = nodes.world_size
+    moves = []
+    for a in agreed:
+        for node in range(len(nodes.groups)):
+            here = nodes.ranks(node)
+            placed = {owner for owner, held in a.holders.items() if any(h.rank in here and not h.replica for h in held)}
+            needed = set(a.holders) if world != a.world_size else set(a.holders) & set(here)
+            for owner in sorted(set(a.holders) - placed):
+                src = next((h for h in a.holders[owner] if h.rank in here), a.holders[owner][0])
+                moves.append(replica.Move(a.tag, owner, src.rank, src.replica, here[0], only=owner not in needed))
+    return moves
 
 
 def agreed_checkpoints(cfg: CheckpointConfig, read_data: bool = True) -> list[store.Checkpoint]:
     """The checkpoints every rank can load, oldest first (collective where the job has several ranks).
 
-    ``node_local``: a rank whose own part is gone or damaged gets it back from the replica
-    first, and the files DeepSpeed reads across ranks come to every node (replica.py), so
-    that DeepSpeed loads every rank from its own directory.
+    ``node_local``: the parts of the ranks that wrote a checkpoint, whichever node keeps
+    them (as its own or as replicas), come to the nodes that load them first
+    (:func:`placement`, replica.restore), so that DeepSpeed loads every rank from its own
+    directory, also on a job of another world size or rank numbering.
     """
-    if not _several():
-        return store.loadable_checkpoints(cfg.dir, read_data)
-    rank, world = dist.get_rank(), dist.get_world_size()
     if cfg.storage == "shared":
-        verified = store.loadable_checkpoints(cfg.dir, read_data)
-        common = set.intersection(*(set(tags) for tags in _gathered([c.tag for c in verified])))
-        if len(common) < len(verified):
-            log.error("cpsr recovery: rank %d verified checkpoints %s that other ranks did not; using those every "
-                      "rank verified", rank, sorted({c.tag for c in verified} - common))
-        return [c for c in verified if c.tag in common]
+        return _shared_checkpoints(cfg, read_data)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if _several() else (0, 1)
     nodes = _nodes_of(cfg, world)
-    reports = _gathered(holdings(cfg.dir, rank, nodes, read_data))
+    local = holdings(cfg.dir, rank, nodes, read_data)
+    reports = _gathered(local)
     agreed = agree(reports)
-    _log_rejected(rank, reports[rank]["own"], agreed)
-    replica.restore(cfg.dir, rank, agreed)
-    replica.share_model_states(cfg.dir, rank, nodes, [a.tag for a in agreed])
+    _log_rejected(rank, local["parts"].get(rank, {}), agreed)
+    replica.restore(cfg.dir, rank, nodes, placement(agreed, nodes))
     found = {c.tag: c for c in store.scan(cfg.dir)}
-    return [as_agreed(found[a.tag]) for a in agreed]
+    return [as_agreed(found[a.tag], a) for a in agreed if a.tag in found]
 
 
-def as_agreed(ckpt: store.Checkpoint) -> store.Checkpoint:
-    """``ckpt`` as agreed: committed (this node may not have written its record), nothing wrong."""
-    return dataclasses.replace(ckpt, committed=True, problems=[])
+def _shared_checkpoints(cfg: CheckpointConfig, read_data: bool) -> list[store.Checkpoint]:
+    """The valid checkpoints of the one shared directory that every rank verified."""
+    verified = store.loadable_checkpoints(cfg.dir, read_data)
+    if not _several():
+        return verified
+    common = set.intersection(*(set(tags) for tags in _gathered([c.tag for c in verified])))
+    if len(common) < len(verified):
+        log.error("cpsr recovery: rank %d verified checkpoints %s that other ranks did not; using those every "
+                  "rank verified", dist.get_rank(), sorted({c.tag for c in verified} - common))
+    return [c for c in verified if c.tag in common]
+
+
+def as_agreed(ckpt: store.Checkpoint, agreed: Agreed) -> store.Checkpoint:
+    """``ckpt`` as agreed: committed (this node may not have written its record), of the world and ranks that
+    wrote it, nothing wrong."""
+    return dataclasses.replace(ckpt, committed=True, problems=[], world_size=agreed.world_size, ranks=agreed.ranks)
 
 
 def _log_rejected(rank: int, own: dict, agreed: list[Agreed]) -> None:

@@ -4,8 +4,9 @@ Once rank 0 has decided to commit a checkpoint, each rank's :class:`Replicator` 
 its part (manifest, the files it lists, the commit record) to its peer on the next node, ``(node + 1) % nodes``, which
 keeps it under ``CKPT_DIR/replicas/TAG``: a checkpoint directory of its own, never
 taken for the node's own checkpoints (store.scan skips it), verified with the same
-manifests and checksums, and retained alike. At recovery a rank whose own part is gone
-gets it back from there (:func:`restore`) before DeepSpeed loads it.
+manifests and checksums, and retained alike. At recovery, before DeepSpeed loads, each
+node gets the parts it lacks (its ranks' own; on a job of another world size, every
+rank's) from its replicas or from the node holding them (:func:`restore`).
 
 The transfer uses a gloo process group made at start for this alone
 (:func:`open_channel`) and used only by the replicating thread, and at recovery, before
@@ -23,6 +24,7 @@ import os
 import queue
 import re
 import threading
+from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -35,6 +37,8 @@ log = logging.getLogger(__name__)
 CHUNK = 64 << 20
 # DeepSpeed's loader counts every model-parallel rank's file of these and reads the first, whichever rank loads.
 SHARED_FILE_RE = re.compile(r"^mp_rank_\d+_model_states\.pt$")
+# A manifest key: the manifest lists its rank's SHARED_FILE_RE files alone, not its whole part.
+PARTIAL = "partial"
 # A peer busy writing a previous checkpoint's files may take this long to take the next.
 TIMEOUT = datetime.timedelta(minutes=30)
 
@@ -70,36 +74,46 @@ def replica_dir(ckpt_dir: str) -> str:
     return os.path.join(ckpt_dir, store.REPLICAS)
 
 
-def _send_part(group, ckpt_dir: str, tag: str, owner: int, dst: int, record: Optional[dict],
-               only: Optional[re.Pattern] = None) -> None:
-    """``owner``'s part of ``tag`` in ``ckpt_dir`` to ``dst`` (``only``: the files whose names match, listed
-    alone in the manifest sent); a part that is gone goes as an empty one."""
+def _part(ckpt_dir: str, tag: str, owner: int, record: Optional[dict], only: Optional[re.Pattern]) -> dict:
+    """What goes of ``owner``'s part of ``tag`` in ``ckpt_dir``: the manifest (``only``: listing the files whose
+    names match alone, marked PARTIAL), the commit record, the files; a part that is gone goes as an empty one."""
     tag_dir = os.path.join(ckpt_dir, tag)
     try:
         manifest = store.read_manifests(tag_dir).get(owner)
         record = record or store.read_commit(tag_dir)
     except (OSError, ValueError) as err:
-        log.error("checkpoint %s: rank %d's part not replicated: %s", tag, owner, err)
+        log.error("checkpoint %s: rank %d's part in %s unreadable: %s", tag, owner, ckpt_dir, err)
         manifest = None
     files = [rel for rel in sorted(manifest["files"]) if only is None or only.match(os.path.basename(rel))] \
         if manifest else []
     if manifest is not None:
         manifest = {**manifest, "files": {rel: manifest["files"][rel] for rel in files}}
-    header = {"tag": tag, "rank": owner, "manifest": manifest, "record": record, "files": files}
+        if only is not None:
+            manifest[PARTIAL] = True
+    return {"tag": tag, "rank": owner, "manifest": manifest, "record": record, "files": files}
+
+
+def _send_part(group, ckpt_dir: str, tag: str, owner: int, dst: int, record: Optional[dict],
+               only: Optional[re.Pattern] = None) -> None:
+    """``owner``'s part of ``tag`` in ``ckpt_dir`` to ``dst`` (:func:`_part`)."""
+    header = _part(ckpt_dir, tag, owner, record, only)
     dist.send_object_list([header], dst=dst, group=group)
-    for rel in files:
-        _send_file(group, os.path.join(tag_dir, rel), manifest["files"][rel]["size"], dst)
+    for rel in header["files"]:
+        _send_file(group, os.path.join(ckpt_dir, tag, rel), header["manifest"]["files"][rel]["size"], dst)
 
 
-def _send_file(group, path: str, size: int, dst: int) -> None:
+def _file_chunks(path: str, size: int) -> Iterator[bytearray]:
     """``size`` bytes of ``path`` in chunks; zeros where it is shorter (the receiver's checksum then tells)."""
     with open(path, "rb") if os.path.exists(path) else open(os.devnull, "rb") as f:
         for start in range(0, size, CHUNK):
-            n = min(CHUNK, size - start)
-            data = bytearray(n)
+            data = bytearray(min(CHUNK, size - start))
             f.readinto(data)
-            dist.send(torch.frombuffer(data, dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8),
-                      dst=dst, group=group)
+            yield data
+
+
+def _send_file(group, path: str, size: int, dst: int) -> None:
+    for data in _file_chunks(path, size):
+        dist.send(torch.frombuffer(data, dtype=torch.uint8), dst=dst, group=group)
 
 
 def _chunks(group, size: int, src: int) -> Iterator[torch.Tensor]:
@@ -109,11 +123,9 @@ def _chunks(group, size: int, src: int) -> Iterator[torch.Tensor]:
         yield buf.numpy()
 
 
-def _receive_part(group, src: int, into: str) -> Optional[str]:
-    """Write the part ``src`` sends into ``into``/TAG; returns the tag, None for an empty part."""
-    box = [None]
-    dist.recv_object_list(box, src=src, group=group)
-    header = box[0]
+def _write_part(into: str, header: dict, contents: Callable[[str, int], Iterator]) -> Optional[str]:
+    """Write the part ``header`` describes into ``into``/TAG, each file's ``contents(rel, size)`` first, then the
+    manifest and the commit record; returns the tag, None for an empty part."""
     if header["manifest"] is None:
         return None
     tag_dir = os.path.join(into, header["tag"])
@@ -121,11 +133,24 @@ def _receive_part(group, src: int, into: str) -> Optional[str]:
     for rel in header["files"]:
         path = os.path.join(tag_dir, rel)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        store.write_atomic(path, _chunks(group, header["manifest"]["files"][rel]["size"], src))
+        store.write_atomic(path, contents(rel, header["manifest"]["files"][rel]["size"]))
     store.write_json_atomic(os.path.join(tag_dir, store.manifest_name(header["rank"])), header["manifest"])
     if header["record"] is not None:
         store.write_json_atomic(os.path.join(tag_dir, store.COMMIT), header["record"])
     return header["tag"]
+
+
+def _receive_part(group, src: int, into: str) -> Optional[str]:
+    """Write the part ``src`` sends into ``into``/TAG; returns the tag, None for an empty part."""
+    box = [None]
+    dist.recv_object_list(box, src=src, group=group)
+    return _write_part(into, box[0], lambda rel, size: _chunks(group, size, src))
+
+
+def _copy_part(ckpt_dir: str, tag: str, owner: int, into: str, only: Optional[re.Pattern]) -> Optional[str]:
+    """``owner``'s part of ``tag`` in ``ckpt_dir`` (:func:`_part`) into ``into``/TAG on the same node."""
+    header = _part(ckpt_dir, tag, owner, None, only)
+    return _write_part(into, header, lambda rel, size: _file_chunks(os.path.join(ckpt_dir, tag, rel), size))
 
 
 class Replicator:
@@ -180,32 +205,41 @@ class Replicator:
         log.info("checkpoint %s: rank %d's part replicated to rank %d", tag, self.rank, self._dst)
 
 
-def restore(ckpt_dir: str, rank: int, agreed: list) -> None:
-    """Collective at recovery: each part an owner lacks comes back from the rank keeping its replica."""
-    moves = sorted((a.tag, owner, holder) for a in agreed for owner, holder in a.sources.items())
-    if not moves:
-        return
-    group = channel()
-    for tag, owner, holder in moves:
-        if rank == holder:
-            _send_part(group, replica_dir(ckpt_dir), tag, owner, owner, None)
-        elif rank == owner:
-            _receive_part(group, holder, ckpt_dir)
-            log.warning("checkpoint %s: rank %d's own part was gone or damaged, restored from the replica on rank %d",
-                        tag, rank, holder)
+@dataclass(frozen=True)
+class Move:
+    """At recovery: ``owner``'s part of ``tag`` from rank ``src``'s checkpoint directory (``replica``: its replicas)
+    into rank ``dst``'s node's; ``only``: its model-states files alone (SHARED_FILE_RE)."""
+
+    tag: str
+    owner: int
+    src: int
+    replica: bool
+    dst: int
+    only: bool = False
 
 
+def restore(ckpt_dir: str, rank: int, nodes, moves: list[Move]) -> None:
+    """Collective at recovery: every rank takes its side of ``moves``, in order (layout.placement); a part on
+    the same node is copied there, one on another node comes over the channel."""
+    for m in moves:
+        from_dir = replica_dir(ckpt_dir) if m.replica else ckpt_dir
+        only = SHARED_FILE_RE if m.only else None
+        local = nodes.node_of(m.src) == nodes.node_of(m.dst)
+        if rank == m.src and not local:
+            _send_part(_restoring(m), from_dir, m.tag, m.owner, m.dst, None, only)
+        elif rank == m.dst:
+            tag = _copy_part(from_dir, m.tag, m.owner, ckpt_dir, only) if local else \
+                _receive_part(_restoring(m), m.src, ckpt_dir)
+            if tag is not None and not m.only:
+                source = ("this node's replicas" if local else f"the replica on rank {m.src}") if m.replica else \
+                    f"rank {m.src}'s directory"
+                log.log(logging.WARNING if m.replica else logging.INFO,
+                        "checkpoint %s: the part of rank %d (of the job that wrote it) restored from %s into %s",
+                        tag, m.owner, source, ckpt_dir)
 
-def share_model_states(ckpt_dir: str, rank: int, nodes, tags: list[str]) -> None:
-    """Collective at recovery: each node's lowest rank gets the other nodes' ranks' model-states files of ``tags``
-    (SHARED_FILE_RE), with manifests listing them alone, so that DeepSpeed loads from any node's directory."""
-    for tag in tags:
-        for owner in range(sum(map(len, nodes.groups))):
-            for node in range(len(nodes.groups)):
-                dst = nodes.ranks(node)[0]
-                if node == nodes.node_of(owner):
-                    continue
-                if rank == owner:
-                    _send_part(channel(), ckpt_dir, tag, owner, dst, None, only=SHARED_FILE_RE)
-                elif rank == dst:
-                    _receive_part(channel(), owner, ckpt_dir)
+
+def _restoring(move: Move):
+    if _channel is None:
+        raise RuntimeError(f"checkpoint {move.tag}: rank {move.owner}'s part is on rank {move.src}'s node, not rank "
+                           f"{move.dst}'s, and no channel connects the nodes (one node found at start)")
+    return _channel
