@@ -356,6 +356,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
     p.add_argument("--launches", nargs="+", choices=LAUNCHES, default=list(LAUNCHES))
     p.add_argument("--failures", nargs="+", choices=FAILURES, default=list(FAILURES))
+    p.add_argument("--note", default="", help="what else ran on the machine meanwhile, for the record")
     args = p.parse_args(argv)
     if args.repeats is None:
         args.repeats = 1 if args.quick else 3
@@ -387,7 +388,7 @@ def main(argv=None) -> None:
     os.makedirs(args.out_dir)
     started = time.monotonic()
     print(f"bench_multinode: two nodes on 127.0.0.1, {ITERATIONS} iterations, checkpoint every {INTERVAL}, "
-          f"kill after {KILL_AT}, {args.repeats} run(s) per scenario; machine shared with other test runs", flush=True)
+          f"kill after {KILL_AT}, {args.repeats} run(s) per scenario" + (f"; {args.note}" if args.note else ""), flush=True)
     servers = contextlib.ExitStack()
     ssh_bin = no_ssh = None
     if "ssh" in args.launches:
@@ -406,7 +407,7 @@ def main(argv=None) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"iterations": ITERATIONS, "interval": INTERVAL, "kill_at": KILL_AT, "repeats": args.repeats,
-                       "wall_s": total, "note": "machine shared with other test runs", "scenarios": records},
+                       "wall_s": total, "note": args.note, "scenarios": records},
                       f, indent=1)
 
 
