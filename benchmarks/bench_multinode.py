@@ -9,8 +9,8 @@ Two nodes on one machine, on 127.0.0.1, one process each, train the tiny GPT of
 ``launch/train_gpt.py`` for ITERATIONS iterations, checkpointing every INTERVAL.
 
 Layouts (``checkpoint.storage``): ``shared``, one directory both nodes see; ``node_local``,
-a directory per node (``--checkpoint-dir`` per node), each rank's committed part
-replicated to the other node.
+a directory per node (``--checkpoint-dir`` per node), each rank's part replicated to the
+other node before the checkpoint commits.
 
 Launch paths, each restarting the whole job after a failure:
 
@@ -42,8 +42,9 @@ Measured per run (DESIGN.md's protocols: restart downtime from the journal, over
   line (the last in the restarted rank 0's directory) is a recompute or a prediction;
   method, c, f and the resume iteration from that line;
 - committed_before_failure: the newest iteration of a commit record written before the
-  restarted job's first iteration, in every directory and replica (and the records of a
-  deleted directory, listed before it went); ``progress_lost``: resume below it;
+  restarted job's first iteration, in every node's directory (and the records of a
+  deleted directory, listed before it went; not the replicas', which carry rank 0's
+  decision ahead of the commit); ``progress_lost``: resume below it;
 - restart_s: from the killed rank's journal line of KILL_AT (its last before the kill) to
   the first line its restart journals (the journals' wall times), as bench_ftcost's
   downtime. For ``shrunk`` it includes the benchmark's own reaction: the failed launchers'

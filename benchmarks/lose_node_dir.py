@@ -20,13 +20,17 @@ import sys
 
 # store.COMMIT. Not imported from there: that imports torch, a second or more before the restart being timed.
 COMMIT = "cpsr_commit.json"
+REPLICAS = "replicas"  # store.REPLICAS
 
 
 def commit_records(root: str) -> list[dict]:
-    """Every commit record under ``root`` (checkpoint directories and their replicas): its iteration and when it
-    was written (the file's mtime, the clock the journals' wall times use)."""
+    """Every commit record of a checkpoint directory under ``root``: its iteration and when it was written (the
+    file's mtime, the clock the journals' wall times use). Not the replicas': a replica carries rank 0's
+    decision, which commits only once every rank's replica is there."""
     found = []
-    for where, _, names in os.walk(root):
+    for where, dirs, names in os.walk(root):
+        if REPLICAS in dirs:
+            dirs.remove(REPLICAS)
         if COMMIT not in names:
             continue
         path = os.path.join(where, COMMIT)

@@ -109,3 +109,12 @@ def test_a_scenario_s_record_summarises_its_runs():
     assert record["outcome"] == "1 of 3 not recovered" and record["progress_lost"]
     assert bench.summary(bench.Scenario("shared", "ssh", "dir_lost"), [])["outcome"] == "n/a"
     assert bench.summary(scenario, [], skipped="no sshd")["outcome"] == "skipped"
+
+
+def test_a_replica_s_record_is_no_commit(tmp_path):
+    """A replica carries rank 0's decision before the nodes commit: only the nodes' own records count."""
+    for where in ("node0/global_step4", "node0/replicas/global_step8", "node1/global_step4"):
+        (tmp_path / where).mkdir(parents=True)
+        store.write_json_atomic(str(tmp_path / where / store.COMMIT), {"iteration": int(where[-1])})
+    assert lose_node_dir.REPLICAS == store.REPLICAS and lose_node_dir.COMMIT == store.COMMIT
+    assert sorted(r["iteration"] for r in lose_node_dir.commit_records(str(tmp_path))) == [4, 4]
