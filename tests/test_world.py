@@ -8,10 +8,13 @@ import numpy as np
 import pytest
 import torch
 
+from cpsr_ds.checkpoint import store
+from cpsr_ds.checkpoint.factory import create_engine
 from cpsr_ds.checkpoint.journal import ProgressJournal, read_progress, retire_journals
 from cpsr_ds.data.corpus import Batches
 from cpsr_ds.recovery import REPORTS, RecoveryReport, append_report, full_zero_state, read_reports
 from cpsr_ds.world import Layout, WorldChangeError, adapt, batch_of, layout_of, newest, read_layout, write_layout
+from test_checkpoint_engine import checkpoint, config, states
 
 CONFIG = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}
 
@@ -137,3 +140,25 @@ def test_zero_partitions_of_every_rank_reassemble_each_parameter():
         assert torch.equal(state[f"{kind}/a"], g0[:6].view(3, 2))
         assert torch.equal(state[f"{kind}/b"], g0[6:])
         assert torch.equal(state[f"{kind}/c"], g1)
+
+
+@pytest.mark.parametrize("strategy", ["torch", "cpsr"])
+def test_a_tag_written_again_by_a_smaller_world_is_valid_beside_the_larger_world_s_leftovers(tmp_path, strategy):
+    """Killed mid-checkpoint, a two-rank job left global_step12 uncommitted; the one-rank restart writes it again
+    and commits it. Rank 1's earlier manifest and files stay there, and must not spoil the new checkpoint."""
+    d = str(tmp_path)
+    old = [create_engine(config(d, strategy="cpsr"), rank, 2, attempt=1) for rank in (0, 1)]
+    for rank, eng in enumerate(old):
+        checkpoint(eng, d, 12, states(n=100), rank=rank)
+    assert all(eng.flush(30) for eng in old)
+    for eng in old:
+        eng.cleanup()
+    os.unlink(os.path.join(d, "global_step12", store.COMMIT))  # the commit the kill prevented
+    os.unlink(os.path.join(d, store.LATEST))
+
+    new = create_engine(config(d, strategy=strategy), 0, 1, attempt=2)
+    checkpoint(new, d, 12, states(n=100), rank=0)
+    new.cleanup()  # persists and commits what is in flight
+    (ckpt,) = store.list_checkpoints(d)
+    assert (ckpt.world_size, ckpt.attempt, ckpt.problems) == (1, 2, [])
+    assert store.select_checkpoint(d) == "global_step12"

@@ -347,6 +347,8 @@ class _Metadata:
     commit: Optional[dict] = None
     committed: bool = False                                   # a commit record is there, sound or not
     problems: list[str] = field(default_factory=list)
+    # Manifests an earlier attempt's larger world left under a tag the committed attempt wrote again: not its.
+    stale: dict[int, dict] = field(default_factory=dict)
 
     @property
     def found(self) -> bool:
@@ -379,6 +381,12 @@ def _read_metadata(tag_dir: str, ranks: Optional[Collection[int]] = None) -> _Me
     except MetadataError as err:
         meta.problems.append(str(err))
         meta.committed = True
+    if meta.commit is not None:
+        # A restart on fewer ranks writes a tag again; each rank forgets only its own earlier manifest.
+        world, attempt = meta.commit["world_size"], meta.commit.get("attempt", 0)
+        meta.stale = {r: m for r, m in meta.manifests.items() if r >= world and m.get("attempt", 0) != attempt}
+        meta.manifests = {r: m for r, m in meta.manifests.items() if r not in meta.stale}
+        meta.present -= set(meta.stale)
     return meta
 
 
@@ -721,10 +729,11 @@ def verify(ckpt_dir: str, ckpt: Checkpoint, read_data: bool = True,
         meta.present &= set(ranks)
     problems = meta.problems + _incomplete(ckpt.tag, meta, ranks, need_commit)
     listed = {rel: (entry, man["checksum"]) for man in meta.manifests.values() for rel, entry in man["files"].items()}
+    left = {rel for man in meta.stale.values() for rel in man["files"]}
     if not problems and ranks is None:
         # Every manifest is there and sound, so together they list every file of the checkpoint.
         problems += [f"{os.path.join(tag_dir, rel)}: listed in no rank manifest"
-                     for rel in _data_files(files) if rel not in listed]
+                     for rel in _data_files(files) if rel not in listed and rel not in left]
         if not listed:
             problems.append(f"{ckpt.tag}: the manifests list no files")
     for rel, (entry, algorithm) in sorted(listed.items()):
