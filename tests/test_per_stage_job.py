@@ -116,9 +116,9 @@ def test_the_slower_stage_checkpoints_less_often_and_both_recoveries_lose_nothin
 
     predicted = tmp_path / "predicted"
     shutil.copytree(run, predicted)
-    # Both restarts at once, each on its own copy of the failed run.
+    # One restart after the other, each on its own copy of the failed run: two jobs at once can race for a
+    # port (a free port found for one, then taken by the other's gloo connections).
     recomputing = start_nodes(started, tmp_path, run, "recompute", "recompute")
-    predicting = start_nodes(started, tmp_path, predicted, "predict", "predict")
 
     # Recompute-based: from the newest full cut, both stages at one iteration.
     assert exit_codes(recomputing) == [0, 0], logs(tmp_path, "recompute")
@@ -131,6 +131,7 @@ def test_the_slower_stage_checkpoints_less_often_and_both_recoveries_lose_nothin
     assert all(abs(after[i] - before[i]) < 1e-4 for i in range(cut + 1, report.reached + 1)), (before, after)
 
     # Predicting-based: each stage from its own newest checkpoint, the counters at f.
+    predicting = start_nodes(started, tmp_path, predicted, "predict", "predict")
     assert exit_codes(predicting) == [0, 0], logs(tmp_path, "predict")
     (_, report) = read_reports(str(predicted))
     f = report.reached
