@@ -5,9 +5,10 @@ rank's manifest, which lists every file's size, checksum and floating tensors ho
 NaN or Inf. Rank 0's committer thread waits, by polling the shared checkpoint
 directory, until all ``world_size`` manifests of a tag are there, then writes the
 commit record and moves ``latest`` (see store.py). With node-local storage the
-manifests' summaries and rank 0's decision go through the job's key-value store, and
-every rank's committer follows the decision on its node (layout.py). Neither thread
-uses collectives.
+manifests' summaries and rank 0's decision go through the job's key-value store, every
+rank's committer follows the decision on its node, and each node's records wait until
+every rank's part is replicated to the next node (layout.py). Neither thread uses
+collectives.
 
 An ``OSError`` (disk full, permission denied, storage gone) is logged with its cause
 and retried with exponential backoff; on a full disk, committed checkpoints beyond the

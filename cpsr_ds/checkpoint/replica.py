@@ -1,10 +1,11 @@
-"""Replicas: with node-local storage each rank's committed part also lives on the next node.
+"""Replicas: with node-local storage each rank's part of a checkpoint also lives on the next node.
 
 Once rank 0 has decided to commit a checkpoint, each rank's :class:`Replicator` sends
-its part (manifest, the files it lists, the commit record) to its peer on the next node, ``(node + 1) % nodes``, which
-keeps it under ``CKPT_DIR/replicas/TAG``: a checkpoint directory of its own, never
-taken for the node's own checkpoints (store.scan skips it), verified with the same
-manifests and checksums, and retained alike. At recovery, before DeepSpeed loads, each
+its part (manifest, the files it lists, rank 0's commit record) to its peer on the next
+node, ``(node + 1) % nodes``, and the checkpoint commits once every rank's has arrived
+(layout.py). The peer keeps it under ``CKPT_DIR/replicas/TAG``: a checkpoint directory
+of its own, never taken for the node's own checkpoints (store.scan skips it), verified
+with the same manifests and checksums, and retained alike. At recovery, before DeepSpeed loads, each
 node gets the parts it lacks (its ranks' own; on a job of another world size, every
 rank's) from its replicas or from the node holding them (:func:`restore`).
 
