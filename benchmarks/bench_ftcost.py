@@ -505,10 +505,15 @@ def mean_of(runs: list[dict], key: str) -> float | None:
 
 def measured_rho(cpsr_runs: list[dict]) -> tuple[float, str]:
     """The projection's rho: the share of the lost iterations cpsr's recoveries saved, median over its runs
-    (recomputed failures saved none); bench_recovery's for the default predictor where no run has one."""
+    (recomputed failures saved none); bench_recovery's for the default predictor where no run has one.
+
+    A median below 0 (the predictions cost more than recomputing would have) is projected as 0: with an
+    estimate not below d, recovery.mode auto recomputes, and the empirical model is defined for rho in [0, 1).
+    """
     rhos = [r["rho"] for r in cpsr_runs if r["rho"] is not None]
     if rhos:
-        return statistics.median(rhos), f"measured: median over {len(rhos)} cpsr runs of 1 - recovery cost / d lost"
+        rho, source = statistics.median(rhos), f"measured: median over {len(rhos)} cpsr runs of 1 - recovery cost / d lost"
+        return (rho, source) if rho >= 0 else (0.0, f"{source}, {rho:.3f}: below 0, so recomputing")
     predictor = PredictorConfig().name
     return MEASURED_REDUCTION[predictor], f"no cpsr run with a measurable lag: bench_recovery's rho of {predictor}"
 

@@ -235,3 +235,9 @@ def test_the_write_limit_persists_one_checkpoint_in_19_iterations(bench):
         bench.write_limit(0, 0.025)
     assert "write_mbps 3.526" in bench.write_limit_text(1_674_824, 0.025)
 
+
+
+def test_predictions_that_cost_more_than_recomputing_project_as_recomputing(bench):
+    rho, source = bench.measured_rho([{"rho": -0.4}, {"rho": -0.2}, {"rho": 0.1}])
+    assert rho == 0.0 and "below 0" in source
+    assert bench.measured_rho([{"rho": 0.3}, {"rho": None}, {"rho": 0.5}])[0] == pytest.approx(0.4)
