@@ -166,10 +166,9 @@ class RecoveryConfig(_Strict):
     max_loss_excess: float = Field(
         0.005, ge=0.0,
         description="auto: PB-R only if the loss the run had a pessimistic lag (the cost model's estimate times "
-        "cost_model.PESSIMISM, plus the estimated lags of the earlier predictions the run carries) leaves the loss at "
-        "most this share higher at the end of training (the LR scheduler's total_num_steps; at the failure where the "
-        "scheduler plans no end), by the job's loss curve: under a decaying learning rate a lag stays as a loss "
-        "excess to the end of training, and the lags of several predictions add up.",
+        "cost_model.PESSIMISM, plus the estimated lags of the earlier predictions the run carries) before the failure "
+        "is at most this share above the loss at the failure (by the job's loss curve): under a decaying learning "
+        "rate a lag stays as a loss excess to the end of training, and the lags of several predictions add up.",
     )
 
 

@@ -39,7 +39,7 @@ grows as N_p shrinks and is 900 to 1300 on that benchmark, and the measured loss
 
 The loss-excess guard belongs to the model: :func:`recovery_choice` predicts only where
 the estimate is below d and a pessimistic lag (``pessimism`` times the estimate) leaves
-a relative loss excess (by the job's loss curve at the end of training: recovery.excess_at) of at most the
+a relative loss excess at f (by the job's loss curve: fitter.loss_excess) of at most the
 limit; a missing or NaN input recomputes. :func:`evaluate` checks the models against
 measured lags: Spearman rank correlation and median ratio estimate / measured.
 """
@@ -181,8 +181,8 @@ def recovery_choice(estimate: Estimate, d: int, excess_at: Callable[[float], Opt
                     max_loss_excess: float, pessimism: float, carried: float = 0.0) -> Choice:
     """PREDICT or RECOMPUTE for a failure that lost d iterations, by ``estimate``.
 
-    ``excess_at(lag)``: the relative loss excess a lag of ``lag`` iterations leaves
-    (recovery.excess_at: on the job's curve, at the end of training; None where the journal is too short to fit,
+    ``excess_at(lag)``: the relative loss excess a lag of ``lag`` iterations leaves at f
+    (fitter.loss_excess on the job's curve; None where the journal is too short to fit,
     which does not stop a prediction). The guard's lag is ``carried`` (the lag, in
     iterations, the run already carries from its earlier predictions: lags add up, and
     under a decaying learning rate they stay to the end of training) plus ``pessimism``

@@ -173,10 +173,10 @@ def fit_recent(losses: dict[int, float], f: int) -> CurveFit | None:
     return fit_curve(its, [losses[i] for i in its], lo=f // 2, hi=f, degree=1)
 
 
-def loss_excess(curve: CurveFit, t: int, lag: float) -> float:
-    """Relative loss excess at iteration t of a run ``lag`` iterations behind: (l(t - lag) - l(t)) / l(t)."""
-    at = float(curve(t))
-    return (float(curve(max(1.0, t - lag))) - at) / at
+def loss_excess(curve: CurveFit, f: int, lag: float) -> float:
+    """Relative loss excess at f of a run ``lag`` iterations behind: (l(f - lag) - l(f)) / l(f)."""
+    at = float(curve(f))
+    return (float(curve(max(1.0, f - lag))) - at) / at
 
 
 def held_out_error(predictor_output: dict[str, torch.Tensor], truth: dict[str, torch.Tensor]) -> float:

@@ -69,7 +69,6 @@ from cpsr_ds.recovery import (
     excess_at,
     journal_losses,
     new_predictor,
-    planned_iterations,
     recover,
 )
 from cpsr_ds.rundir import RunDirLock, claim
@@ -392,7 +391,7 @@ class Runtime:
                         cfg.recovery.max_loss_excess, cfg.planner.max_interval, self.interval, n, hours,
                         self.history.carried_lag)
         # The guard's curve is fitted once: the plan asks it at many intervals.
-        planned = plan(job, stages, excess_at(losses, iteration, planned_iterations(engine)))
+        planned = plan(job, stages, excess_at(losses, iteration))
         if moved:
             planned = replace(planned, inputs={**planned.inputs, "drift": moved})
         self._write_plan(iteration, reason, phase, planned)

@@ -14,10 +14,9 @@ checkpoint is c <= f, d = f - c iterations were lost. Two ways back (Section IV)
 "Controlled": the choice is made by the recovery cost model (cost_model.py, the model
 ``planner.cost_model`` names) and logged with its numbers: PB-R when its estimated lag
 T_p is below d and a pessimistic lag (cost_model.PESSIMISM times T_p, on top of the
-lags the run's earlier predictions left: :func:`carried_lag`) leaves a loss excess of at
-most ``max_loss_excess`` by the job's own loss curve. Under a decaying learning rate a lag
-stays as a loss excess to the end of training, so the excess is judged where the LR
-schedule ends training (:func:`excess_at`), and at f where no schedule says. The predictor's held-out error
+lags the run's earlier predictions left: :func:`carried_lag`) leaves a loss excess at f of at most ``max_loss_excess`` by the job's own loss curve (under a
+decaying learning rate a lag stays as a loss excess to the end of training; early in
+training, where the loss falls fast, this means RB-R). The predictor's held-out error
 ``r`` (predicting the newest retained checkpoint from the older ones, relative to not
 predicting at all) did not predict the measured lag on the recovery benchmark
 (correlation -0.01 over 96 cases), so it serves as a guard against a diverging
@@ -547,9 +546,8 @@ def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int, stat
         losses = progress_losses(progress)
         model = recovery_model(cfg.planner.cost_model, cfg.checkpoint.dir, losses, engine.stage_id, predictor.name,
                                f, c, state)
-        excess = excess_at(losses, f, planned_iterations(engine))
-        choice = recovery_choice(model.estimate(f, c, predictor.name), d, excess, cfg.recovery.max_loss_excess,
-                                 PESSIMISM, carried_lag(earlier_reports(cfg.checkpoint.dir), c))
+        choice = recovery_choice(model.estimate(f, c, predictor.name), d, excess_at(losses, f),
+                                 cfg.recovery.max_loss_excess, PESSIMISM, carried_lag(earlier_reports(cfg.checkpoint.dir), c))
         numbers.update(relative_error=r, estimated_cost=choice.estimate.lag, cost_model=model.name,
                        guard_lag=choice.guard_lag, loss_excess=choice.loss_excess)
         why, predicted = _prediction(cfg.recovery, predictor, f, r, choice)
@@ -614,30 +612,22 @@ def progress_losses(progress: Progress) -> dict[int, float]:
     return {e.iteration: e.loss for e in progress.entries.get(0, ())}
 
 
-def excess_at(losses: dict[int, float], f: int, end: int | None = None) -> Callable[[float], float | None]:
-    """lag -> the relative loss excess a lag of that many iterations leaves at the end of training, by the
-    curve fitted once on ``losses`` (by iteration) of f/2..f; None where there are too few losses to fit.
+def excess_at(losses: dict[int, float], f: int) -> Callable[[float], float | None]:
+    """lag -> the relative loss excess a lag of that many iterations costs at f, by ``losses`` (by
+    iteration), fitted once; None where there are too few losses to fit.
 
-    ``end``: the iteration training ends at (:func:`planned_iterations`); None, or not after f: unknown, and
-    the excess is judged at f. A lag stays to the end of training under a decaying learning rate, and the
-    final loss is what the user keeps; where the curve flattens, the same lag costs less loss there than at
-    f. Where the fit, carried on to ``end``, leaves no positive loss there, it says nothing about the end,
-    and f is judged instead (a larger excess: the cautious side).
     A non-finite loss where the fit looks gives NaN, not a fit: the run diverged there.
     """
     recent = recent_losses(losses, f)
     if not all(math.isfinite(loss) for loss in recent.values()):
         return lambda lag: math.nan
     curve = fit_recent(recent, f)
-    if curve is None:
-        return lambda lag: None
-    judged = end if end is not None and end > f and float(curve(end)) > 0 else f
-    return partial(loss_excess, curve, judged)
+    return (lambda lag: None) if curve is None else partial(loss_excess, curve, f)
 
 
-def expected_loss_excess(directory: str, f: int, lag: float, end: int | None = None) -> float | None:
+def expected_loss_excess(directory: str, f: int, lag: float) -> float | None:
     """:func:`excess_at` by the run's journal (rank 0's)."""
-    return excess_at(journal_losses(directory), f, end)(lag)
+    return excess_at(journal_losses(directory), f)(lag)
 
 
 # ---------------------------------------------------------------- the cost model

@@ -61,22 +61,6 @@ def test_expected_loss_excess_reads_the_jobs_loss_curve(tmp_path):
     assert expected_loss_excess(directory, 200, 20) > expected_loss_excess(directory, 800, 20)
 
 
-def test_the_excess_is_judged_where_the_lr_schedule_ends_training(tmp_path):
-    def flatter(i):
-        return 2.0 - 0.1 * math.log(i)
-
-    directory = journal(tmp_path, {i: flatter(i) for i in range(1, 401)})
-    at_end = expected_loss_excess(directory, 400, 20, end=3000)
-    assert at_end == pytest.approx((flatter(2980) - flatter(3000)) / flatter(3000), rel=1e-3)
-    # The curve flattens: the same lag costs less loss at the end than at the failure.
-    assert at_end < expected_loss_excess(directory, 400, 20) / 5
-    for unknown in (None, 400, 300):
-        assert expected_loss_excess(directory, 400, 20, end=unknown) == expected_loss_excess(directory, 400, 20)
-    # Carried on to 10^9 iterations the fit's loss is negative there: no word about the end, f is judged.
-    assert flatter(10**9) < 0
-    assert expected_loss_excess(directory, 400, 20, end=10**9) == expected_loss_excess(directory, 400, 20)
-
-
 def test_a_rerun_iteration_counts_once_and_a_short_journal_gives_no_estimate(tmp_path):
     losses = {i: curve(i) for i in range(1, 401)}
     directory = journal(tmp_path, {**losses, **{i: 99.0 for i in range(300, 350)}})
@@ -324,17 +308,3 @@ def test_earlier_predictions_lags_count_against_the_loss_excess_a_new_one_may_le
     report = decide(directory, "empirical")
     assert report.method == "recompute" and "carried from earlier predictions" in report.reason
     assert report.guard_lag == pytest.approx(carried + alone.guard_lag)
-
-
-def test_a_lag_carried_to_the_end_of_a_decaying_schedule_is_judged_there(tmp_path):
-    """The carried lag that recomputes when judged at F predicts when the LR schedule ends training later."""
-    directory = run_dir(tmp_path)
-    alone = decide(directory, "empirical")
-    carried = 4 * alone.guard_lag
-    append_report(directory, predicted(C - 50, carried, C - 100))
-    engine = small_engine()
-    engine.lr_scheduler = WarmupCosineLR(engine.optimizer, total_num_steps=4 * F, warmup_num_steps=1)
-    report = decide(directory, "empirical", engine)
-    end_excess = expected_loss_excess(directory, F, carried + alone.guard_lag, end=4 * F)
-    assert end_excess <= RecoveryConfig().max_loss_excess < expected_loss_excess(directory, F, carried + alone.guard_lag)
-    assert report.method == "predict" and report.loss_excess == pytest.approx(end_excess)
