@@ -1,0 +1,138 @@
+"""The coordinator: predictor work in the 1F1B pipeline's bubbles, within measured budgets, not changing training."""
+
+import os
+import threading
+
+import pytest
+from deepspeed.runtime.pipe import schedule
+from deepspeed.runtime.pipe.schedule import TrainSchedule
+
+from conftest import ROOT, run_job, tiny_config
+from cpsr_ds.checkpoint.journal import journal_path, read_journal
+from cpsr_ds.config import ConfigError, CPSRConfig
+from cpsr_ds.coordinator import MIN_PIECE_S, BubbleSchedule, PredictorWork, bubble_slots, read_records
+
+# ---------------------------------------------------------------- the schedule
+
+RECV = (schedule.RecvActivation, schedule.RecvGrad)
+BATCH_END = (schedule.ReduceTiedGrads, schedule.ReduceGrads, schedule.OptimizerStep)
+
+
+def expected_waits(stages: int, micro_batches: int, stage: int) -> dict[str, int]:
+    """The receives stage ``stage`` waits in (the 1F1B analysis): the first RecvActivation (s > 0), the first
+    RecvGrad (s < S - 1), one RecvGrad per cool-down step (S - 1 - s of them, fewer with few micro-batches) and the
+    batch end (s > 0)."""
+    return {"RecvActivation": int(stage > 0),
+            "RecvGrad": int(stage < stages - 1) + min(stages - 1 - stage, micro_batches - 1),
+            "OptimizerStep": int(stage > 0)}
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+@pytest.mark.parametrize("micro_batches", [1, 2, 3, 4, 8])
+def test_the_schedule_puts_predictor_work_before_each_receive_that_waits_and_nowhere_else(stages, micro_batches):
+    for stage in range(stages):
+        plain = list(TrainSchedule(micro_batches, stages, stage).steps())
+        ours = list(BubbleSchedule(micro_batches, stages, stage).steps())
+        assert [[repr(c) for c in step if not isinstance(c, PredictorWork)] for step in ours] == \
+               [[repr(c) for c in step] for step in plain]
+        slots = {"RecvActivation": 0, "RecvGrad": 0, "OptimizerStep": 0}
+        for i, step in enumerate(ours):
+            for k, cmd in enumerate(step):
+                if not isinstance(cmd, PredictorWork):
+                    continue
+                kind, at = cmd.slot.split("@")
+                assert int(at) == i
+                slots[kind] += 1
+                after = step[k + 1]
+                if kind == "OptimizerStep":
+                    # The end of the batch: after every send (another stage waits for it), before the collectives.
+                    assert i == len(ours) - 1 and isinstance(after, BATCH_END[0])
+                    assert not any(isinstance(c, (schedule.ForwardPass, schedule.BackwardPass)) for c in step)
+                else:
+                    # First in its step, right before the receive it fills the wait of.
+                    assert k == 0 and type(after).__name__ == kind
+        assert slots == expected_waits(stages, micro_batches, stage), (stages, micro_batches, stage)
+
+
+def test_the_slots_of_two_and_four_stages():
+    assert [[s for _, _, s in bubble_slots(list(TrainSchedule(4, 2, st).steps()))] for st in range(2)] == [
+        ["RecvGrad@3", "RecvGrad@9"], ["RecvActivation@1", "OptimizerStep@9"]]
+    assert [[s for _, _, s in bubble_slots(list(TrainSchedule(6, 4, st).steps()))] for st in range(4)] == [
+        ["RecvGrad@7", "RecvGrad@13", "RecvGrad@15", "RecvGrad@17"],
+        ["RecvActivation@1", "RecvGrad@6", "RecvGrad@14", "RecvGrad@16", "OptimizerStep@17"],
+        ["RecvActivation@2", "RecvGrad@5", "RecvGrad@15", "OptimizerStep@17"],
+        ["RecvActivation@3", "OptimizerStep@17"]]
+
+
+@pytest.mark.parametrize("block, key", [
+    ({"safety": 1.5}, "cpsr.coordinator.safety"),
+    ({"percentile": 0}, "cpsr.coordinator.percentile"),
+    ({"window": 0}, "cpsr.coordinator.window"),
+    ({"enable": True}, "cpsr.coordinator.enable: unknown key"),
+])
+def test_a_bad_coordinator_key_is_named(block, key):
+    with pytest.raises(ConfigError, match=key):
+        CPSRConfig.parse_block({"coordinator": block})
+
+
+# ---------------------------------------------------------------- a PP = 2 job, coordinator on and off
+
+ITERS, STEPS = 20, 6
+MICRO_BATCHES = 2  # tiny_config's gradient_accumulation_steps
+
+
+def job_config(run_dir, enabled: bool) -> dict:
+    config = tiny_config(run_dir, stages=2, predictor={"name": "vitp", "history": 6, "train_steps": STEPS,
+                                                       "train_budget_s": None},
+                         coordinator={"enabled": enabled, "log_every": 1, "window": 4})
+    config["cpsr"]["checkpoint"].update(interval=2, keep_last=6)
+    return config
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    """The same fp32 job (same seed) with the coordinator on and off, run side by side; vitp learns from
+    iteration 12 on (6 checkpoints)."""
+    runs = {}
+
+    def run(enabled: bool) -> None:
+        tmp = tmp_path_factory.mktemp(f"coordinator_{enabled}")
+        run_job(tmp, job_config(tmp / "run", enabled), "--train-iters", ITERS, "--eval-interval", ITERS,
+                script=os.path.join(ROOT, "tests", "coordinator_job.py"), timeout=400)
+        runs[enabled] = tmp / "run"
+
+    threads = [threading.Thread(target=run, args=(enabled,)) for enabled in (True, False)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert set(runs) == {True, False}, "a job failed (see the output above)"
+    return runs
+
+
+def test_predictor_work_runs_in_the_bubbles_within_each_budget(jobs):
+    rows = read_records(str(jobs[True]))
+    for rank in (0, 1):
+        mine = [r for r in rows if r["rank"] == rank]
+        assert [r["iteration"] for r in mine] == list(range(1, ITERS + 1))
+        allowed = {s for _, _, s in bubble_slots(list(TrainSchedule(MICRO_BATCHES, 2, rank).steps()))}
+        slices = [s for r in mine for s in r["slices"]]
+        assert slices, f"rank {rank}: no predictor work ran in a bubble"
+        for slot, budget_s, spent_s in slices:
+            assert slot in allowed
+            # A piece is never started with less than MIN_PIECE_S left; what one takes beyond its estimate is the
+            # machine's timing noise, of that order.
+            assert 0 < spent_s <= budget_s + MIN_PIECE_S, (rank, slot, budget_s, spent_s)
+        assert all(r["bubble_s"] > 0 for r in mine)
+        # Once vitp learns (from the checkpoint of iteration 12), most of its training is done in the bubbles.
+        placed = sum(r["predictor_s"] for r in mine)
+        inline = sum(r["inline_s"] for r in mine)
+        assert placed > inline, (rank, placed, inline)
+    assert not read_records(str(jobs[False]))
+
+
+def test_training_is_the_same_with_the_coordinator_on_and_off(jobs):
+    for rank in (0, 1):
+        on, off = ({e.iteration: e.loss for e in read_journal(journal_path(str(jobs[k]), rank))} for k in (True, False))
+        assert sorted(on) == list(range(1, ITERS + 1))
+        assert on == off
