@@ -185,11 +185,10 @@ def budget(spans, percentile: float, safety: float) -> float:
     return float(np.percentile(list(spans), percentile)) * safety if spans else 0.0
 
 
-def _side_stream():
-    """On CUDA, a side stream that starts at this point of the compute stream; on CPU, nothing."""
-    if not torch.cuda.is_available():
+def _side_stream(side):
+    """On CUDA, ``side`` made to start at this point of the compute stream; on CPU (``side`` None), nothing."""
+    if side is None:
         return contextlib.nullcontext()
-    side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     return torch.cuda.stream(side)
 
@@ -205,6 +204,7 @@ class Coordinator:
         self.spans: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=cfg.window))
         self.pieces: dict[str, PieceCost] = defaultdict(PieceCost)
         self.open = None  # (slot, start, budget, spent) until the receive after the slot ends
+        self.side = torch.cuda.Stream() if torch.cuda.is_available() else None
         self._reset()
 
     def _reset(self) -> None:
@@ -247,7 +247,7 @@ class Coordinator:
         """At bubble ``slot``: run queued work within its budget."""
         start = time.perf_counter()
         limit, ran = self.budget(slot), False
-        with _side_stream():
+        with _side_stream(self.side):
             while self.queue:
                 left = limit - (time.perf_counter() - start)
                 cost = self.queue[0].cost()

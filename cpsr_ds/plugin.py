@@ -35,11 +35,11 @@ from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
 
 from cpsr_ds import planner, runlog, world
 from cpsr_ds.checkpoint import exiting
-from cpsr_ds.coordinator import BubbleSchedule, CallJob, Coordinator, PieceCost, PredictorWork, TrainJob
 from cpsr_ds.checkpoint.factory import deepspeed_factory
 from cpsr_ds.checkpoint.layout import verify_storage
 from cpsr_ds.checkpoint.journal import ProgressJournal, journal_path, plausible, read_journal, retire_journals
 from cpsr_ds.config import CPSRConfig
+from cpsr_ds.coordinator import BubbleSchedule, CallJob, Coordinator, PieceCost, PredictorWork, TrainJob
 from cpsr_ds.elastic import check_restartable
 from cpsr_ds.faults import FaultInjector, check_kill_rank
 from cpsr_ds.fitter import fit_loss_o, next_phase, stage_xi
@@ -296,9 +296,8 @@ class Runtime:
         """``job`` to the coordinator's queue, or to its end now where there is none."""
         if self.coordinator is not None:
             self.coordinator.submit(job)
-            return
-        while not job.run(None):
-            pass
+        else:
+            job.run(None)
 
     def _add_state(self, row: StateRow) -> None:
         self.states.append(row)
