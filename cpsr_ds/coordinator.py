@@ -26,8 +26,9 @@ spans are CPU time, not GPU time.
 Predictor work is queued as jobs (:class:`TrainJob`: the learning predictor's steps
 after a checkpoint, in slices; :class:`CallJob`: a piece that cannot be sliced, such
 as the held-out check). A job whose smallest piece has no measured cost yet runs that
-piece at once, inline, to measure it; what is still queued at the next checkpoint runs
-inline there, before the predictor sees the new checkpoint.
+piece at once, inline, to measure it (or, queued behind other work, at the next
+checkpoint); what is still queued at a checkpoint runs inline there, before the predictor
+sees the new checkpoint, and what is queued when the job ends is dropped.
 
 Record: ``coordinator/rankNNNNN.jsonl`` in the run directory, one JSON line per
 ``coordinator.log_every`` iterations per rank: ``rank``, ``stage``, ``iteration`` (the
@@ -218,8 +219,9 @@ class Coordinator:
         return budget(self.spans[slot], self.cfg.percentile, self.cfg.safety)
 
     def submit(self, job: Job) -> None:
-        """Queue ``job``; a job with no measured piece runs one piece now, inline, to measure it."""
-        if job.cost() is None:
+        """Queue ``job``. A job with no measured piece runs one piece now, inline, to measure it; behind other
+        work (which it must follow) it waits for the next :meth:`flush`, which measures it."""
+        if job.cost() is None and not self.queue:
             t0 = time.perf_counter()
             done = job.run(0.0)
             self.inline_s += time.perf_counter() - t0
@@ -231,15 +233,13 @@ class Coordinator:
         """Run everything queued to its end, inline."""
         t0 = time.perf_counter()
         while self.queue:
-            while not self.queue[0].run(None):
-                pass
-            self.queue.popleft()
+            self.queue.popleft().run(None)
         self.inline_s += time.perf_counter() - t0
 
     def drop(self) -> None:
         """Give up what is queued (the job ends), saying so."""
         if self.queue:
-            log.info("cpsr: rank %d: %d piece(s) of predictor work left undone at the end of the job",
+            log.info("cpsr: rank %d: %d job(s) of predictor work left undone at the end of the job",
                      self.rank, len(self.queue))
         self.queue.clear()
 

@@ -1,6 +1,7 @@
 """The coordinator: predictor work in the 1F1B pipeline's bubbles, within measured budgets, not changing training."""
 
 import os
+import time
 
 import pytest
 from deepspeed.runtime.pipe import schedule
@@ -8,8 +9,10 @@ from deepspeed.runtime.pipe.schedule import TrainSchedule
 
 from conftest import ROOT, run_job, tiny_config
 from cpsr_ds.checkpoint.journal import journal_path, read_journal
-from cpsr_ds.config import ConfigError, CPSRConfig
-from cpsr_ds.coordinator import MIN_PIECE_S, BubbleSchedule, PredictorWork, bubble_slots, read_records
+from cpsr_ds.config import ConfigError, CoordinatorConfig, CPSRConfig
+from cpsr_ds.coordinator import (MIN_PIECE_S, BubbleSchedule, CallJob, Coordinator, PredictorWork, TrainJob,
+                                 bubble_slots, read_records)
+from cpsr_ds.predictor import StepReport
 
 # ---------------------------------------------------------------- the schedule
 
@@ -72,6 +75,76 @@ def test_the_slots_of_two_and_four_stages():
 def test_a_bad_coordinator_key_is_named(block, key):
     with pytest.raises(ConfigError, match=key):
         CPSRConfig.parse_block({"coordinator": block})
+
+
+# ---------------------------------------------------------------- the queue and the budgets, in process
+
+STEP_S = 0.004
+
+
+class Sleeper:
+    """A learning predictor whose step takes STEP_S and whose held-out check another STEP_S, as vitp's: it stops
+    before a step that would overrun ``budget_s``, but takes one step at least."""
+
+    def __init__(self):
+        self.steps = 0
+
+    def step(self, budget_s=None, n_steps=None):
+        start, taken = time.perf_counter(), 0
+        while n_steps is None or taken < n_steps:
+            if budget_s is not None and taken and time.perf_counter() - start + STEP_S > budget_s:
+                break
+            time.sleep(STEP_S)
+            taken += 1
+        time.sleep(STEP_S)
+        self.steps += taken
+        return StepReport(taken, time.perf_counter() - start, 0.0, 0.0)
+
+
+def bubble(coordinator, slot, wait_s):
+    """A slot, then a receive that returns ``wait_s`` after the slot began."""
+    start = time.perf_counter()
+    coordinator.slot(slot)
+    time.sleep(max(0.0, wait_s - (time.perf_counter() - start)))
+    coordinator.waited()
+
+
+def test_queued_work_runs_in_slots_within_their_budgets_and_keeps_its_step_count(tmp_path):
+    c = Coordinator(CoordinatorConfig(window=4, log_every=1), str(tmp_path), rank=3, stage=1)
+    predictor, order = Sleeper(), []
+    for _ in range(4):  # nothing queued: the waits are measured, nothing runs
+        bubble(c, "RecvGrad@3", 0.06)
+    assert c.budget("RecvGrad@3") == pytest.approx(0.8 * 0.06, rel=0.3)
+    c.submit(TrainJob(predictor, 60, None, c.piece("train")))
+    assert predictor.steps == 1 and c.inline_s > 0  # one piece, inline, to measure it
+    c.submit(CallJob(lambda: order.append(predictor.steps), c.piece("held_out")))
+    assert order == [] and len(c.queue) == 2  # behind the training it belongs after
+    c.end_iteration(1)
+    for _ in range(3):
+        bubble(c, "RecvGrad@3", 0.06)
+    c.end_iteration(2)
+    assert 1 < predictor.steps < 60  # three slots of 48 ms: some of the 60 steps, not all
+    c.flush()
+    assert predictor.steps == 60 and order == [60] and not c.queue
+    first, second = read_records(str(tmp_path))
+    assert (first["rank"], first["stage"], first["iteration"], first["slices"]) == (3, 1, 1, [])
+    assert first["bubble_s"] >= 4 * 0.06 and first["inline_s"] > 0 and first["predictor_s"] == 0
+    assert [s[0] for s in second["slices"]] == ["RecvGrad@3"] * 3
+    assert all(0 < spent <= budget + MIN_PIECE_S for _, budget, spent in second["slices"])
+    assert second["predictor_s"] == pytest.approx(sum(s[2] for s in second["slices"]), abs=1e-5)
+    assert second["bubble_s"] >= 3 * 0.06
+
+
+def test_a_slot_too_short_for_a_piece_runs_nothing(tmp_path):
+    c = Coordinator(CoordinatorConfig(window=4, log_every=1), str(tmp_path), rank=0, stage=0)
+    predictor = Sleeper()
+    for _ in range(4):
+        bubble(c, "RecvActivation@1", STEP_S)  # shorter than a step and its held-out check
+    c.submit(TrainJob(predictor, 5, None, c.piece("train")))
+    bubble(c, "RecvActivation@1", STEP_S)
+    assert predictor.steps == 1 and len(c.queue) == 1
+    c.drop()
+    assert not c.queue
 
 
 # ---------------------------------------------------------------- a PP = 2 job, coordinator on and off
