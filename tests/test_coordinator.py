@@ -4,15 +4,18 @@ import os
 import time
 
 import pytest
+import torch
 from deepspeed.runtime.pipe import schedule
 from deepspeed.runtime.pipe.schedule import TrainSchedule
 
 from conftest import ROOT, run_job, tiny_config
+from cpsr_ds.checkpoint.fileformat import read_snapshot
 from cpsr_ds.checkpoint.journal import journal_path, read_journal
 from cpsr_ds.config import ConfigError, CoordinatorConfig, CPSRConfig
 from cpsr_ds.coordinator import (MIN_PIECE_S, BubbleSchedule, CallJob, Coordinator, PredictorWork, TrainJob,
                                  bubble_slots, read_records)
 from cpsr_ds.predictor import StepReport
+from cpsr_ds.recovery import PREDICTOR_STATE
 
 # ---------------------------------------------------------------- the schedule
 
@@ -197,3 +200,21 @@ def test_training_is_the_same_with_the_coordinator_on_and_off(jobs):
         on, off = ({e.iteration: e.loss for e in read_journal(journal_path(str(jobs[k]), rank))} for k in (True, False))
         assert sorted(on) == list(range(1, ITERS + 1))
         assert on == off
+
+
+def saved_predictor(run_dir, iteration: int, rank: int) -> dict:
+    state = read_snapshot(str(run_dir / f"global_step{iteration}" / f"mp_rank_{rank:02d}_model_states.pt"))
+    return state[PREDICTOR_STATE]["trainer"]
+
+
+def test_vitp_trained_in_slices_in_the_bubbles_is_the_one_trained_at_the_checkpoints(jobs):
+    """vitp learns from the checkpoint of iteration 12 on. At the checkpoint, it has trained after each checkpoint
+    before; in the bubbles, the checkpoint goes with the weights of one checkpoint fewer (its own training comes
+    after) and those are the same weights, step for step."""
+    for rank in (0, 1):
+        at_checkpoint = saved_predictor(jobs[False], ITERS - 2, rank)
+        in_bubbles = saved_predictor(jobs[True], ITERS, rank)
+        assert at_checkpoint["steps"] == in_bubbles["steps"] == STEPS * 4
+        assert saved_predictor(jobs[False], ITERS, rank)["steps"] == STEPS * 5
+        for name, weight in at_checkpoint["model"].items():
+            assert torch.equal(weight, in_bubbles["model"][name]), (rank, name)
