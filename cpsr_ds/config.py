@@ -201,6 +201,29 @@ class PlannerConfig(_Strict):
     max_interval: int = Field(10_000, gt=0, description="The longest interval auto plans, iterations.")
 
 
+class CoordinatorConfig(_Strict):
+    enabled: bool = Field(
+        True,
+        description="With pipeline parallelism, the predictor's work after a checkpoint (a learning predictor's "
+        "training, the held-out check) runs in the pipeline's bubbles (cpsr_ds/coordinator.py) instead of at the "
+        "checkpoint; false, or one pipeline stage: at the checkpoint, on the training loop's path.",
+    )
+    percentile: float = Field(
+        10.0, gt=0.0, le=100.0,
+        description="A bubble's budget is this percentile (10 = a low one) of its measured waits over the last "
+        "window iterations, times safety.",
+    )
+    window: int = Field(20, gt=0, description="Iterations of measured waits a bubble's budget is taken from (count).")
+    safety: float = Field(
+        0.8, gt=0.0, le=1.0,
+        description="Share of a bubble's measured wait that predictor work may fill (0.8 = 80 %).",
+    )
+    log_every: int = Field(
+        100, gt=0,
+        description="Iterations summed up per line of the run directory's coordinator/rankNNNNN.jsonl (count).",
+    )
+
+
 class CPSRConfig(_Strict):
     enabled: bool = Field(True, description="false: cpsr_ds.initialize is exactly deepspeed.initialize.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
@@ -208,6 +231,7 @@ class CPSRConfig(_Strict):
     predictor: PredictorConfig = Field(default_factory=PredictorConfig)
     recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)
     planner: PlannerConfig = Field(default_factory=PlannerConfig)
+    coordinator: CoordinatorConfig = Field(default_factory=CoordinatorConfig)
 
     @model_validator(mode="after")
     def _history_is_retained(self) -> "CPSRConfig":

@@ -39,6 +39,7 @@ from cpsr_ds.checkpoint.factory import deepspeed_factory
 from cpsr_ds.checkpoint.layout import verify_storage
 from cpsr_ds.checkpoint.journal import ProgressJournal, journal_path, plausible, read_journal, retire_journals
 from cpsr_ds.config import CPSRConfig
+from cpsr_ds.coordinator import BubbleSchedule, CallJob, Coordinator, PieceCost, PredictorWork, TrainJob
 from cpsr_ds.elastic import check_restartable
 from cpsr_ds.faults import FaultInjector, check_kill_rank
 from cpsr_ds.fitter import fit_loss_o, next_phase, stage_xi
@@ -114,6 +115,11 @@ class Runtime:
     ``predictor.history`` copies of the stage's fp32 parameters and both Adam moments,
     12 bytes per parameter each (e.g. 4 x 12 x 350M = 17 GB for all of GPT2-0.35B in one
     stage); vitp keeps the same on every rank, as it did to learn.
+
+    With ``coordinator.enabled`` and more than one pipeline stage, the predictor's work
+    after a checkpoint (vitp's training, the held-out check of the StateRow) is queued to
+    :class:`~cpsr_ds.coordinator.Coordinator`, which runs it in the pipeline's bubbles;
+    with one stage it runs at the checkpoint.
     """
 
     def __init__(self, engine: PipelineEngine, cfg: CPSRConfig, lock: RunDirLock | None = None):
@@ -131,6 +137,8 @@ class Runtime:
         self.predictor = new_predictor(cfg)
         self.recovery = recover(engine, cfg, self.predictor)
         self.learning = hasattr(self.predictor, "step")
+        self.coordinator = (Coordinator(cfg.coordinator, self.directory, rank, self.stage)
+                            if cfg.coordinator.enabled and engine.num_stages > 1 else None)
         self.observing = cfg.recovery.mode != "recompute"
         if not self.learning and not (self.observing and self.measuring):
             # Simple predictors fit at recovery time; a measuring rank's keeps observing for the held-out error.
@@ -183,6 +191,8 @@ class Runtime:
             if finite and self.stage in due:
                 # Planning the next interval is part of what this checkpoint costs.
                 self.meter.start(iteration, f"global_step{iteration}", time.perf_counter() - t0)
+        if self.coordinator is not None:
+            self.coordinator.end_iteration(iteration)
         self.faults.check(iteration)
 
     def before_iteration(self) -> None:
@@ -191,7 +201,13 @@ class Runtime:
         self._started = time.perf_counter()
 
     def close(self) -> None:
-        """Close the journal and give the run directory free for another job."""
+        """Close the journal and give the run directory free for another job.
+
+        The predictor's work still queued is dropped: this may run from the engine's
+        finaliser at interpreter exit, where no autograd may run.
+        """
+        if self.coordinator is not None:
+            self.coordinator.drop()
         self.journal.close()
         if self.lock is not None:
             self.lock.release()
@@ -218,20 +234,25 @@ class Runtime:
         return tuple(range(self.stages)) if due else ()
 
     def _checkpoint(self, engine: PipelineEngine, iteration: int, due: tuple[int, ...]) -> None:
-        """Save, feed the predictor, record the state: all of it the checkpoint's own time.
+        """Save, feed the predictor, record the state: the checkpoint's own time, but for the predictor's
+        work where the coordinator takes it.
 
         Every rank saves (DeepSpeed's save is collective); the ranks of stages not ``due`` write nothing.
         """
         part = self.stage in due
         state = self._state(engine, iteration) if part and (self.observing or self.learning) else None
         client_state = {}
+        if self.coordinator is not None:
+            # The last checkpoint's work is done before the predictor sees this one.
+            self.coordinator.flush()
         if self.predictor is not None and state is not None:
             self.predictor.observe(iteration, state)
             if self.learning:
-                # A learning predictor trains a little; its weights go with the checkpoint.
-                self.predictor.step(budget_s=self.cfg.predictor.train_budget_s,
-                                    n_steps=self.cfg.predictor.train_steps)
-                client_state = {PREDICTOR_STATE: self.predictor.state_dict(include_history=False)}
+                # A learning predictor trains a little; its weights go with the checkpoint (a copy: in the
+                # bubbles it trains on while the checkpoint persists).
+                p = self.cfg.predictor
+                self._run(TrainJob(self.predictor, p.train_steps, p.train_budget_s, self._piece("train")))
+                client_state = {PREDICTOR_STATE: copy.deepcopy(self.predictor.state_dict(include_history=False))}
         if self.per_stage:
             full = len(due) == self.stages
             engine.checkpoint_engine.select(None if full else [r for r, s in enumerate(self.rank_stages) if s in due],
@@ -254,14 +275,29 @@ class Runtime:
         curvature = stage_xi(state)
         if not self.measuring:
             return
-        held_out = self.predictor.validation_error() if self.predictor is not None else None
-        row = StateRow(iteration, self.stage, self.rank, self.attempt, self.cfg.predictor.name,
-                       curvature.n_p if curvature else sum(t.numel() for k, t in state.items() if k.startswith("param/")),
-                       xi=curvature.xi if curvature else None,
-                       held_out_error=None if held_out is None else held_out.mse.get("param"),
-                       relative_error=None if held_out is None else held_out.relative)
-        self._add_state(row)
-        runlog.append(runlog.measurements_path(self.directory, self.rank), row)
+        n_p = curvature.n_p if curvature else sum(t.numel() for k, t in state.items() if k.startswith("param/"))
+        xi = curvature.xi if curvature else None
+
+        def record() -> None:
+            held_out = self.predictor.validation_error() if self.predictor is not None else None
+            row = StateRow(iteration, self.stage, self.rank, self.attempt, self.cfg.predictor.name, n_p, xi=xi,
+                           held_out_error=None if held_out is None else held_out.mse.get("param"),
+                           relative_error=None if held_out is None else held_out.relative)
+            self._add_state(row)
+            runlog.append(runlog.measurements_path(self.directory, self.rank), row)
+
+        # The held-out check comes after the predictor's training, wherever that runs.
+        self._run(CallJob(record, self._piece("held_out")))
+
+    def _piece(self, kind: str) -> PieceCost:
+        return self.coordinator.piece(kind) if self.coordinator is not None else PieceCost()
+
+    def _run(self, job) -> None:
+        """``job`` to the coordinator's queue, or to its end now where there is none."""
+        if self.coordinator is not None:
+            self.coordinator.submit(job)
+        else:
+            job.run(None)
 
     def _add_state(self, row: StateRow) -> None:
         self.states.append(row)
@@ -466,6 +502,26 @@ class CPSRPipelineEngine(PipelineEngine):
             if hasattr(self, "cpsr"):
                 self.cpsr.close()
 
+    def _train_schedule(self):
+        if getattr(self, "cpsr", None) is None or self.cpsr.coordinator is None:
+            return super()._train_schedule()
+        return BubbleSchedule(micro_batches=self.micro_batches, stages=self.num_stages, stage_id=self.stage_id)
+
+    def _exec_predictor_work(self, slot):
+        self.cpsr.coordinator.slot(slot)
+
+    def _bubble_ended(self):
+        if getattr(self, "cpsr", None) is not None and self.cpsr.coordinator is not None:
+            self.cpsr.coordinator.waited()
+
+    def _exec_recv_activations(self, buffer_id):
+        PipelineEngine._exec_recv_activations(self, buffer_id)
+        self._bubble_ended()
+
+    def _exec_recv_grads(self, buffer_id):
+        PipelineEngine._exec_recv_grads(self, buffer_id)
+        self._bubble_ended()
+
     def train_batch(self, data_iter=None):
         # A peer's death shows here as a gloo error: from then on no wait at exit is for other ranks.
         with exiting.marks_failure("train_batch"):
@@ -492,10 +548,13 @@ class CPSRPipelineEngine(PipelineEngine):
         if self.checkpoint_engine.is_decoupled():
             self._commit_decoupled_checkpoint()
         super()._exec_optimizer_step(lr_kwargs)
+        self._bubble_ended()
 
     # The schedule's instructions run through this class-level map of plain functions,
     # so an override takes effect only once it is mapped here.
-    _INSTRUCTION_MAP = {**PipelineEngine._INSTRUCTION_MAP, schedule.OptimizerStep: _exec_optimizer_step}
+    _INSTRUCTION_MAP = {**PipelineEngine._INSTRUCTION_MAP, schedule.OptimizerStep: _exec_optimizer_step,
+                        schedule.RecvActivation: _exec_recv_activations, schedule.RecvGrad: _exec_recv_grads,
+                        PredictorWork: _exec_predictor_work}
 
 
 def _ds_config(bound: inspect.BoundArguments) -> dict:

@@ -14,7 +14,7 @@ from cpsr_ds.config import FaultConfig
 @pytest.mark.parametrize(
     "block, message",
     [
-        ({"bogus": 1}, r"cpsr\.bogus: unknown key \(allowed: enabled, checkpoint, faults, predictor, recovery, planner\)"),
+        ({"bogus": 1}, r"cpsr\.bogus: unknown key \(allowed: enabled, checkpoint, faults, predictor, recovery, planner, coordinator\)"),
         ({"predictor": {"name": "lstm"}}, r"cpsr\.predictor\.name: Input should be 'skip', 'linear', 'trend', 'damped', 'ridge' or 'vitp'"),
         ({"recovery": {"mode": "guess"}}, r"cpsr\.recovery\.mode: Input should be 'auto', 'predict' or 'recompute'"),
         ({"recovery": {"max_relative_error": 0}}, r"cpsr\.recovery\.max_relative_error: Input should be greater than 0"),

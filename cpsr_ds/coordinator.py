@@ -1,0 +1,298 @@
+"""The coordinator (paper Section III-B, Fig. 5): predictor work hidden in the 1F1B pipeline bubbles.
+
+DeepSpeed's :class:`TrainSchedule` yields 2(M+S-1) steps per batch; each stage has
+2(S-1) of them with no forward or backward pass. A stage does not wait in those steps
+but in the next blocking receive: stage s waits about s*tF in its first
+``RecvActivation``, (S-1-s)*tB in its first ``RecvGrad``, tF in each ``RecvGrad`` that
+follows a step with no pass (cool-down), and s*tB at the end of the batch, in the
+collectives of ``OptimizerStep`` (the gradient norm of clipping is reduced across the
+stages). Work fills a bubble only if it runs *before* the receive that will wait, and
+only as long as the wait: :class:`BubbleSchedule` puts a :class:`PredictorWork`
+instruction in those places (:func:`bubble_slots`), and :class:`Coordinator` runs the
+queued predictor work there, each slot within its budget.
+
+A slot's budget is measured online: the span from the slot's start to the end of the
+receive after it (its work plus what is left of the wait; DeepSpeed's ``PIPE_RECV``
+timers lump the transfer in and crash every stage but the last), a low percentile of
+the spans of recent iterations, times a safety factor (``coordinator`` in the config).
+Work that overruns a bubble shows as a shorter span and shrinks the budget. The end
+slot's span holds the optimizer step's own time too, so its budget is an upper bound.
+
+On CPU (gloo) a receive blocks the process and the work runs inline. On CUDA the
+work is issued on a side stream that waits on the compute stream at the slot
+(:func:`_side_stream`); that path is not exercised by the test suite (no GPU), and its
+spans are CPU time, not GPU time.
+
+Predictor work is queued as jobs (:class:`TrainJob`: the learning predictor's steps
+after a checkpoint, in slices; :class:`CallJob`: a piece that cannot be sliced, such
+as the held-out check). A job whose smallest piece has no measured cost yet runs that
+piece at once, inline, to measure it (or, queued behind other work, at the next
+checkpoint); what is still queued at a checkpoint runs inline there, before the predictor
+sees the new checkpoint, and what is queued when the job ends is dropped.
+
+Record: ``coordinator/rankNNNNN.jsonl`` in the run directory, one JSON line per
+``coordinator.log_every`` iterations per rank: ``rank``, ``stage``, ``iteration`` (the
+last one covered), ``iterations`` (how many), ``bubble_s`` (the slots' measured spans,
+summed), ``predictor_s`` (predictor work placed in slots), ``inline_s`` (predictor work
+run inline, on the training loop's path) and ``slices``, ``[slot, budget_s, spent_s]``
+for every slot that ran work. Per iteration: ``bubble_s / iterations`` and
+``predictor_s / iterations``; the bubble filled: ``predictor_s / bubble_s``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import time
+from collections import defaultdict, deque
+from typing import Callable, Optional, Protocol
+
+import numpy as np
+import torch
+from deepspeed.runtime.pipe import schedule
+from deepspeed.runtime.pipe.schedule import PipeInstruction, TrainSchedule
+
+from cpsr_ds.config import CoordinatorConfig
+
+log = logging.getLogger(__name__)
+
+RECORD_DIR = "coordinator"
+PIECES = 5  # recent costs of a job's smallest piece that its estimate is the largest of
+MIN_PIECE_S = 0.002  # no piece is expected to take less: timing noise on a shared CPU is of that order
+
+
+class PredictorWork(PipeInstruction):
+    """Run queued predictor work within the budget of bubble ``slot``."""
+
+    def __init__(self, slot: str):
+        super().__init__(slot=slot)
+
+
+def _computes(cmds: list) -> bool:
+    return any(isinstance(c, (schedule.ForwardPass, schedule.BackwardPass)) for c in cmds)
+
+
+def bubble_slots(steps: list[list]) -> list[tuple[int, int, str]]:
+    """Where a stage's schedule ``steps`` waits: (step, position in the step, slot name).
+
+    Before the first ``RecvActivation``, the first ``RecvGrad`` and each ``RecvGrad``
+    after a step with no pass, at the start of their step; in a last step with no pass,
+    right before its batch-end collectives (after a ``SendGrad`` that another stage
+    waits for).
+    """
+    found, seen = [], set()
+    for i, cmds in enumerate(steps):
+        kinds = {type(c) for c in cmds}
+        idle_before = i > 0 and not _computes(steps[i - 1])
+        for kind in (schedule.RecvActivation, schedule.RecvGrad):
+            if kind in kinds and (kind not in seen or (kind is schedule.RecvGrad and idle_before)):
+                found.append((i, 0, f"{kind.__name__}@{i}"))
+            if kind in kinds:
+                seen.add(kind)
+        if i == len(steps) - 1 and not _computes(cmds) and schedule.ReduceTiedGrads in kinds:
+            at = next(k for k, c in enumerate(cmds) if isinstance(c, schedule.ReduceTiedGrads))
+            found.append((i, at, f"OptimizerStep@{i}"))
+    return found
+
+
+class BubbleSchedule(TrainSchedule):
+    """DeepSpeed's 1F1B training schedule with a :class:`PredictorWork` in each of the stage's bubbles."""
+
+    def steps(self):
+        steps = [list(cmds) for cmds in super().steps()]
+        for step, position, slot in bubble_slots(steps):
+            steps[step].insert(position, PredictorWork(slot))
+        yield from steps
+
+
+class Job(Protocol):
+    def cost(self) -> Optional[float]:
+        """Seconds of the job's smallest piece; None: not measured yet."""
+
+    def run(self, budget_s: Optional[float]) -> bool:
+        """Work for at most ``budget_s`` seconds (None: to the end); True once the job is done."""
+
+
+class PieceCost:
+    """The cost of a job kind's smallest piece: the largest of the last few measured."""
+
+    def __init__(self):
+        self.recent: deque[float] = deque(maxlen=PIECES)
+
+    def add(self, seconds: float) -> None:
+        self.recent.append(seconds)
+
+    def estimate(self) -> Optional[float]:
+        return max(MIN_PIECE_S, *self.recent) if self.recent else None
+
+
+class TrainJob:
+    """A learning predictor's training after a checkpoint: ``steps`` steps or ``seconds`` seconds, in slices.
+
+    A slice is one ``predictor.step`` call: its steps, then its held-out check. Its
+    smallest piece (one step and the check) is ``piece``'s; a slice gets the budget
+    less that piece for its steps, so that it ends within the budget.
+    """
+
+    def __init__(self, predictor, steps: Optional[int], seconds: Optional[float], piece: PieceCost):
+        self.predictor = predictor
+        self.steps, self.seconds, self.piece = steps, seconds, piece
+
+    def cost(self) -> Optional[float]:
+        return self.piece.estimate()
+
+    def run(self, budget_s: Optional[float]) -> bool:
+        steps = self.steps
+        if budget_s is None:
+            budget = self.seconds
+        else:
+            known = self.cost()
+            steps = 1 if known is None else steps
+            budget = None if known is None else max(budget_s - known, 0.0)
+            if self.seconds is not None:
+                budget = self.seconds if budget is None else min(budget, self.seconds)
+        report = self.predictor.step(budget_s=budget, n_steps=steps)
+        if report.steps == 1:
+            self.piece.add(report.seconds)
+        if self.steps is not None:
+            self.steps -= report.steps
+        if self.seconds is not None:
+            self.seconds -= report.seconds
+        # Without a budget the call ran to a limit; no step taken: nothing to train on yet.
+        return (budget_s is None or report.steps == 0 or self.steps == 0
+                or (self.seconds is not None and self.seconds <= 0))
+
+
+class CallJob:
+    """One call that cannot be sliced; its cost is the largest of its kind's recent calls."""
+
+    def __init__(self, call: Callable[[], None], piece: PieceCost):
+        self.call, self.piece = call, piece
+
+    def cost(self) -> Optional[float]:
+        return self.piece.estimate()
+
+    def run(self, budget_s: Optional[float]) -> bool:
+        t0 = time.perf_counter()
+        self.call()
+        self.piece.add(time.perf_counter() - t0)
+        return True
+
+
+def budget(spans, percentile: float, safety: float) -> float:
+    """A slot's budget: the ``percentile`` of its recent ``spans`` times ``safety``; 0 before any."""
+    return float(np.percentile(list(spans), percentile)) * safety if spans else 0.0
+
+
+def _side_stream(side):
+    """On CUDA, ``side`` made to start at this point of the compute stream; on CPU (``side`` None), nothing."""
+    if side is None:
+        return contextlib.nullcontext()
+    side.wait_stream(torch.cuda.current_stream())
+    return torch.cuda.stream(side)
+
+
+class Coordinator:
+    """One rank's queue of predictor work, its slots' spans and budgets, and its record."""
+
+    def __init__(self, cfg: CoordinatorConfig, directory: str, rank: int, stage: int):
+        self.cfg = cfg
+        self.path = os.path.join(directory, RECORD_DIR, f"rank{rank:05d}.jsonl")
+        self.rank, self.stage = rank, stage
+        self.queue: deque[Job] = deque()
+        self.spans: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=cfg.window))
+        self.pieces: dict[str, PieceCost] = defaultdict(PieceCost)
+        self.open = None  # (slot, start, budget, spent) until the receive after the slot ends
+        self.side = torch.cuda.Stream() if torch.cuda.is_available() else None
+        self._reset()
+
+    def _reset(self) -> None:
+        self.iterations, self.bubble_s, self.predictor_s, self.inline_s, self.slices = 0, 0.0, 0.0, 0.0, []
+
+    def piece(self, kind: str) -> PieceCost:
+        """The cost record of the jobs of ``kind``, kept across checkpoints."""
+        return self.pieces[kind]
+
+    def budget(self, slot: str) -> float:
+        return budget(self.spans[slot], self.cfg.percentile, self.cfg.safety)
+
+    def submit(self, job: Job) -> None:
+        """Queue ``job``. A job with no measured piece runs one piece now, inline, to measure it; behind other
+        work (which it must follow) it waits for the next :meth:`flush`, which measures it."""
+        if job.cost() is None and not self.queue:
+            t0 = time.perf_counter()
+            done = job.run(0.0)
+            self.inline_s += time.perf_counter() - t0
+            if done:
+                return
+        self.queue.append(job)
+
+    def flush(self) -> None:
+        """Run everything queued to its end, inline."""
+        t0 = time.perf_counter()
+        while self.queue:
+            self.queue.popleft().run(None)
+        self.inline_s += time.perf_counter() - t0
+
+    def drop(self) -> None:
+        """Give up what is queued (the job ends), saying so."""
+        if self.queue:
+            log.info("cpsr: rank %d: %d job(s) of predictor work left undone at the end of the job",
+                     self.rank, len(self.queue))
+        self.queue.clear()
+
+    def slot(self, slot: str) -> None:
+        """At bubble ``slot``: run queued work within its budget."""
+        start = time.perf_counter()
+        limit, ran = self.budget(slot), False
+        with _side_stream(self.side):
+            while self.queue:
+                left = limit - (time.perf_counter() - start)
+                cost = self.queue[0].cost()
+                if cost is None or cost > left:
+                    break
+                ran = True
+                if self.queue[0].run(left):
+                    self.queue.popleft()
+        self.open = (slot, start, limit, time.perf_counter() - start if ran else 0.0)
+
+    def waited(self) -> None:
+        """The receive after the open slot has ended: its span is measured."""
+        if self.open is None:
+            return
+        slot, start, limit, spent = self.open
+        self.open = None
+        span = time.perf_counter() - start
+        self.spans[slot].append(span)
+        self.bubble_s += span
+        if spent > 0:
+            self.predictor_s += spent
+            self.slices.append([slot, round(limit, 6), round(spent, 6)])
+
+    def end_iteration(self, iteration: int) -> None:
+        """Count the iteration; every ``log_every`` iterations append the record's line."""
+        self.iterations += 1
+        if self.iterations < self.cfg.log_every:
+            return
+        row = {"rank": self.rank, "stage": self.stage, "iteration": iteration, "iterations": self.iterations,
+               "bubble_s": round(self.bubble_s, 6), "predictor_s": round(self.predictor_s, 6),
+               "inline_s": round(self.inline_s, 6), "slices": self.slices}
+        self._reset()
+        try:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            with open(self.path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        except OSError as err:  # a record never stops training
+            log.warning("cpsr: could not append to %s: %s", self.path, err)
+
+
+def read_records(directory: str) -> list[dict]:
+    """Every rank's coordinator lines in ``directory``, in file order."""
+    folder = os.path.join(directory, RECORD_DIR)
+    rows = []
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        with open(os.path.join(folder, name)) as f:
+            rows.extend(json.loads(line) for line in f if line.strip())
+    return rows
