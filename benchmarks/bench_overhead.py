@@ -4,14 +4,18 @@
     python benchmarks/bench_overhead.py --quick --json benchmarks/results/bench_overhead_quick.json \\
         --plot benchmarks/results/bench_overhead_quick.png | tee benchmarks/results/bench_overhead_quick.txt
 
-The GPT of ``configs/gpt_tiny_cpu.json`` (4 layers, hidden 128, sequence 128, 4
-micro-batches of 8) trains through ``launch/train_gpt.py`` under ``deepspeed --num_gpus
-N`` (CPU, gloo, one thread per process) with predictor ``vitp`` learning a fixed number
+The GPT of ``configs/gpt_tiny_cpu.json`` (4 layers, hidden 128, sequence 128), with
+``--micro-batches`` (2) micro-batches of ``--micro-batch`` (64) sequences and ZeRO stage 1,
+trains through ``launch/train_gpt.py`` under ``deepspeed --num_gpus N`` (CPU, gloo, one
+thread per process) with predictor ``vitp`` (its defaults) learning a fixed number
 of steps after each checkpoint (``predictor.train_steps``, no time limit, so that the
 predictor's work does not depend on the machine's load), a checkpoint every
 ``--interval`` iterations and ``coordinator.log_every`` 1. The same config runs with
 ``coordinator.enabled`` true ("on": the work in the bubbles) and false ("off": at the
 checkpoint, on the training loop's path), interleaved: on, off, on, off, ...
+The batch is large enough that a piece of vitp's work (one training step and its
+held-out check, about 0.1 s on one thread) fits the larger bubbles; with the base
+config's 8 sequences per micro-batch none does, and all the work runs inline.
 
 - PP = 2 (two processes on the two cores: a bubble leaves a core idle) is the headline;
   PP = 4 with DP = 1 and DP = 2 (4 and 8 processes) are reported, oversubscribed on 2 cores.
@@ -33,8 +37,8 @@ checkpoint, on the training loop's path), interleaved: on, off, on, off, ...
   memory above its baseline of vitp's training steps and of a prediction, one thread)
   for a shard the size of the benchmark's pipeline stage (``n_p`` of its StateRows), and
   without ``--quick`` for footprint's default shard (8192 chunks of 1024 parameters).
-- Recovery host memory: PP = 2 with DP = 1 and DP = 2, ``recovery.mode`` predict with the
-  default predictor, rank 1 killed RECOVERY_KILL_AT iterations in and the job restarted;
+- Recovery host memory: PP = 2 with DP = 1 and DP = 2 (the base config's batch),
+  ``recovery.mode`` predict with the default predictor, rank 1 killed RECOVERY_KILL_AT iterations in and the job restarted;
   every rank of the restart measures its peak resident memory while ``recover`` runs
   (VmHWM reset before it; ``benchmarks/overhead_job.py``). Per DP degree: the largest
   peak above the rank's memory before recovery among stage 0's ranks.
@@ -104,15 +108,18 @@ def per_stage(rows: list[dict], warm_up: int) -> dict[int, dict]:
     the predictor filled."""
     sums: dict[int, dict] = defaultdict(lambda: {"iterations": 0, "bubble_s": 0.0, "predictor_s": 0.0,
                                                  "inline_s": 0.0})
+    slices: dict[int, list] = defaultdict(list)
     for r in rows:
         if r["iteration"] - r["iterations"] < warm_up:
             continue
         total = sums[r["stage"]]
         for key in total:
             total[key] += r[key]
+        slices[r["stage"]] += r["slices"]
     return {stage: {"iterations": s["iterations"],
                     **{f"{k}_per_iter": s[k] / s["iterations"] for k in ("bubble_s", "predictor_s", "inline_s")},
-                    "filled_fraction": filled(s["predictor_s"], s["bubble_s"])}
+                    "filled_fraction": filled(s["predictor_s"], s["bubble_s"]), "slices": len(slices[stage]),
+                    "overruns": sum(spent > budget for _, budget, spent in slices[stage])}
             for stage, s in sorted(sums.items()) if s["iterations"]}
 
 
@@ -125,6 +132,17 @@ def filled_fraction(stages: dict[int, dict]) -> float | None:
     """The share of all stages' bubble time filled (each stage weighted by its bubble time)."""
     return filled(sum(s["predictor_s_per_iter"] * s["iterations"] for s in stages.values()),
                   sum(s["bubble_s_per_iter"] * s["iterations"] for s in stages.values()))
+
+
+def dp_ratio(dp1: dict, dp2: dict) -> dict:
+    """Per key (a stage, or one figure), DP = 2's value over DP = 1's; None where DP = 1's is 0 or either is
+    missing."""
+    return {k: dp2[k] / dp1[k] if dp1.get(k) and dp2.get(k) is not None else None for k in dp1}
+
+
+def work_per_iter(stages: dict[int, dict]) -> dict[int, float]:
+    """Per stage, a rank's predictor seconds per iteration, in the bubbles and inline."""
+    return {stage: f["predictor_s_per_iter"] + f["inline_s_per_iter"] for stage, f in stages.items()}
 
 
 def per_iteration(rows: list[dict], stage: int) -> tuple[list[int], list[float], list[float]]:
@@ -163,10 +181,17 @@ def recovery_peaks(rows: list[dict], stage: int = 0) -> dict:
 # ---------------------------------------------------------------- running jobs
 
 
-def ds_config(run_dir: str, stages: int, cpsr: dict) -> dict:
+def ds_config(run_dir: str, stages: int, cpsr: dict, batch: tuple[int, int] | None = None) -> dict:
+    """The base config with ``stages`` pipeline stages, ZeRO stage 1 and ``batch`` (sequences per micro-batch,
+    micro-batches; None: the base config's)."""
     with open(BASE_CONFIG) as f:
         config = json.load(f)
+    if batch is not None:
+        config.update(train_micro_batch_size_per_gpu=batch[0], gradient_accumulation_steps=batch[1])
     config["pipeline"] = {"stages": stages}
+    # Each data-parallel rank writes its partition. Without ZeRO, PP = 4 with DP = 2 fails: the ranks of
+    # data-parallel rank 1 settle a checkpoint cost with no persist time (online_planner.CostMeter.settle).
+    config["zero_optimization"] = {"stage": 1}
     config["cpsr"] = {**cpsr, "checkpoint": {"dir": run_dir, **cpsr.get("checkpoint", {})}}
     return config
 
@@ -178,7 +203,9 @@ def launch(base: str, name: str, config: dict, nprocs: int, iters: int, script: 
         json.dump(config, f)
     command = [DEEPSPEED, "--num_gpus", str(nprocs), "--master_port", str(free_port()), script,
                "--deepspeed_config", path, "--train-iters", str(iters), "--eval-interval", str(iters),
-               "--log-interval", str(iters), "--valid-sequences", "16"]
+               "--log-interval", str(iters),
+               # The fewest validation sequences train_gpt takes: it evaluates only at the start and the end.
+               "--valid-sequences", str(config["train_micro_batch_size_per_gpu"] * nprocs)]
     return finish([start(command, os.path.join(base, f"{name}.log"), dict(os.environ, **JOB_ENV))], JOB_TIMEOUT_S)[0]
 
 
@@ -199,7 +226,8 @@ def overhead_run(args, stages: int, dp: int, pair: int, enabled: bool) -> dict:
     name = f"pp{stages}-dp{dp}-{pair}-{'on' if enabled else 'off'}"
     run_dir = os.path.join(args.out_dir, name)
     t0 = time.monotonic()
-    check(launch(args.out_dir, name, ds_config(run_dir, stages, overhead_block(args, enabled)), stages * dp,
+    check(launch(args.out_dir, name, ds_config(run_dir, stages, overhead_block(args, enabled),
+                                                (args.micro_batch, args.micro_batches)), stages * dp,
                  args.iters), args.out_dir, name)
     rows, problems = read_measurements(run_dir)
     run = {"dir": run_dir, "wall_s": time.monotonic() - t0,
@@ -245,7 +273,7 @@ def recovery_memory(args, dp: int) -> list[dict]:
     run_dir = os.path.join(args.out_dir, name)
     block = {"checkpoint": {"interval": RECOVERY_INTERVAL}, "recovery": {"mode": "predict"},
              "faults": {"kill_rank": 1, "kill_at_iteration": RECOVERY_KILL_AT}}
-    config = ds_config(run_dir, 2, block)
+    config = ds_config(run_dir, 2, block)  # recovery's memory does not depend on the batch
     first = launch(args.out_dir, f"{name}-first", config, 2 * dp, RECOVERY_ITERS, JOB)
     if first == 0:
         raise RuntimeError(f"{name}: the job finished although rank 1 was to be killed at {RECOVERY_KILL_AT}")
@@ -265,6 +293,8 @@ def recovery_memory(args, dp: int) -> list[dict]:
 
 def summarize_all(args, layouts: dict, footprints: dict, memory: list[dict]) -> dict:
     head = layouts[LAYOUTS[0]]
+    peaks = recovery_peaks(memory)
+    pp4 = {dp: layouts[(4, dp)] for dp in (1, 2) if (4, dp) in layouts}
     return {
         "throughput_ratio": head["throughput_ratio"]["median"],
         "throughput_ratio_summary": head["throughput_ratio"],
@@ -274,8 +304,18 @@ def summarize_all(args, layouts: dict, footprints: dict, memory: list[dict]) -> 
         "bubble_filled_fraction": head["bubble_filled_fraction"],
         "predictor_peak_mb": max(f["peak_mib"] for f in footprints.values()) if footprints else None,
         "predictor_footprint": footprints,
-        "recovery_peak_host_mb": recovery_peaks(memory),
+        "recovery_peak_host_mb": peaks,
+        "recovery_peak_dp2_over_dp1": peaks[2] / peaks[1] if {1, 2} <= set(peaks) and peaks[1] > 0 else None,
         "recovery_memory": memory,
+        "throughput_ratio_pp4": {dp: r["throughput_ratio"]["median"] for dp, r in pp4.items()},
+        "predictor_s_per_iter_pp4": {dp: {s: f["predictor_s_per_iter"] for s, f in r["stages"].items()}
+                                     for dp, r in pp4.items()},
+        "bubble_s_per_iter_pp4": {dp: {s: f["bubble_s_per_iter"] for s, f in r["stages"].items()}
+                                  for dp, r in pp4.items()},
+        "bubble_filled_fraction_pp4": {dp: r["bubble_filled_fraction"] for dp, r in pp4.items()},
+        # A rank's predictor work (in the bubbles and inline) at DP = 2 over DP = 1, per stage of PP = 4.
+        "predictor_work_dp2_over_dp1": (dp_ratio(work_per_iter(pp4[1]["stages"]), work_per_iter(pp4[2]["stages"]))
+                                        if len(pp4) == 2 else None),
         "layouts": {f"pp{pp}_dp{dp}": r for (pp, dp), r in layouts.items()},
         "settings": {k: v for k, v in vars(args).items() if k not in ("json", "plot")},
     }
@@ -304,7 +344,7 @@ def print_result(result: dict) -> None:
         for stage, f in r["stages"].items():
             print(f"{name:10s} stage {stage} | bubble {f['bubble_s_per_iter'] * 1e3:8.2f} | placed "
                   f"{f['predictor_s_per_iter'] * 1e3:8.2f} | inline {f['inline_s_per_iter'] * 1e3:8.2f} | "
-                  f"filled {num(f['filled_fraction'], '.1%', 6)}")
+                  f"filled {num(f['filled_fraction'], '.1%', 6)} | slices {f['slices']}, over budget {f['overruns']}")
         print(f"{name:10s} all stages filled {num(r['bubble_filled_fraction'], '.1%', 6)}")
     print("\nheld-out error (Eq. 9) at the newest checkpoint both runs measured: on (in bubbles) / off (at checkpoints)")
     for name, r in result["layouts"].items():
@@ -319,7 +359,9 @@ def print_result(result: dict) -> None:
     for r in result["recovery_memory"]:
         print(f"  dp {r['dp']} rank {r['rank']} stage {r['stage']} | {r['method']:9s} | "
               f"{(r['peak_kib'] - r['baseline_kib']) / 1024:8.1f} | {r['peak_kib'] / 1024:8.1f}")
-    print(f"recovery_peak_host_mb (stage 0, by DP degree): {result['recovery_peak_host_mb']}")
+    print(f"recovery_peak_host_mb (stage 0, by DP degree): {result['recovery_peak_host_mb']}; DP = 2 over DP = 1: "
+          f"{num(result['recovery_peak_dp2_over_dp1'], '.2f', 4)}")
+    print(f"a rank's predictor work at PP = 4, DP = 2 over DP = 1, per stage: {result['predictor_work_dp2_over_dp1']}")
 
 
 def plot(result: dict, path: str) -> None:
@@ -345,15 +387,17 @@ def plot(result: dict, path: str) -> None:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="fewer pairs and iterations (about 8 minutes on 2 cores)")
+    p.add_argument("--quick", action="store_true", help="fewer pairs and iterations (within 8 minutes on 2 cores)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--plot", help="write Fig. 10 (bubble and predictor time per stage and iteration) here (PNG)")
     p.add_argument("--out-dir", default=os.path.join(ROOT, "runs", "bench_overhead"),
                    help="the runs' directories and logs (emptied first)")
-    p.add_argument("--pairs", type=int, help="on/off pairs at PP = 2 (default 5; --quick: 3)")
+    p.add_argument("--pairs", type=int, help="on/off pairs at PP = 2 (default 5; --quick: 2)")
     p.add_argument("--pairs-pp4", type=int, help="on/off pairs at PP = 4, each DP (default 2; --quick: 1)")
-    p.add_argument("--iters", type=int, help="iterations per job (default 96; --quick: 54)")
-    p.add_argument("--interval", type=int, default=3, help="checkpoint interval, iterations")
+    p.add_argument("--iters", type=int, help="iterations per job (default 40; --quick: 22)")
+    p.add_argument("--micro-batch", type=int, default=64, help="sequences per micro-batch")
+    p.add_argument("--micro-batches", type=int, default=2, help="micro-batches per iteration")
+    p.add_argument("--interval", type=int, default=2, help="checkpoint interval, iterations")
     p.add_argument("--train-steps", type=int, default=4, help="vitp's training steps after each checkpoint")
     p.add_argument("--warm-up", type=int,
                    help="iterations left out of the measurement (default: until vitp has the checkpoints it learns "
@@ -361,9 +405,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-recovery", action="store_true", help="leave out the recovery memory jobs")
     p.add_argument("--note", default="", help="what else ran on the machine meanwhile, for the record")
     args = p.parse_args(argv)
-    args.pairs = args.pairs or (3 if args.quick else 5)
+    args.pairs = args.pairs or (2 if args.quick else 5)
     args.pairs_pp4 = args.pairs_pp4 if args.pairs_pp4 is not None else (1 if args.quick else 2)
-    args.iters = args.iters or (54 if args.quick else 96)
+    args.iters = args.iters or (22 if args.quick else 40)
     if args.warm_up is None:
         args.warm_up = VITPPredictor(history=HISTORY).min_history * args.interval
     if args.warm_up + 2 > args.iters:
