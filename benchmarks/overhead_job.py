@@ -1,0 +1,42 @@
+"""Run under DeepSpeed's launcher by bench_overhead.py: launch/train_gpt.py with the host memory of recovery measured.
+
+Every rank appends one line to ``RUN_DIR/recovery_memory/rankNNNNN.jsonl`` per start:
+its resident memory before recovery and the peak (Linux VmHWM, reset just before)
+while ``recover`` ran, in KiB, with its stage, data-parallel rank and degree and the
+recovery's method.
+"""
+
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "launch"))
+
+import train_gpt  # noqa: E402
+
+from cpsr_ds import plugin  # noqa: E402
+from cpsr_ds.predictor.footprint import _reset_peak, _status_kib  # noqa: E402
+
+RECORD_DIR = "recovery_memory"
+
+
+def measured(recover):
+    def recover_measured(engine, cfg, predictor):
+        baseline_kib = _reset_peak()
+        report = recover(engine, cfg, predictor)
+        row = {"rank": engine.global_rank, "stage": engine.stage_id, "dp_rank": engine.grid.get_data_parallel_rank(),
+               "dp": engine.grid.get_data_parallel_world_size(), "method": report.method,
+               "baseline_kib": baseline_kib, "peak_kib": _status_kib("VmHWM")}
+        folder = os.path.join(cfg.checkpoint.dir, RECORD_DIR)
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, f"rank{engine.global_rank:05d}.jsonl"), "a") as f:
+            f.write(json.dumps(row) + "\n")
+        return report
+    return recover_measured
+
+
+if __name__ == "__main__":
+    plugin.recover = measured(plugin.recover)
+    train_gpt.main()
