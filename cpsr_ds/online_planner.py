@@ -158,13 +158,17 @@ class CostMeter:
             self.pending[-1].stall_s = stall_s
 
     def settle(self, tag: str, outcome) -> Optional[Cost]:
-        """Close the window of ``tag`` with its engine outcome ((bytes, persist_s), False: given up, None: pending)."""
+        """Close the window of ``tag`` with its engine outcome ((bytes, persist_s), False: given up, None: pending).
+
+        persist_s None: this rank had a part but wrote no file (a data-parallel rank past the first without
+        ZeRO: DeepSpeed writes the module and optimizer from the first), so it has no cost of its own.
+        """
         window = next((w for w in self.pending if w.tag == tag), None)
         if window is None or outcome is None:
             return None
         self.pending.remove(window)
         baseline = window.baseline if window.baseline is not None else self.baseline()
-        if outcome is False or baseline is None:
+        if outcome is False or baseline is None or outcome[1] is None:
             return None
         nbytes, persist_s = outcome
         stall = window.stall_s if window.stall_s is not None else 0.0

@@ -62,6 +62,8 @@ def test_the_meter_measures_against_the_baseline_of_iterations_without_a_checkpo
     assert cost == op.Cost(10, 1.0, 0.5, pytest.approx(1.1), 1.7, 4096)
     meter.start(20, "global_step20", 0.1)
     assert meter.settle("global_step20", False) is None and not meter.pending  # given up: no cost
+    meter.start(30, "global_step30", 0.1)
+    assert meter.settle("global_step30", (0, None)) is None and not meter.pending  # wrote nothing: no cost
 
 
 def test_a_window_closes_when_the_next_checkpoint_begins():
