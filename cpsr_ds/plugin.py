@@ -70,6 +70,7 @@ from cpsr_ds.recovery import (
     excess_at,
     journal_losses,
     new_predictor,
+    own_share,
     recover,
 )
 from cpsr_ds.rundir import RunDirLock, claim
@@ -110,11 +111,15 @@ class Runtime:
 
     Every checkpoint is measured (runlog.CostRow on the measuring ranks, the first
     data-parallel rank of each stage) and, unless recovery.mode is recompute, its state
-    (runlog.StateRow: xi, and the held-out error of the configured predictor). The
-    measuring ranks keep that predictor observing every checkpoint: in host memory
-    ``predictor.history`` copies of the stage's fp32 parameters and both Adam moments,
-    12 bytes per parameter each (e.g. 4 x 12 x 350M = 17 GB for all of GPT2-0.35B in one
-    stage); vitp keeps the same on every rank, as it did to learn.
+    (runlog.StateRow: xi of the stage's state, and the held-out error of the configured
+    predictor). The predictor sees only this rank's data-parallel share of the stage's
+    state (recovery.own_share: 1/DP of it with DP replicas), the share it predicts at
+    recovery. The measuring ranks keep that predictor observing every checkpoint: in host
+    memory ``predictor.history`` copies of their share of the stage's fp32 parameters and
+    both Adam moments, 12 bytes per parameter each (e.g. 4 x 12 x 350M = 17 GB for all of
+    GPT2-0.35B in one stage without data parallelism); vitp keeps the same on every rank,
+    as it did to learn. The StateRow's held-out error is thus the first data-parallel
+    rank's share's.
 
     With ``coordinator.enabled`` and more than one pipeline stage, the predictor's work
     after a checkpoint (vitp's training, the held-out check of the StateRow) is queued to
@@ -246,7 +251,7 @@ class Runtime:
             # The last checkpoint's work is done before the predictor sees this one.
             self.coordinator.flush()
         if self.predictor is not None and state is not None:
-            self.predictor.observe(iteration, state)
+            self.predictor.observe(iteration, own_share(engine, state))
             if self.learning:
                 # A learning predictor trains a little; its weights go with the checkpoint (a copy: in the
                 # bubbles it trains on while the checkpoint persists).

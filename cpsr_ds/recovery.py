@@ -54,6 +54,7 @@ from cpsr_ds.fitter import (
     TOO_FEW,
     AccuracyFit,
     NoFit,
+    StageCurvature,
     fit_loss_o,
     fit_loss_p,
     fit_recent,
@@ -63,6 +64,7 @@ from cpsr_ds.fitter import (
 )
 from cpsr_ds.predictor import NotReady, make_predictor
 from cpsr_ds.runlog import MEASUREMENTS_DIR, held_out_errors, read_measurements
+from cpsr_ds.shard import assemble, pack, packed_length, share, unpack
 
 log = logging.getLogger(__name__)
 
@@ -203,6 +205,62 @@ def engine_state(engine) -> dict[str, torch.Tensor]:
     return state
 
 
+class DataParallel(NamedTuple):
+    """This rank's place among its stage's data-parallel replicas (one replica: no process group)."""
+
+    rank: int
+    size: int
+    group: object = None
+
+
+def data_parallel(engine) -> DataParallel:
+    grid = getattr(engine, "grid", None)
+    if grid is None:
+        return DataParallel(0, 1)
+    return DataParallel(grid.get_data_parallel_rank(), grid.get_data_parallel_world_size(),
+                        grid.get_data_parallel_group())
+
+
+def own_share(engine, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """This data-parallel rank's share of its stage's ``state`` (:mod:`cpsr_ds.shard`), the predictor's part.
+
+    An even slice of each flattened tensor, whatever the optimizer partitions: under
+    ZeRO, owning exactly the rank's own partition (and reading it without the gather
+    engine_state makes) is left for later.
+    """
+    dp = data_parallel(engine)
+    return share(state, dp.rank, dp.size)
+
+
+def state_shapes(engine) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor :func:`engine_state` gives, by key."""
+    return {f"{kind}/{name}": tuple(p.shape) for name, p in engine.module.named_parameters()
+            for kind in ("param", *MOMENTS)}
+
+
+def full_state(engine, own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The stage's state from every data-parallel rank's share of it, ``own`` this rank's (:func:`own_share`).
+
+    A collective over the stage's data-parallel group: one all_gather of each rank's
+    share packed into a vector, padded to the longest share.
+    """
+    dp, shapes = data_parallel(engine), state_shapes(engine)
+    if dp.size == 1:
+        return assemble([own], shapes)
+    lengths = [packed_length(shapes, r, dp.size) for r in range(dp.size)]
+    flat = pack(own)
+    if flat.numel() != lengths[dp.rank]:
+        raise ValueError(f"cpsr recovery: data-parallel rank {dp.rank} of stage {engine.stage_id} holds "
+                         f"{flat.numel()} values of the predicted state, its share is {lengths[dp.rank]}")
+    longest = max(lengths)
+    padded = torch.zeros(longest, device=engine.device)
+    padded[:flat.numel()] = flat.to(engine.device)
+    gathered = [torch.empty_like(padded) for _ in range(dp.size)]
+    dist.all_gather(gathered, padded, group=dp.group)
+    return assemble([unpack(g[:n].cpu(), shapes, r, dp.size) for r, (g, n) in enumerate(zip(gathered, lengths))],
+                    shapes)
+
+
 def load_engine_state(engine, state: dict[str, torch.Tensor]) -> None:
     """Write ``state`` (as from :func:`engine_state`) into the engine: masters, moments, model weights."""
     partitioned = _partitioned(engine)
@@ -270,34 +328,48 @@ def on_any_rank(local: str | None, among=None) -> str | None:
                  if value is not None and group == among), None)
 
 
-def _load_checked(engine, directory: str, tag: str | None, among=None) -> tuple[dict, dict | None]:
-    """Load ``tag``; (client state, engine state), the state None where a rank (of those ``among`` names, see
-    :func:`on_any_rank`) holds a non-finite value. ``tag`` None: load nothing, only join the others' check."""
+class Retained(NamedTuple):
+    """A loaded checkpoint as recovery keeps it: this rank's share of the stage's state, and the stage's xi."""
+
+    iteration: int
+    share: dict[str, torch.Tensor]  # own_share of its engine_state
+    curvature: StageCurvature | NoFit  # stage_xi of the stage's whole state, for the paper's cost model
+
+
+def _load_checked(engine, directory: str, tag: str | None, among=None) -> tuple[dict, Retained | None]:
+    """Load ``tag``; (client state, what recovery keeps of it), None where a rank (of those ``among`` names, see
+    :func:`on_any_rank`) holds a non-finite value. ``tag`` None: load nothing, only join the others' check.
+
+    Each rank keeps its share only: the full state goes as soon as it is sliced, and the
+    shares, together the whole state, are checked for finiteness each by its rank.
+    """
     if tag is None:
         on_any_rank(None, among)
         return {}, None
     client_state = _load(engine, directory, tag)
     state = engine_state(engine)
-    bad = on_any_rank(nonfinite_tensor(state), among)
+    kept = Retained(engine.global_steps, own_share(engine, state), stage_xi(state))
+    del state
+    bad = on_any_rank(nonfinite_tensor(kept.share), among)
     if bad is None:
-        return client_state, state
+        return client_state, kept
     log.error("cpsr recovery: checkpoint %s in %s has non-finite values in %s: leaving it out", tag, directory, bad)
     return client_state, None
 
 
-def _restore(engine, directory: str, candidates) -> tuple[dict, dict]:
-    """Load the first of ``candidates`` (newest first) whose state is finite; (client state, engine state)."""
+def _restore(engine, directory: str, candidates) -> tuple[dict, Retained]:
+    """Load the first of ``candidates`` (newest first) whose state is finite; (client state, what is kept of it)."""
     tags = [ck.tag for ck in candidates]
     for tag in tags:
-        client_state, state = _load_checked(engine, directory, tag)
-        if state is not None:
-            return client_state, state
+        client_state, kept = _load_checked(engine, directory, tag)
+        if kept is not None:
+            return client_state, kept
     raise RuntimeError(f"cpsr recovery: no checkpoint in {directory} has a finite state (tried {', '.join(tags)}); "
                        "move them away to start from scratch")
 
 
-def _load_history(engine, directory: str, verified: list, n: int) -> tuple[list, dict]:
-    """The finite states among the ``n`` newest checkpoints, oldest first, and c's client state.
+def _load_history(engine, directory: str, verified: list, n: int) -> tuple[list[Retained], dict]:
+    """The finite states among the ``n`` newest checkpoints (this rank's shares), oldest first, and c's client state.
 
     c is the newest checkpoint with a finite state, and the engine is left holding it,
     the state RB-R falls back to.
@@ -305,15 +377,15 @@ def _load_history(engine, directory: str, verified: list, n: int) -> tuple[list,
     window = verified[-n:]
     history, good, client_state = [], [], {}
     for ck in window:
-        loaded, state = _load_checked(engine, directory, ck.tag)
-        if state is not None:
-            history.append((engine.global_steps, state))
+        loaded, kept = _load_checked(engine, directory, ck.tag)
+        if kept is not None:
+            history.append(kept)
             good.append(ck)
             client_state = loaded
     if good and good[-1] is window[-1]:
         return history, client_state
-    client_state, state = _restore(engine, directory, [*reversed(good), *reversed(verified[:-n])])
-    return history or [(engine.global_steps, state)], client_state
+    client_state, kept = _restore(engine, directory, [*reversed(good), *reversed(verified[:-n])])
+    return history or [kept], client_state
 
 
 # ---------------------------------------------------------------- the decision
@@ -400,7 +472,8 @@ def recover(engine, cfg: CPSRConfig, predictor) -> RecoveryReport:
     """Restore ``engine`` from ``cfg.checkpoint.dir`` if an earlier run left progress there.
 
     ``predictor`` (fresh, from :func:`new_predictor`) is given the retained history
-    and, if the checkpoint carries them, its trained weights. No state with a NaN or
+    (this data-parallel rank's share of it: :func:`own_share`) and, if the checkpoint
+    carries them, its trained weights. No state with a NaN or
     an infinity is resumed from: such checkpoints are left out, such a prediction
     means RB-R. RB-R restores a full cut (every stage's state at one iteration); with
     ``checkpoint.per_stage`` PB-R predicts each stage from its own checkpoints
@@ -435,15 +508,16 @@ def recover(engine, cfg: CPSRConfig, predictor) -> RecoveryReport:
     history, client_state = _load_history(engine, directory, full, cfg.predictor.history)
     _prepare(predictor, history, client_state)
     # The newest of the history is c's state, the one the engine holds.
-    return _decide(engine, cfg, predictor, progress, engine.global_steps, history[-1][1])
+    return _decide(engine, cfg, predictor, progress, engine.global_steps, history[-1].curvature)
 
 
-def _prepare(predictor, history: list, client_state: dict) -> None:
-    """Give ``predictor`` its history and, where the checkpoint carries a predictor of its kind, its weights."""
+def _prepare(predictor, history: list[Retained], client_state: dict) -> None:
+    """Give ``predictor`` its history (this rank's shares) and, where the checkpoint carries a predictor of its
+    kind, its weights (the first data-parallel rank's, which wrote the checkpoint's client state)."""
     if client_state.get(PREDICTOR_STATE, {}).get("name") == predictor.name:
         predictor.load_state_dict(client_state[PREDICTOR_STATE])
-    for iteration, state in history:
-        predictor.observe(iteration, state)
+    for kept in history:
+        predictor.observe(kept.iteration, kept.share)
 
 
 class Cut(NamedTuple):
@@ -471,23 +545,24 @@ def _recover_stages(engine, cfg: CPSRConfig, predictor, progress: Progress, veri
         c = restore()
         return RecoveryReport("recompute", progress.reached, c, c, reason=missing)
     _prepare(predictor, history, client_state)
-    newest = dict(_gathered((engine.stage_id, history[-1][0])))
+    newest = dict(_gathered((engine.stage_id, history[-1].iteration)))
     cut = Cut(full[-1].iteration, [newest[s] for s in sorted(newest)], restore)
-    return _decide(engine, cfg, predictor, progress, engine.global_steps, history[-1][1], cut)
+    return _decide(engine, cfg, predictor, progress, engine.global_steps, history[-1].curvature, cut)
 
 
-def _gathered(local) -> list:
-    """Every rank's ``local``, in rank order (just ``[local]`` without a process group)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+def _gathered(local, group=None) -> list:
+    """Every rank's ``local`` (of ``group``, default all), in rank order (just ``[local]`` without a process
+    group)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return [local]
-    found = [None] * dist.get_world_size()
-    dist.all_gather_object(found, local)
+    found = [None] * dist.get_world_size(group)
+    dist.all_gather_object(found, local, group=group)
     return found
 
 
-def _stage_history(engine, directory: str, own: list, n: int, stage: int) -> tuple[list, dict]:
-    """This stage's finite states among the ``n`` newest of ``own`` checkpoints, oldest first, and the newest's
-    client state; the engine is left holding the newest finite one.
+def _stage_history(engine, directory: str, own: list, n: int, stage: int) -> tuple[list[Retained], dict]:
+    """This stage's finite states among the ``n`` newest of ``own`` checkpoints (this rank's shares), oldest
+    first, and the newest's client state; the engine is left holding the newest finite one.
 
     Stages hold different numbers of checkpoints: every rank loads as often as the one
     with the most (an empty round where it has fewer), so that the checks' collectives pair up.
@@ -496,9 +571,9 @@ def _stage_history(engine, directory: str, own: list, n: int, stage: int) -> tup
     rounds = max(_gathered(len(window)))
     history, client_state, newest = [], {}, None
     for ck in [None] * (rounds - len(window)) + window:
-        loaded, state = _load_checked(engine, directory, ck and ck.tag, among=stage)
-        if state is not None:
-            history.append((engine.global_steps, state))
+        loaded, kept = _load_checked(engine, directory, ck and ck.tag, among=stage)
+        if kept is not None:
+            history.append(kept)
             client_state, newest = loaded, ck
     if newest is not None and newest is not window[-1]:
         # Loading involves no rank beyond this stage's.
@@ -518,9 +593,14 @@ def implausible_reach(progress: Progress, c: int, planned: int | None) -> str | 
     return None
 
 
-def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int, state: dict,
+def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int, curvature: StageCurvature | NoFit,
             cut: Cut | None = None) -> RecoveryReport:
-    """PB-R or RB-R for a failure at the journal's f, the engine holding checkpoint c, ``state`` its engine_state.
+    """PB-R or RB-R for a failure at the journal's f, the engine holding checkpoint c, ``curvature`` its stage_xi.
+
+    ``predictor`` holds this data-parallel rank's share of the stage: each rank predicts
+    its share and checks its own held-out error; the stage's error is the worst of them,
+    so that the stage's ranks decide alike, and the predicted shares are assembled
+    (:func:`full_state`) into the state written into the engine.
 
     ``cut`` (per stage): c is this stage's own; recomputing restores the newest full cut
     and redoes the iterations from there, the cost PB-R is weighed against.
@@ -538,14 +618,15 @@ def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int, stat
         log.error("cpsr recovery: %s: recomputing from checkpoint %d", implausible, base)
         return recompute(implausible)
     numbers = {"predictor": predictor.name}
+    ready = f != c and predictor.ready()
+    held_out = predictor.validation_error() if ready else None
+    r = worst_error(_gathered(None if held_out is None else held_out.relative, data_parallel(engine).group))
     if f == c:  # per stage: this stage's own checkpoint is at f, nothing to predict
         why, predicted = None, None
-    elif predictor.ready():
-        held_out = predictor.validation_error()
-        r = None if held_out is None else held_out.relative
+    elif ready:
         losses = progress_losses(progress)
         model = recovery_model(cfg.planner.cost_model, cfg.checkpoint.dir, losses, engine.stage_id, predictor.name,
-                               f, c, state)
+                               f, c, curvature)
         choice = recovery_choice(model.estimate(f, c, predictor.name), d, excess_at(losses, f),
                                  cfg.recovery.max_loss_excess, PESSIMISM, carried_lag(earlier_reports(cfg.checkpoint.dir), c))
         numbers.update(relative_error=r, estimated_cost=choice.estimate.lag, cost_model=model.name,
@@ -559,7 +640,7 @@ def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int, stat
     if why is not None:
         return recompute(why, **numbers)
     if predicted is not None:
-        load_engine_state(engine, predicted)
+        load_engine_state(engine, full_state(engine, predicted))
     advance_counters(engine, f - c)
     reason = ("recovery.mode is predict" if cfg.recovery.mode == "predict"
               else f"stage {engine.stage_id} checkpointed at {f}" if predicted is None
@@ -567,9 +648,17 @@ def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int, stat
     return RecoveryReport("predict", f, base, f, reason=reason, stage_checkpoints=cut and cut.stages, **numbers)
 
 
+def worst_error(errors: list[float | None]) -> float | None:
+    """The stage's held-out error from its data-parallel ranks' own (each of its share): the worst, NaN the
+    worst of all; None where any rank has none."""
+    if any(e is None for e in errors):
+        return None
+    return max(errors, key=lambda e: math.inf if math.isnan(e) else e)
+
+
 def _prediction(rc: RecoveryConfig, predictor, f: int, r: float | None,
                 choice: Choice) -> tuple[str | None, dict | None]:
-    """This rank's (reason to recompute, None) or (None, the predicted state at f)."""
+    """This rank's (reason to recompute, None) or (None, its share of the predicted state at f)."""
     if rc.mode == "auto":
         why = fallback_reason(rc, r, choice)
         if why is not None:
@@ -634,13 +723,13 @@ def expected_loss_excess(directory: str, f: int, lag: float) -> float | None:
 
 
 def recovery_model(name: str, directory: str, losses: dict[int, float], stage: int, predictor: str, f: int, c: int,
-                   state: dict) -> CostModel:
+                   curvature: StageCurvature | NoFit) -> CostModel:
     """The recovery cost model ``planner.cost_model`` names, for a failure at f restored from checkpoint c.
 
     The paper's (Eq. 13; Eq. 14 for ``paper-eq14``) is built from the run's own records:
     Eq. 11 over ``losses`` (rank 0's journaled losses) up to f (the recent window fit_loss_o takes),
     Eq. 8 over the held-out errors the measurements hold for ``stage`` and ``predictor``
-    at the checkpoints up to c, and xi and N_p (Eq. 7) of ``state``, the stage's state at c.
+    at the checkpoints up to c, and xi and N_p (Eq. 7) of ``curvature``, stage_xi of the stage's state at c.
     Each error was measured predicting a checkpoint one interval ahead; under interval
     auto the intervals differ, so T_c is the median spacing of the checkpoints the
     errors were measured at. A missing input (no measurements: a run from before they
@@ -656,7 +745,7 @@ def recovery_model(name: str, directory: str, losses: dict[int, float], stage: i
         log.warning("cpsr recovery: skipping a damaged measurement: %s", problem)
     whose = f"{predictor} for stage {stage} up to iteration {c} in {os.path.join(directory, MEASUREMENTS_DIR)}"
     accuracy = accuracy_fit(held_out_errors(rows, stage, predictor, upto=c), whose)
-    return paper_model(fit_loss_o(losses, f), accuracy, stage_xi(state), exact=name == "paper")
+    return paper_model(fit_loss_o(losses, f), accuracy, curvature, exact=name == "paper")
 
 
 def accuracy_fit(points: list[tuple[int, float]], where: str) -> AccuracyFit | NoFit:

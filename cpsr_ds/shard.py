@@ -1,6 +1,6 @@
 """Data-parallel shares of a stage's state (Section III-B: DP-group sharding).
 
-The d data-parallel replicas of a pipeline stage hold the same state, so the
+The DP data-parallel replicas of a pipeline stage hold the same state, so the
 predictor's work on it (its history, training, held-out check and the prediction
 at recovery) is split among them: each replica owns an even, contiguous slice of
 every flattened tensor, the last one taking the remainder. A share keeps the

@@ -14,7 +14,7 @@ from cpsr_ds.checkpoint.journal import Entry, ProgressJournal, Progress, read_pr
 from cpsr_ds.checkpoint.layout import combine_progress
 from cpsr_ds.config import CPSRConfig, RecoveryConfig
 from cpsr_ds.cost_model import MEASURED_REDUCTION, PESSIMISM, EmpiricalModel, Estimate, recovery_choice
-from cpsr_ds.fitter import MIN_POINTS, fit_recent, loss_excess
+from cpsr_ds.fitter import MIN_POINTS, fit_recent, loss_excess, stage_xi
 from cpsr_ds.lag import CurveFit
 from cpsr_ds.recovery import (
     RecoveryReport,
@@ -189,15 +189,15 @@ def test_paper_model_is_built_from_the_runs_journal_measurements_and_state(tmp_p
     record(directory, [(t, 1e3 * held_out(t)) for t in MEASURED_AT], predictor="linear")
     record(directory, [(t, 1e3 * held_out(t)) for t in MEASURED_AT], stage=1)
     losses = journal_losses(directory)
-    model = recovery_model("paper", directory, losses, 0, "trend", F, C, stage_state())
+    model = recovery_model("paper", directory, losses, 0, "trend", F, C, stage_xi(stage_state()))
     assert model.T_c == 50.0 and model.exact
     p = model.params
     assert (p.alpha1, p.alpha2, p.tau1, p.tau2) == pytest.approx((ALPHA1, ALPHA2, TAU1, TAU2), rel=1e-6)
     assert (p.xi, p.N_p) == (pytest.approx(0.01), 4)
-    assert not recovery_model("paper-eq14", directory, losses, 0, "trend", F, C, stage_state()).exact
-    assert recovery_model("empirical", directory, losses, 0, "trend", F, C, stage_state()) == EmpiricalModel()
+    assert not recovery_model("paper-eq14", directory, losses, 0, "trend", F, C, stage_xi(stage_state())).exact
+    assert recovery_model("empirical", directory, losses, 0, "trend", F, C, stage_xi(stage_state())) == EmpiricalModel()
     with pytest.raises(ValueError, match="'eq13'"):
-        recovery_model("eq13", directory, losses, 0, "trend", F, C, stage_state())
+        recovery_model("eq13", directory, losses, 0, "trend", F, C, stage_xi(stage_state()))
 
 
 def test_every_node_takes_rank_0s_losses_from_the_agreed_progress(tmp_path):
@@ -248,7 +248,7 @@ def decide(directory, name, engine=None, state=None):
     state = stage_state() if state is None else state
     progress = read_progress(directory)  # rank 0's journal, up to F
     assert progress.reached == F
-    return _decide(engine or small_engine(), cfg, FixedPredictor(state), progress, C, state)
+    return _decide(engine or small_engine(), cfg, FixedPredictor(state), progress, C, stage_xi(state))
 
 
 @pytest.mark.parametrize("name, lag", [

@@ -1,8 +1,17 @@
 """Data-parallel shares of a stage's state (cpsr_ds.shard)."""
 
+import math
+import os
+import sys
+
+import dp_share_probe as probe
 import pytest
 import torch
 
+from conftest import JOB_ENV, ROOT, finish, free_port, start
+from cpsr_ds.checkpoint.journal import ProgressJournal
+from cpsr_ds.predictor import make_predictor
+from cpsr_ds.recovery import worst_error
 from cpsr_ds.shard import assemble, pack, packed_length, shapes_of, share, span, unpack
 
 
@@ -64,3 +73,66 @@ def test_packed_shares_unpack_by_the_shapes_alone(size):
         assert flat.numel() == packed_length(shapes, r, size)
         own = unpack(flat, shapes, r, size)
         assert all(torch.equal(own[k], share(state, r, size)[k].reshape(-1)) for k in state)
+
+
+def worst_cases():
+    return [([0.2, 0.7, 0.4], 0.7), ([0.2], 0.2), ([0.2, None], None), ([0.9, math.nan, 0.1], math.nan)]
+
+
+@pytest.mark.parametrize("errors, worst", worst_cases())
+def test_the_stages_held_out_error_is_its_worst_replicas(errors, worst):
+    got = worst_error(errors)
+    assert got is worst or got == worst or (math.isnan(got) and math.isnan(worst))
+
+
+def test_data_parallel_replicas_predict_their_shares_and_all_resume_with_the_stages_prediction(tmp_path):
+    """Two replicas of a stage, each predicting its share with trend, hold the prediction for the whole stage
+    that one predictor given all of it makes; the held-out error they decide on is the worse share's."""
+    journal = ProgressJournal(str(tmp_path), rank=0)
+    for i in range(1, probe.F + 1):
+        journal.append(i, 3.0)
+    journal.close()
+    port = free_port()
+    procs = [start([sys.executable, os.path.join(ROOT, "tests", "dp_share_probe.py"), str(tmp_path), str(tmp_path)],
+                   tmp_path / f"rank{r}.log", dict(os.environ, **JOB_ENV, RANK=str(r), WORLD_SIZE="2",
+                                                   PROBE_PORT=str(port)))
+             for r in range(2)]
+    codes = finish(procs, 120)
+    assert codes == [0, 0], "\n".join((tmp_path / f"rank{r}.log").read_text()[-3000:] for r in range(2))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+    engine = probe.stage_engine()
+    states = probe.checkpoints(engine)
+    whole = make_predictor("trend", history=len(probe.HISTORY))
+    for iteration in probe.HISTORY:
+        whole.observe(iteration, states[iteration])
+    expected = whole.predict(probe.F)
+    # Per kind, the first replica holds 7 of the weight's 15 values and 2 of the bias's 5, the second the rest.
+    assert [r["observed"] for r in ranks] == [3 * 9, 3 * 11]
+    for r in ranks:
+        report = r["report"]
+        assert report.method == "predict" and report.resume_iteration == probe.F
+        assert r["state"].keys() == expected.keys()
+        for key, value in expected.items():
+            assert value.shape == r["state"][key].shape
+            assert torch.allclose(r["state"][key], value, rtol=1e-6, atol=0), key
+    errors = [r["own_error"] for r in ranks]
+    assert errors[0] != errors[1]
+    assert [r["report"].relative_error for r in ranks] == [max(errors)] * 2
+
+
+@pytest.mark.parametrize("name", ["vitp", "trend", "damped"])
+def test_every_predictor_learns_and_predicts_on_a_replicas_share(name):
+    options = dict(token_size=8, window=2, batch_chunks=4, d_model=8, heads=2, layers=1, min_train_steps=2) \
+        if name == "vitp" else {}
+    predictor = make_predictor(name, history=4, **options)
+    states = {i: {k: t + 0.01 * i for k, t in stage_state().items()} for i in (10, 20, 30, 40)}
+    for iteration, state in states.items():
+        predictor.observe(iteration, share(state, 1, 3))
+        if name == "vitp":
+            predictor.step(n_steps=2)
+    assert predictor.ready() and predictor.validation_error() is not None
+    predicted = predictor.predict(45)
+    own = share(states[40], 1, 3)
+    assert {k: v.shape for k, v in predicted.items()} == {k: v.shape for k, v in own.items()}
+    assert all(torch.isfinite(v).all() for v in predicted.values())
