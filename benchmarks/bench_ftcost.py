@@ -80,7 +80,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from jobs import ROOT, Child, tail  # noqa: E402  (first: it sets the jobs' environment)
+from jobs import ROOT, Child, finish_benchmark, tail  # noqa: E402  (first: it sets the jobs' environment)
 
 import train_gpt  # noqa: E402
 
@@ -706,12 +706,7 @@ def main(argv=None) -> None:
         raise SystemExit(f"bench_ftcost: {err}") from None
     result["seconds"] = time.time() - start
     print_result(result)
-    print(f"\nbench_ftcost: {result['seconds']:.0f} s")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-    if args.plot:
-        plot(result, args.plot)
+    finish_benchmark("bench_ftcost", result, args.json, args.plot, plot)
 
 
 if __name__ == "__main__":

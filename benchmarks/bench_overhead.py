@@ -58,7 +58,7 @@ import sys
 import time
 from collections import defaultdict
 
-from jobs import ROOT, tail  # noqa: E402  (first: it sets the jobs' environment)
+from jobs import ROOT, finish_benchmark, tail  # noqa: E402  (first: it sets the jobs' environment)
 
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
@@ -435,12 +435,7 @@ def main(argv=None) -> None:
     result = summarize_all(args, layouts, footprints, memory)
     result["seconds"] = time.monotonic() - started
     print_result(result)
-    print(f"\nbench_overhead: {result['seconds']:.0f} s")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-    if args.plot:
-        plot(result, args.plot)
+    finish_benchmark("bench_overhead", result, args.json, args.plot, plot)
 
 
 if __name__ == "__main__":

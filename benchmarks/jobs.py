@@ -11,6 +11,7 @@ is set, and the repository and ``launch/`` on the import path (``train_gpt``).
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import signal
 import socket
@@ -99,3 +100,13 @@ class Child:
 
 def tail(text: str, n: int = 600) -> str:
     return " ".join(text[-n:].split())
+
+
+def finish_benchmark(name: str, result: dict, json_path: str | None, plot_path: str | None, plot) -> None:
+    """Print the benchmark's run time, write ``result`` as JSON and ``plot(result, path)`` where asked."""
+    print(f"\n{name}: {result['seconds']:.0f} s")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=1)
+    if plot_path:
+        plot(result, plot_path)
