@@ -26,7 +26,7 @@ from torch import nn
 with warnings.catch_warnings():
     # megatron-core warns at import that Apex / Transformer Engine are absent.
     warnings.simplefilter("ignore")
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state, tensor_parallel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.spec_utils import build_module
@@ -190,6 +190,14 @@ class GPTPipeline(PipelineModule):
         self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
 
 
+def _seed_layer(layer_seed) -> None:
+    """Seed a layer's initialisation; on CUDA also megatron-core's model-parallel RNG state, which its
+    layers fork when they initialise weights on the GPU and in attention dropout."""
+    torch.manual_seed(int(layer_seed))
+    if torch.cuda.is_available():
+        tensor_parallel.model_parallel_cuda_manual_seed(int(layer_seed))
+
+
 def gpt_pipeline(cfg: GPTConfig, num_stages: int, seed: int, params_dtype: torch.dtype = torch.float32) -> PipelineModule:
     """The GPT as ``num_stages`` pipeline stages, split by ``cfg.partition_method`` (by default the transformer
     blocks balanced across them).
@@ -208,6 +216,6 @@ def gpt_pipeline(cfg: GPTConfig, num_stages: int, seed: int, params_dtype: torch
         partition_method=cfg.partition_method,
         seed_layers=True,
         # DeepSpeed's default seeder hands numpy ints to random.seed, which rejects them.
-        seed_fn=lambda layer_seed: torch.manual_seed(int(layer_seed)),
+        seed_fn=_seed_layer,
         base_seed=seed,
     )
