@@ -36,7 +36,7 @@ class StateRow:
     n_p: the stage's parameters (elements); xi: Eq. 7, mean exp_avg_sq (None: no second
     moment yet); held_out_error: Eq. 9, mean squared error per parameter of the predictor
     ``predictor`` predicting this checkpoint from the older ones it holds (None: too
-    few yet); relative_error: the same as a ratio to not predicting (r of recovery.py).
+    few yet); relative_error: the same as a ratio to not predicting (r of cpsr_ds.recovery).
     """
 
     iteration: int

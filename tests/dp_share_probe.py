@@ -16,7 +16,8 @@ from cpsr_ds.checkpoint.journal import read_progress  # noqa: E402
 from cpsr_ds.config import CPSRConfig  # noqa: E402
 from cpsr_ds.fitter import stage_xi  # noqa: E402
 from cpsr_ds.predictor import make_predictor  # noqa: E402
-from cpsr_ds.recovery import _decide, engine_state, load_engine_state, own_share, state_shapes  # noqa: E402
+from cpsr_ds.recovery import engine_state, load_engine_state, own_share, state_shapes  # noqa: E402
+from cpsr_ds.recovery.decision import _decide  # noqa: E402
 
 C, F = 400, 420
 HISTORY = (370, 380, 390, 400)

@@ -18,7 +18,6 @@ from cpsr_ds.fitter import MIN_POINTS, fit_recent, loss_excess, stage_xi
 from cpsr_ds.lag import CurveFit
 from cpsr_ds.recovery import (
     RecoveryReport,
-    _decide,
     advance_counters,
     append_report,
     carried_lag,
@@ -29,6 +28,7 @@ from cpsr_ds.recovery import (
     progress_losses,
     recovery_model,
 )
+from cpsr_ds.recovery.decision import _decide
 
 
 def journal(tmp_path, losses):

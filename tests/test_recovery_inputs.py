@@ -13,6 +13,7 @@ import torch
 
 from conftest import tiny_config
 from cpsr_ds import recovery
+from cpsr_ds.recovery.sources import checkpoint as checkpoint_source
 from cpsr_ds.checkpoint.journal import journal_path
 from cpsr_ds.predictor.base import Predictor
 from test_journal import cpsr_logs  # noqa: F401 (a fixture)
@@ -66,7 +67,7 @@ def recovered(run_dir, mode="predict"):
 @pytest.mark.parametrize("mode", ["predict", "recompute"])
 def test_a_checkpoint_with_a_nan_is_left_out_and_the_newest_finite_one_is_c(copy, monkeypatch, cpsr_logs, mode):
     """The issue's reproduction: one NaN in the newest checkpoint's tensor, files intact."""
-    load = recovery._load
+    load = checkpoint_source.load
 
     def poisoned(engine, directory, tag):
         client_state = load(engine, directory, tag)
@@ -75,7 +76,7 @@ def test_a_checkpoint_with_a_nan_is_left_out_and_the_newest_finite_one_is_c(copy
                 next(engine.module.parameters()).view(-1)[3] = math.nan
         return client_state
 
-    monkeypatch.setattr(recovery, "_load", poisoned)
+    monkeypatch.setattr(checkpoint_source, "load", poisoned)
     report, _ = recovered(copy, mode)
     assert report.checkpoint == 8 and report.reached == F
     assert (report.method, report.resume_iteration) == (("predict", F) if mode == "predict" else ("recompute", 8))

@@ -1,0 +1,274 @@
+"""The controlled choice (Section IV): RB-R or PB-R for the failure the journals record, by the recovery cost
+model, with its guards; see the package's docstring."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from functools import partial
+from statistics import median
+from typing import Callable, NamedTuple
+
+from cpsr_ds.checkpoint.journal import Progress, journal_path, plausible, read_journal
+from cpsr_ds.checkpoint.layout import agreed_checkpoints, agreed_progress
+from cpsr_ds.config import CPSRConfig, RecoveryConfig
+from cpsr_ds.cost_model import PESSIMISM, RECOMPUTE, Choice, CostModel, EmpiricalModel, paper_model, recovery_choice
+from cpsr_ds.fitter import (
+    MIN_CHECKPOINTS,
+    TOO_FEW,
+    AccuracyFit,
+    NoFit,
+    StageCurvature,
+    fit_loss_o,
+    fit_loss_p,
+    fit_recent,
+    loss_excess,
+    recent_losses,
+)
+from cpsr_ds.recovery.agree import gathered, on_any_rank
+from cpsr_ds.recovery.engine_io import advance_counters, data_parallel, full_state, load_engine_state, planned_iterations
+from cpsr_ds.recovery.report import RecoveryReport, carried_lag, earlier_reports
+from cpsr_ds.recovery.sources.checkpoint import load_history, restore, stage_history
+from cpsr_ds.recovery.sources.prediction import predicted_share, prepare
+from cpsr_ds.runlog import MEASUREMENTS_DIR, held_out_errors, read_measurements
+
+log = logging.getLogger(__name__)
+
+
+def recover(engine, cfg: CPSRConfig, predictor) -> RecoveryReport:
+    """Restore ``engine`` from ``cfg.checkpoint.dir`` if an earlier run left progress there.
+
+    ``predictor`` (fresh, from :func:`new_predictor`) is given the retained history
+    (this data-parallel rank's share of it: :func:`own_share`) and, if the checkpoint
+    carries them, its trained weights. No state with a NaN or
+    an infinity is resumed from: such checkpoints are left out, such a prediction
+    means RB-R. RB-R restores a full cut (every stage's state at one iteration); with
+    ``checkpoint.per_stage`` PB-R predicts each stage from its own checkpoints
+    (:func:`_recover_stages`).
+    """
+    directory = cfg.checkpoint.dir
+    progress = agreed_progress(cfg.checkpoint)
+    for problem in progress.problems:
+        log.error("cpsr recovery: %s", problem)
+    reached = progress.reached
+    # Every rank gets the same checkpoints, verified on each node (layout.py).
+    verified = agreed_checkpoints(cfg.checkpoint)
+    full = [ck for ck in verified if ck.full]
+    if not full:
+        return RecoveryReport("fresh" if reached is None else "restart", reached, None, 0)
+    newest = full[-1]
+    nothing_lost = reached is None or newest.iteration is None or reached <= newest.iteration
+    if nothing_lost or cfg.recovery.mode == "recompute":
+        restore(engine, directory, reversed(full))
+        c = engine.global_steps
+        if reached is not None and reached < c:
+            # Every rank finished c before it was committed: a journal ending earlier is stale.
+            log.error("cpsr recovery: the journals end at iteration %d, before committed checkpoint %d: a journal "
+                      "of a rank no longer in the job, or one that lost lines; taking %d", reached, c, c)
+            reached = c
+        reason = "recovery.mode is recompute" if reached is not None and reached > c else ""
+        return RecoveryReport("recompute", reached, c, c, reason=reason)
+    if cfg.checkpoint.per_stage and engine.num_stages > 1:
+        return _recover_stages(engine, cfg, predictor, progress, verified, full)
+
+    # The predictor learns from the retained checkpoints up to c.
+    history, client_state = load_history(engine, directory, full, cfg.predictor.history)
+    prepare(predictor, history, client_state)
+    # The newest of the history is c's state, the one the engine holds.
+    return _decide(engine, cfg, predictor, progress, engine.global_steps, history[-1].curvature)
+
+
+class Cut(NamedTuple):
+    """Per stage: the newest full cut RB-R restores, and each stage's own newest checkpoint."""
+
+    iteration: int
+    stages: list[int]
+    restore: Callable[[], int]  # restores the full cut on every rank (collective); its iteration
+
+
+def _recover_stages(engine, cfg: CPSRConfig, predictor, progress: Progress, verified: list, full: list) -> RecoveryReport:
+    """PB-R with ``checkpoint.per_stage``: each stage predicted to f from its own retained checkpoints, the
+    newest c_k (a checkpoint of its stage alone, or a full cut); RB-R from the newest full cut where any
+    stage cannot predict."""
+    directory = cfg.checkpoint.dir
+    own = [ck for ck in verified if ck.holds(engine.global_rank)]
+    history, client_state = stage_history(engine, directory, own, cfg.predictor.history, engine.stage_id)
+
+    def restore() -> int:
+        restore(engine, directory, reversed(full))
+        return engine.global_steps
+
+    missing = on_any_rank(None if history else f"stage {engine.stage_id} has no checkpoint with a finite state")
+    if missing is not None:
+        c = restore()
+        return RecoveryReport("recompute", progress.reached, c, c, reason=missing)
+    prepare(predictor, history, client_state)
+    newest = dict(gathered((engine.stage_id, history[-1].iteration)))
+    cut = Cut(full[-1].iteration, [newest[s] for s in sorted(newest)], restore)
+    return _decide(engine, cfg, predictor, progress, engine.global_steps, history[-1].curvature, cut)
+
+
+def implausible_reach(progress: Progress, c: int, planned: int | None) -> str | None:
+    """Why the journal's f is not to be predicted to from checkpoint c; None: it is plausible."""
+    f = progress.reached
+    if planned is not None and f > planned:
+        return (f"the journal's iteration {f} is beyond the planned training length, {planned} iterations "
+                "(the LR schedule's total_num_steps)")
+    start = progress.covered_from(f)
+    if start is None or start > c + 1:
+        return f"the journals do not record every iteration from {c + 1} to {f}"
+    return None
+
+
+def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int, curvature: StageCurvature | NoFit,
+            cut: Cut | None = None) -> RecoveryReport:
+    """PB-R or RB-R for a failure at the journal's f, the engine holding checkpoint c, ``curvature`` its stage_xi.
+
+    ``predictor`` holds this data-parallel rank's share of the stage: each rank predicts
+    its share and checks its own held-out error; the stage's error is the worst of them,
+    so that the stage's ranks decide alike, and the predicted shares are assembled
+    (:func:`full_state`) into the state written into the engine.
+
+    ``cut`` (per stage): c is this stage's own; recomputing restores the newest full cut
+    and redoes the iterations from there, the cost PB-R is weighed against.
+    """
+    f = progress.reached
+    base = c if cut is None else cut.iteration
+    d = f - base
+
+    def recompute(reason: str, **numbers) -> RecoveryReport:
+        restored = c if cut is None else cut.restore()
+        return RecoveryReport("recompute", f, restored, restored, reason=reason, **numbers)
+
+    implausible = implausible_reach(progress, c if cut is None else min(cut.stages), planned_iterations(engine))
+    if implausible is not None:
+        log.error("cpsr recovery: %s: recomputing from checkpoint %d", implausible, base)
+        return recompute(implausible)
+    numbers = {"predictor": predictor.name}
+    ready = f != c and predictor.ready()
+    held_out = predictor.validation_error() if ready else None
+    r = worst_error(gathered(None if held_out is None else held_out.relative, data_parallel(engine).group))
+    if f == c:  # per stage: this stage's own checkpoint is at f, nothing to predict
+        why, predicted = None, None
+    elif ready:
+        losses = progress_losses(progress)
+        model = recovery_model(cfg.planner.cost_model, cfg.checkpoint.dir, losses, engine.stage_id, predictor.name,
+                               f, c, curvature)
+        choice = recovery_choice(model.estimate(f, c, predictor.name), d, excess_at(losses, f),
+                                 cfg.recovery.max_loss_excess, PESSIMISM, carried_lag(earlier_reports(cfg.checkpoint.dir), c))
+        numbers.update(relative_error=r, estimated_cost=choice.estimate.lag, cost_model=model.name,
+                       guard_lag=choice.guard_lag, loss_excess=choice.loss_excess)
+        why, predicted = _prediction(cfg.recovery, predictor, f, r, choice)
+    else:
+        why, predicted = f"predictor {predictor.name} not ready", None
+    # Readiness and the held-out error are each rank's own (its stage, its shard): one
+    # rank's reason to recompute is every rank's.
+    why = on_any_rank(why)
+    if why is not None:
+        return recompute(why, **numbers)
+    if predicted is not None:
+        load_engine_state(engine, full_state(engine, predicted))
+    advance_counters(engine, f - c)
+    reason = ("recovery.mode is predict" if cfg.recovery.mode == "predict"
+              else f"stage {engine.stage_id} checkpointed at {f}" if predicted is None
+              else f"held-out error r = {r:.3f}, {choice.reason}")
+    return RecoveryReport("predict", f, base, f, reason=reason, stage_checkpoints=cut and cut.stages, **numbers)
+
+
+def worst_error(errors: list[float | None]) -> float | None:
+    """The stage's held-out error from its data-parallel ranks' own (each of its share): the worst, NaN the
+    worst of all; None where any rank has none."""
+    if any(e is None for e in errors):
+        return None
+    return max(errors, key=lambda e: math.inf if math.isnan(e) else e)
+
+
+def _prediction(rc: RecoveryConfig, predictor, f: int, r: float | None,
+                choice: Choice) -> tuple[str | None, dict | None]:
+    """This rank's (reason to recompute, None) or (None, its share of the predicted state at f)."""
+    if rc.mode == "auto":
+        why = fallback_reason(rc, r, choice)
+        if why is not None:
+            return why, None
+    return predicted_share(predictor, f)
+
+
+def fallback_reason(rc: RecoveryConfig, r: float | None, choice: Choice) -> str | None:
+    """Why ``recovery.mode: auto`` recomputes rather than predicts with a ready predictor; None: predict.
+
+    ``r``: the held-out error (a NaN fails the comparison, so recomputes); ``choice``: the
+    cost model's, with its loss-excess guard.
+    """
+    if r is None:
+        return "the predictor has no held-out checkpoint to check it against"
+    if not r < rc.max_relative_error:
+        return f"held-out error r = {r:.3f}, not below max_relative_error {rc.max_relative_error}: a diverging prediction"
+    if choice.method == RECOMPUTE:
+        return choice.reason
+    return None
+
+
+def journal_losses(directory: str) -> dict[int, float]:
+    """Rank 0's journaled losses by iteration, from its journal in ``directory`` (rank 0's node's)."""
+    path = journal_path(directory, 0)
+    entries, _ = plausible(path, read_journal(path))
+    return {e.iteration: e.loss for e in entries}
+
+
+def progress_losses(progress: Progress) -> dict[int, float]:
+    """Rank 0's journaled losses by iteration, from the progress every rank agreed on: all ranks make the same
+    choice from the same losses, also where rank 0's journal is on another node (``checkpoint.storage: node_local``)."""
+    return {e.iteration: e.loss for e in progress.entries.get(0, ())}
+
+
+def excess_at(losses: dict[int, float], f: int) -> Callable[[float], float | None]:
+    """lag -> the relative loss excess a lag of that many iterations costs at f, by ``losses`` (by
+    iteration), fitted once; None where there are too few losses to fit.
+
+    A non-finite loss where the fit looks gives NaN, not a fit: the run diverged there.
+    """
+    recent = recent_losses(losses, f)
+    if not all(math.isfinite(loss) for loss in recent.values()):
+        return lambda lag: math.nan
+    curve = fit_recent(recent, f)
+    return (lambda lag: None) if curve is None else partial(loss_excess, curve, f)
+
+
+def expected_loss_excess(directory: str, f: int, lag: float) -> float | None:
+    """:func:`excess_at` by the run's journal (rank 0's)."""
+    return excess_at(journal_losses(directory), f)(lag)
+
+
+def recovery_model(name: str, directory: str, losses: dict[int, float], stage: int, predictor: str, f: int, c: int,
+                   curvature: StageCurvature | NoFit) -> CostModel:
+    """The recovery cost model ``planner.cost_model`` names, for a failure at f restored from checkpoint c.
+
+    The paper's (Eq. 13; Eq. 14 for ``paper-eq14``) is built from the run's own records:
+    Eq. 11 over ``losses`` (rank 0's journaled losses) up to f (the recent window fit_loss_o takes),
+    Eq. 8 over the held-out errors the measurements hold for ``stage`` and ``predictor``
+    at the checkpoints up to c, and xi and N_p (Eq. 7) of ``curvature``, stage_xi of the stage's state at c.
+    Each error was measured predicting a checkpoint one interval ahead; under interval
+    auto the intervals differ, so T_c is the median spacing of the checkpoints the
+    errors were measured at. A missing input (no measurements: a run from before they
+    were recorded, or one in recovery.mode recompute) or a NoFit leaves the model
+    without params, and its estimate says why.
+    """
+    if name == "empirical":
+        return EmpiricalModel()
+    if name not in ("paper", "paper-eq14"):
+        raise ValueError(f"planner.cost_model {name!r}: not a recovery cost model (empirical, paper, paper-eq14)")
+    rows, problems = read_measurements(directory)
+    for problem in problems:
+        log.warning("cpsr recovery: skipping a damaged measurement: %s", problem)
+    whose = f"{predictor} for stage {stage} up to iteration {c} in {os.path.join(directory, MEASUREMENTS_DIR)}"
+    accuracy = accuracy_fit(held_out_errors(rows, stage, predictor, upto=c), whose)
+    return paper_model(fit_loss_o(losses, f), accuracy, curvature, exact=name == "paper")
+
+
+def accuracy_fit(points: list[tuple[int, float]], where: str) -> AccuracyFit | NoFit:
+    """Eq. 8 over (checkpoint iteration, held-out error) ``points`` at their median spacing; ``where``: whose."""
+    if len(points) < MIN_CHECKPOINTS:
+        return NoFit(TOO_FEW, f"{len(points)} held-out errors of {where}, need at least {MIN_CHECKPOINTS}")
+    iterations = [t for t, _ in points]
+    return fit_loss_p(points, float(median(b - a for a, b in zip(iterations, iterations[1:]))))

@@ -1,0 +1,172 @@
+"""The engine-state I/O: a stage's fp32 parameters and Adam moments read from and written into DeepSpeed's
+engine (plain, ZeRO-1/2 and bf16 partitions), this data-parallel rank's share of them, and the step counters."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from deepspeed.runtime.lr_schedules import LRRangeTest, OneCycle, WarmupCosineLR, WarmupLR
+from deepspeed.utils import (
+    safe_get_full_fp32_param,
+    safe_get_full_optimizer_state,
+    safe_set_full_fp32_param,
+    safe_set_full_optimizer_state,
+)
+
+from cpsr_ds.checkpoint.fileformat import is_finite
+from cpsr_ds.shard import assemble, pack, packed_length, share, unpack
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+# DeepSpeed's schedules compute the rate from the batch index, which step() takes.
+INDEXED_SCHEDULERS = (LRRangeTest, OneCycle, WarmupLR, WarmupCosineLR)
+
+
+def base_optimizer(engine):
+    return getattr(engine.optimizer, "optimizer", engine.optimizer)
+
+
+def _partitioned(engine) -> bool:
+    """ZeRO-1/2 and bf16 keep fp32 masters and moments in partitions behind ``_hp_mapping``."""
+    return any(hasattr(p, "_hp_mapping") for p in engine.module.parameters())
+
+
+def _link_partitions(engine) -> None:
+    """(Re)link each parameter's view of the ZeRO optimizer's moments.
+
+    load_checkpoint rebuilds the parameters' fragment mappings without their moment
+    views but leaves the optimizer's "linked" flag set, so the flag is cleared first.
+    """
+    optimizer = engine.optimizer
+    if hasattr(optimizer, "_lazy_init_hp_params_optimizer_state"):
+        optimizer._hp_optimizer_states_linked = False
+        optimizer._lazy_init_hp_params_optimizer_state()
+
+
+def engine_state(engine) -> dict[str, torch.Tensor]:
+    """This stage's full fp32 parameters and Adam moments, keyed ``kind/name``.
+
+    Under ZeRO the values are gathered over the data-parallel group (every rank of it
+    must call this, in the same order).
+    """
+    state = {}
+    partitioned = _partitioned(engine)
+    if partitioned:
+        _link_partitions(engine)
+    opt_state = base_optimizer(engine).state
+    for name, p in engine.module.named_parameters():
+        if partitioned:
+            state[f"param/{name}"] = safe_get_full_fp32_param(p).detach().float().cpu()
+            for kind in MOMENTS:
+                state[f"{kind}/{name}"] = safe_get_full_optimizer_state(p, kind).detach().float().cpu()
+        else:
+            state[f"param/{name}"] = p.detach().float().cpu().clone()
+            for kind in MOMENTS:
+                state[f"{kind}/{name}"] = opt_state[p][kind].detach().float().cpu().clone()
+    return state
+
+
+class DataParallel(NamedTuple):
+    """This rank's place among its stage's data-parallel replicas (one replica: no process group)."""
+
+    rank: int
+    size: int
+    group: object = None
+
+
+def data_parallel(engine) -> DataParallel:
+    grid = getattr(engine, "grid", None)
+    if grid is None:
+        return DataParallel(0, 1)
+    return DataParallel(grid.get_data_parallel_rank(), grid.get_data_parallel_world_size(),
+                        grid.get_data_parallel_group())
+
+
+def own_share(engine, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """This data-parallel rank's share of its stage's ``state`` (:mod:`cpsr_ds.shard`), the predictor's part.
+
+    An even slice of each flattened tensor, whatever the optimizer partitions: under
+    ZeRO, owning exactly the rank's own partition (and reading it without the gather
+    engine_state makes) is left for later.
+    """
+    dp = data_parallel(engine)
+    return share(state, dp.rank, dp.size)
+
+
+def state_shapes(engine) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor :func:`engine_state` gives, by key."""
+    return {f"{kind}/{name}": tuple(p.shape) for name, p in engine.module.named_parameters()
+            for kind in ("param", *MOMENTS)}
+
+
+def full_state(engine, own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The stage's state from every data-parallel rank's share of it, ``own`` this rank's (:func:`own_share`).
+
+    A collective over the stage's data-parallel group: one all_gather of each rank's
+    share packed into a vector, padded to the longest share.
+    """
+    dp, shapes = data_parallel(engine), state_shapes(engine)
+    if dp.size == 1:
+        return assemble([own], shapes)
+    lengths = [packed_length(shapes, r, dp.size) for r in range(dp.size)]
+    flat = pack(own)
+    if flat.numel() != lengths[dp.rank]:
+        raise ValueError(f"cpsr recovery: data-parallel rank {dp.rank} of stage {engine.stage_id} holds "
+                         f"{flat.numel()} values of the predicted state, its share is {lengths[dp.rank]}")
+    longest = max(lengths)
+    padded = torch.zeros(longest, device=engine.device)
+    padded[:flat.numel()] = flat.to(engine.device)
+    gathered = [torch.empty_like(padded) for _ in range(dp.size)]
+    dist.all_gather(gathered, padded, group=dp.group)
+    return assemble([unpack(g[:n].cpu(), shapes, r, dp.size) for r, (g, n) in enumerate(zip(gathered, lengths))],
+                    shapes)
+
+
+def load_engine_state(engine, state: dict[str, torch.Tensor]) -> None:
+    """Write ``state`` (as from :func:`engine_state`) into the engine: masters, moments, model weights."""
+    partitioned = _partitioned(engine)
+    if partitioned:
+        _link_partitions(engine)
+    opt_state = base_optimizer(engine).state
+    with torch.no_grad():
+        for name, p in engine.module.named_parameters():
+            if partitioned:
+                safe_set_full_fp32_param(p, state[f"param/{name}"].to(p.device))
+                for kind in MOMENTS:
+                    safe_set_full_optimizer_state(p, state[f"{kind}/{name}"].to(p.device), kind)
+            else:
+                p.copy_(state[f"param/{name}"])
+                for kind in MOMENTS:
+                    opt_state[p][kind].copy_(state[f"{kind}/{name}"])
+    if partitioned:
+        # The low-precision (or, for fp32 ZeRO, the module's own) weights the forward
+        # pass uses are refreshed from the fp32 partitions.
+        engine.optimizer.update_lp_params()
+
+
+def advance_counters(engine, iterations: int) -> None:
+    """Move the step counters as if ``iterations`` optimizer steps had run."""
+    engine.global_steps += iterations
+    engine.global_samples += iterations * engine.train_batch_size()
+    for st in base_optimizer(engine).state.values():
+        if "step" in st:
+            st["step"] += iterations
+    scheduler = engine.lr_scheduler
+    if isinstance(scheduler, INDEXED_SCHEDULERS):
+        scheduler.step(scheduler.last_batch_iteration + iterations)
+    elif scheduler is not None:
+        # A torch scheduler only steps one at a time; the journal's checks bound d.
+        for _ in range(iterations):
+            scheduler.step()
+
+
+def planned_iterations(engine) -> int | None:
+    """The training length the LR schedule plans (DeepSpeed's decaying schedules); None: unknown."""
+    total = getattr(engine.lr_scheduler, "total_num_steps", None)
+    return total if isinstance(total, int) else None
+
+
+def nonfinite_tensor(state: dict[str, torch.Tensor]) -> str | None:
+    """The key of the first floating tensor of ``state`` holding a NaN or an infinity."""
+    return next((k for k, t in state.items() if t.is_floating_point() and not is_finite(t)), None)

@@ -1,0 +1,93 @@
+"""What recovery decided at each start of the job: ``recovery.jsonl`` in the run directory, and the lag a run
+carries from its earlier predictions."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+
+REPORTS = "recovery.jsonl"  # one line per start of the job, in the run directory
+
+
+@dataclass(frozen=True)
+class RecoveryReport:
+    method: str  # "fresh", "restart" (no checkpoint yet), "recompute" (RB-R), "predict" (PB-R) or "refused"
+    reached: int | None  # f: the last iteration every rank finished before the failure
+    checkpoint: int | None  # c: the iteration of the restored checkpoint
+    resume_iteration: int  # the next batch index the training loop must feed
+    reason: str = ""
+    predictor: str | None = None
+    relative_error: float | None = None  # r: the predictor's held-out error
+    estimated_cost: float | None = None  # T_p estimate, iterations
+    cost_model: str | None = None  # the model that estimated it (planner.cost_model)
+    guard_lag: float | None = None  # the pessimistic lag the loss-excess guard assumes, iterations
+    loss_excess: float | None = None  # the relative loss excess guard_lag iterations of lag leave at f
+    world_change: str | None = None  # how the job's layout changed since its last start (world.adapt)
+    # checkpoint.per_stage PB-R: the checkpoint each pipeline stage was predicted from (c is the newest full cut)
+    stage_checkpoints: list[int] | None = None
+
+    @property
+    def lost_iterations(self) -> int:
+        """d = f - c (f for a restart from scratch)."""
+        if self.reached is None:
+            return 0
+        return self.reached - (self.checkpoint or 0)
+
+    def describe(self) -> str:
+        if self.method == "refused":
+            return f"cpsr recovery: cannot resume: {self.reason}"
+        if self.method == "fresh":
+            return "cpsr recovery: no earlier progress, starting at iteration 0"
+        if self.method == "restart":
+            return f"cpsr recovery: job reached iteration {self.reached} but no checkpoint was committed; restarting from iteration 0"
+        head = f"cpsr recovery: job reached iteration {self.reached}, last checkpoint {self.checkpoint}; "
+        if self.stage_checkpoints:
+            head = (f"cpsr recovery: job reached iteration {self.reached}, last full cut {self.checkpoint}, stages' "
+                    f"last checkpoints {', '.join(map(str, self.stage_checkpoints))}; ")
+        if self.method == "predict":
+            cost = "" if self.estimated_cost is None else f"estimated lag {self.estimated_cost:.1f} iterations against "
+            return head + (
+                f"predict (PB-R) with {self.predictor}: resuming at iteration {self.resume_iteration}, "
+                f"{cost}{self.lost_iterations} to recompute ({self.reason})"
+            )
+        return head + (
+            f"recompute (RB-R): {self.lost_iterations} iterations to redo, {self.checkpoint} saved against a restart "
+            f"from scratch" + (f" ({self.reason})" if self.reason else "")
+        )
+
+
+def append_report(directory: str, report: RecoveryReport) -> None:
+    with open(os.path.join(directory, REPORTS), "a") as f:
+        f.write(json.dumps({**asdict(report), "description": report.describe()}) + "\n")
+
+
+def read_reports(directory: str) -> list[RecoveryReport]:
+    """Every start's recovery decision, oldest first."""
+    with open(os.path.join(directory, REPORTS)) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [RecoveryReport(**{k: v for k, v in row.items() if k != "description"}) for row in rows]
+
+
+def earlier_reports(directory: str) -> list[RecoveryReport]:
+    """:func:`read_reports`, none for a run directory without any (a node that never held rank 0's)."""
+    try:
+        return read_reports(directory)
+    except FileNotFoundError:
+        return []
+
+
+def carried_lag(reports: list[RecoveryReport], c: int) -> float:
+    """The lag, in iterations, that a run resumed from checkpoint c carries from its earlier predictions.
+
+    Each PB-R's estimated lag stays with the run, unless a later start restored a
+    checkpoint from before that prediction's f (recomputing past it undid it) or
+    started from scratch; a checkpoint after f holds the predicted state and its lag.
+    """
+    carried: list[tuple[int, float]] = []  # (f, estimated lag) of the predictions in the run's lineage
+    for report in reports:
+        restored = report.checkpoint if report.checkpoint is not None else 0
+        carried = [(f, lag) for f, lag in carried if f <= restored]
+        if report.method == "predict" and report.estimated_cost is not None:
+            carried.append((report.reached, report.estimated_cost))
+    return sum(lag for f, lag in carried if f <= c)

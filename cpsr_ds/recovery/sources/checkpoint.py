@@ -1,0 +1,169 @@
+"""The checkpoint source: retained checkpoints loaded through DeepSpeed (at any data-parallel degree), each
+checked for finiteness, this rank keeping its share of each for the predictor."""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import NamedTuple
+
+import torch
+
+from cpsr_ds.fitter import NoFit, StageCurvature, stage_xi
+from cpsr_ds.recovery.agree import gathered, on_any_rank
+from cpsr_ds.recovery.engine_io import MOMENTS, base_optimizer, engine_state, load_engine_state, nonfinite_tensor, own_share
+
+log = logging.getLogger(__name__)
+
+
+class Retained(NamedTuple):
+    """A loaded checkpoint as recovery keeps it: this rank's share of the stage's state, and the stage's xi."""
+
+    iteration: int
+    share: dict[str, torch.Tensor]  # own_share of its engine_state
+    curvature: StageCurvature | NoFit  # stage_xi of the stage's whole state, for the paper's cost model
+
+
+def load(engine, directory: str, tag: str) -> dict:
+    """Load ``tag`` into the engine, at whatever data-parallel degree it was written (:func:`zero_resharded`)."""
+    resharded = zero_resharded(engine, directory, tag)
+    load_path, client_state = engine.load_checkpoint(directory, tag=tag, load_optimizer_states=resharded is None)
+    if load_path is None:
+        raise RuntimeError(f"cpsr recovery: DeepSpeed could not load checkpoint {tag} in {directory}")
+    if resharded is not None:
+        state, saved = resharded
+        _restore_groups(base_optimizer(engine), saved)
+        load_engine_state(engine, state)
+    return client_state or {}
+
+
+def zero_resharded(engine, directory: str, tag: str) -> tuple[dict[str, torch.Tensor], dict] | None:
+    """Under ZeRO, a checkpoint written at another data-parallel degree: (its engine_state, its first rank's
+    base optimizer state: the groups' settings and step); else None.
+
+    DeepSpeed refuses to load ZeRO partitions into another degree. Its universal
+    checkpoint would convert every checkpoint to a new folder first (ds_to_universal, a
+    separate pass writing as much again); instead this reads the old ranks' partitions
+    (every rank reads them all: the stage's full state in host memory, as engine_state
+    needs anyway) and reassembles the full fp32 parameters and moments, which
+    load_engine_state writes into the new partitions, the way a predicted state is
+    written. Model weights, counters and the LR schedule load through DeepSpeed as usual.
+    """
+    if not engine.zero_optimization():
+        return None
+    model_states = engine.checkpoint_engine.load(engine._get_ckpt_name(directory, tag), map_location="cpu")
+    old = model_states["dp_world_size"]
+    if old == engine.dp_world_size:
+        return None
+    log.info("cpsr recovery: checkpoint %s was written by %d data-parallel ranks, this job has %d: "
+             "reassembling its ZeRO partitions", tag, old, engine.dp_world_size)
+    names = engine._get_mp_rank_zero_checkpoint_names(load_dir=directory, tag=tag, mp_rank=engine.checkpoint_mp_rank,
+                                                      dp_world_size=old, bf16_mode=engine.bfloat16_enabled())
+    parts = [engine.checkpoint_engine.load(name, map_location="cpu")["optimizer_state_dict"] for name in names]
+    return full_zero_state(parts, model_states["param_shapes"]), parts[0]["base_optimizer_state"]
+
+
+def _restore_groups(optimizer, saved: dict) -> None:
+    """A ZeRO checkpoint's per-group settings (the learning rate the schedule set) and step, from one rank's
+    ``saved`` base optimizer state, and zero moments for load_engine_state to fill: loaded without its
+    optimizer states, the engine's Adam has none yet."""
+    for g, group in enumerate(optimizer.param_groups):
+        group.update({k: v for k, v in saved["param_groups"][g].items() if k != "params"})
+        step = saved["state"][g]["step"]
+        for p in group["params"]:
+            optimizer.state[p].update(exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p),
+                                      step=step.clone() if torch.is_tensor(step) else step)
+
+
+def full_zero_state(parts: list[dict], param_shapes: list[dict]) -> dict[str, torch.Tensor]:
+    """engine_state's dict from ZeRO-1/2 optimizer state dicts of every data-parallel rank, in rank order.
+
+    Each param group is one flat tensor, cut into consecutive partitions, one per rank;
+    ``param_shapes`` (the checkpoint's) names the parameters in their order in it, each
+    followed by its alignment padding.
+    """
+    state = {}
+    for g, shapes in enumerate(param_shapes):
+        flat = {"param": torch.cat([p["single_partition_of_fp32_groups"][g] for p in parts])}
+        for kind in MOMENTS:
+            flat[kind] = torch.cat([p["base_optimizer_state"]["state"][g][kind] for p in parts])
+        offset = 0
+        for (name, shape), padding in zip(shapes.items(), parts[0]["param_alignment_paddings"][g]):
+            n = math.prod(shape)
+            for kind, t in flat.items():
+                state[f"{kind}/{name}"] = t[offset:offset + n].view(shape).float().clone()
+            offset += n + padding
+    return state
+
+
+def _load_checked(engine, directory: str, tag: str | None, among=None) -> tuple[dict, Retained | None]:
+    """Load ``tag``; (client state, what recovery keeps of it), None where a rank (of those ``among`` names, see
+    :func:`on_any_rank`) holds a non-finite value. ``tag`` None: load nothing, only join the others' check.
+
+    Each rank keeps its share only: the full state goes as soon as it is sliced, and the
+    shares, together the whole state, are checked for finiteness each by its rank.
+    """
+    if tag is None:
+        on_any_rank(None, among)
+        return {}, None
+    client_state = load(engine, directory, tag)
+    state = engine_state(engine)
+    kept = Retained(engine.global_steps, own_share(engine, state), stage_xi(state))
+    del state
+    bad = on_any_rank(nonfinite_tensor(kept.share), among)
+    if bad is None:
+        return client_state, kept
+    log.error("cpsr recovery: checkpoint %s in %s has non-finite values in %s: leaving it out", tag, directory, bad)
+    return client_state, None
+
+
+def restore(engine, directory: str, candidates) -> tuple[dict, Retained]:
+    """Load the first of ``candidates`` (newest first) whose state is finite; (client state, what is kept of it)."""
+    tags = [ck.tag for ck in candidates]
+    for tag in tags:
+        client_state, kept = _load_checked(engine, directory, tag)
+        if kept is not None:
+            return client_state, kept
+    raise RuntimeError(f"cpsr recovery: no checkpoint in {directory} has a finite state (tried {', '.join(tags)}); "
+                       "move them away to start from scratch")
+
+
+def load_history(engine, directory: str, verified: list, n: int) -> tuple[list[Retained], dict]:
+    """The finite states among the ``n`` newest checkpoints (this rank's shares), oldest first, and c's client state.
+
+    c is the newest checkpoint with a finite state, and the engine is left holding it,
+    the state RB-R falls back to.
+    """
+    window = verified[-n:]
+    history, good, client_state = [], [], {}
+    for ck in window:
+        loaded, kept = _load_checked(engine, directory, ck.tag)
+        if kept is not None:
+            history.append(kept)
+            good.append(ck)
+            client_state = loaded
+    if good and good[-1] is window[-1]:
+        return history, client_state
+    client_state, kept = restore(engine, directory, [*reversed(good), *reversed(verified[:-n])])
+    return history or [kept], client_state
+
+
+def stage_history(engine, directory: str, own: list, n: int, stage: int) -> tuple[list[Retained], dict]:
+    """This stage's finite states among the ``n`` newest of ``own`` checkpoints (this rank's shares), oldest
+    first, and the newest's client state; the engine is left holding the newest finite one.
+
+    Stages hold different numbers of checkpoints: every rank loads as often as the one
+    with the most (an empty round where it has fewer), so that the checks' collectives pair up.
+    """
+    window = own[-n:]
+    rounds = max(gathered(len(window)))
+    history, client_state, newest = [], {}, None
+    for ck in [None] * (rounds - len(window)) + window:
+        loaded, kept = _load_checked(engine, directory, ck and ck.tag, among=stage)
+        if kept is not None:
+            history.append(kept)
+            client_state, newest = loaded, ck
+    if newest is not None and newest is not window[-1]:
+        # Loading involves no rank beyond this stage's.
+        client_state = load(engine, directory, newest.tag)
+    return history, client_state

@@ -1,0 +1,37 @@
+"""The prediction source (PB-R, Section III-A): the predictor given this rank's share of the retained history,
+and its share of the state predicted at the failure point."""
+
+from __future__ import annotations
+
+from cpsr_ds.config import CPSRConfig
+from cpsr_ds.predictor import NotReady, make_predictor
+from cpsr_ds.recovery.engine_io import nonfinite_tensor
+from cpsr_ds.recovery.sources.checkpoint import Retained
+
+PREDICTOR_STATE = "cpsr_predictor"  # key of the predictor's weights in DeepSpeed's client state
+
+
+def new_predictor(cfg: CPSRConfig):
+    p = cfg.predictor
+    return make_predictor(p.name, history=p.history, params=p.params, moments=p.moments)
+
+
+def prepare(predictor, history: list[Retained], client_state: dict) -> None:
+    """Give ``predictor`` its history (this rank's shares) and, where the checkpoint carries a predictor of its
+    kind, its weights (the first data-parallel rank's, which wrote the checkpoint's client state)."""
+    if client_state.get(PREDICTOR_STATE, {}).get("name") == predictor.name:
+        predictor.load_state_dict(client_state[PREDICTOR_STATE])
+    for kept in history:
+        predictor.observe(kept.iteration, kept.share)
+
+
+def predicted_share(predictor, f: int) -> tuple[str | None, dict | None]:
+    """This rank's (reason it cannot predict, None) or (None, its share of the predicted state at f)."""
+    try:
+        predicted = predictor.predict(f)
+    except NotReady as err:
+        return str(err), None
+    bad = nonfinite_tensor(predicted)
+    if bad is not None:
+        return f"the predicted state has non-finite values in {bad}", None
+    return None, predicted
