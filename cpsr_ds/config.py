@@ -73,6 +73,22 @@ class CheckpointConfig(_Strict):
         "recovery predicts each stage from its own newest checkpoint. Needs strategy cpsr and storage shared; "
         "with one pipeline stage it changes nothing.",
     )
+    survivor: bool = Field(
+        True,
+        description="When the job fails around a rank (SIGTERM from the launcher, or a failed collective in "
+        "train_batch), the rank writes its exact state at the last iteration it completed to survivor_dir "
+        "(cpsr_ds/checkpoint/survivor.py), for recovery to use; false: no dump.",
+    )
+    survivor_dir: Optional[str] = Field(
+        None, min_length=1,
+        description="Fast local storage for survivor dumps, one directory per run and rank below it; null: "
+        "/dev/shm/cpsr-survivors-<uid> (the system's temporary directory where there is no /dev/shm).",
+    )
+    survivor_timeout_s: float = Field(
+        20.0, gt=0.0, le=3600.0,
+        description="Seconds a survivor dump may take, waiting for a running optimizer step included; past it the "
+        "dump is abandoned, never used. Keep it inside the launcher's grace period (DeepSpeed's and torch's: 30 s).",
+    )
 
     @field_validator("interval", mode="before")
     @classmethod

@@ -1,0 +1,210 @@
+"""Survivor dumps (cpsr_ds/checkpoint/survivor.py): written on failure, verified when read."""
+
+import os
+import shutil
+import signal
+import threading
+import time
+
+import deepspeed
+import pytest
+import torch
+
+from conftest import ROOT, TEST_MODEL, free_port, run_job, tiny_config
+import cpsr_ds
+from cpsr_ds.checkpoint import store, survivor
+from cpsr_ds.config import ConfigError, CPSRConfig
+from cpsr_ds.models.gpt import GPTConfig, gpt_pipeline
+from cpsr_ds.recovery import engine_state
+
+
+@pytest.fixture(scope="module", autouse=True)
+def process_group():
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    deepspeed.init_distributed(dist_backend="gloo")
+    yield
+    torch.distributed.destroy_process_group()
+
+
+def trained(tmp_path, zero_stage=0, iterations=2, **checkpoint):
+    """A one-stage engine after ``iterations`` iterations, its dumps under tmp_path/survivors."""
+    config = tiny_config(tmp_path / "run", stages=1, zero_stage=zero_stage)
+    config["cpsr"]["checkpoint"].update(survivor_dir=str(tmp_path / "survivors"), **checkpoint)
+    model = gpt_pipeline(GPTConfig(**TEST_MODEL), num_stages=1, seed=1)
+    engine, *_ = cpsr_ds.initialize(model=model, model_parameters=model.parameters(), config=config)
+    gpt = GPTConfig(**TEST_MODEL)
+    gen = torch.Generator().manual_seed(0)
+    shape = (engine.train_micro_batch_size_per_gpu(), gpt.seq_length)
+    batches = [(torch.randint(0, gpt.vocab_size, shape, generator=gen),) * 2
+               for _ in range(engine.gradient_accumulation_steps())]
+    for _ in range(iterations):
+        engine.train_batch(iter(batches))
+    return engine, batches
+
+
+def where(engine, tmp_path):
+    return str(tmp_path / "survivors"), survivor.run_identity(str(tmp_path / "run"))
+
+
+def read(engine, tmp_path, **kwargs):
+    root, run = where(engine, tmp_path)
+    return survivor.read_survivor(root, engine.global_rank, run, **kwargs)
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_the_dump_holds_exactly_the_engines_state_and_counters(tmp_path, zero_stage):
+    engine, _ = trained(tmp_path, zero_stage)
+    assert read(engine, tmp_path) is None  # nothing dumped yet
+    assert engine.survivor.dump("test")
+    dumped = read(engine, tmp_path, attempt=1)
+    expected = engine_state(engine)
+    assert dumped.iteration == engine.global_steps == 2 and dumped.attempt == 1 and dumped.reason == "test"
+    assert dumped.fragments == {}  # one data-parallel rank holds every partition whole
+    assert sorted(dumped.state) == sorted(expected)
+    assert all(torch.equal(dumped.state[k], expected[k]) for k in expected)
+    assert dumped.counters["global_steps"] == 2 and dumped.counters["optimizer_steps"] == [2]
+    assert dumped.counters["lr_scheduler"] == engine.lr_scheduler.state_dict()
+    assert read(engine, tmp_path, attempt=2) is None  # a dump of another attempt is not this restart's
+
+
+def test_a_damaged_partial_or_foreign_dump_is_rejected(tmp_path, caplog):
+    engine, _ = trained(tmp_path)
+    assert engine.survivor.dump("test")
+    root, run = where(engine, tmp_path)
+    directory = survivor.dump_dir(root, run, 0)
+    path = os.path.join(directory, survivor.STATE_FILE)
+    manifest = os.path.join(directory, store.manifest_name(0))
+    good = open(path, "rb").read()
+    shutil.copytree(directory, survivor.dump_dir(root, "another-run", 0))  # another run's dump, where this one reads
+    assert survivor.read_survivor(root, 0, "another-run") is None
+    assert "not this run" in caplog.text
+    with open(path, "r+b") as f:  # one flipped byte in the data
+        f.seek(len(good) - 3)
+        f.write(bytes([good[-3] ^ 0xFF]))
+    assert read(engine, tmp_path) is None and "checksum mismatch" in caplog.text
+    open(path, "wb").write(good[:len(good) // 2])
+    assert read(engine, tmp_path) is None and "truncated" in caplog.text
+    open(path, "wb").write(good)
+    assert read(engine, tmp_path) is not None
+    os.unlink(manifest)
+    assert read(engine, tmp_path) is None and "partial dump" in caplog.text
+    # Another run in the same run directory gets another identity: the old dump is not its.
+    os.unlink(tmp_path / "run" / survivor.RUN_ID)
+    assert survivor.run_identity(str(tmp_path / "run")) != run
+
+
+def test_a_dump_past_its_time_limit_is_abandoned_and_never_committed(tmp_path, monkeypatch):
+    engine, _ = trained(tmp_path, survivor_timeout_s=0.5)
+    write = store.write_atomic
+    finished = threading.Event()
+
+    def slow_write(*args, **kwargs):
+        time.sleep(1.5)
+        try:
+            return write(*args, **kwargs)
+        finally:
+            finished.set()
+
+    monkeypatch.setattr(store, "write_atomic", slow_write)
+    t0 = time.monotonic()
+    assert not engine.survivor.dump("test")
+    assert time.monotonic() - t0 < 1.2
+    assert finished.wait(10)
+    time.sleep(0.2)  # the writer, past its file, would now commit
+    root, run = where(engine, tmp_path)
+    assert not os.path.exists(survivor.dump_dir(root, run, 0)) and read(engine, tmp_path) is None
+
+
+def test_a_dump_waits_for_the_optimizer_step_and_refuses_a_torn_state(tmp_path):
+    engine, batches = trained(tmp_path, survivor_timeout_s=0.5)
+    dumper = engine.survivor
+    stepping, leave = threading.Event(), threading.Event()
+    step = dumper.stepping(lambda: (stepping.set(), leave.wait(10)))
+    thread = threading.Thread(target=step)
+    thread.start()
+    assert stepping.wait(10)
+    assert not dumper._dump("mid-step")  # the step outlasts the time limit: no dump
+    leave.set()
+    thread.join()
+    take_step = engine._take_model_step
+
+    def failing_step(*args, **kwargs):
+        raise RuntimeError("Connection reset by peer")
+
+    engine._take_model_step = dumper.stepping(failing_step)
+    with pytest.raises(RuntimeError):
+        engine.train_batch(iter(batches))  # raises in the step: dumps from train_batch, but the state is torn
+    assert dumper.outcome is False and "raised" in dumper.torn
+    engine._take_model_step = take_step
+    assert read(engine, tmp_path) is None
+
+
+def test_a_failed_collective_in_train_batch_dumps_before_it_propagates(tmp_path, monkeypatch):
+    engine, batches = trained(tmp_path)
+
+    def failed_collective():
+        raise RuntimeError("Connection reset by peer")
+
+    monkeypatch.setattr(engine.cpsr, "before_iteration", failed_collective)  # inside train_batch
+    with pytest.raises(RuntimeError, match="Connection reset"):
+        engine.train_batch(iter(batches))
+    dumped = read(engine, tmp_path)
+    assert dumped.iteration == 2 and "Connection reset by peer" in dumped.reason
+
+
+def test_sigterm_while_the_main_thread_is_blocked_still_dumps(tmp_path, monkeypatch):
+    engine, _ = trained(tmp_path)
+    died = threading.Event()
+    monkeypatch.setattr(survivor, "die", lambda signum: died.set())
+    # The signal goes to another thread, as when the main thread waits in a collective's C++ code.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert died.wait(30)  # a lock wait the signal cannot interrupt: the main thread stays blocked
+        assert read(engine, tmp_path).reason == "SIGTERM received"
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+
+
+def test_a_restart_removes_its_ranks_earlier_dump_and_the_dumps_of_deleted_runs(tmp_path):
+    engine, _ = trained(tmp_path / "a")
+    assert engine.survivor.dump("test")
+    root, run = where(engine, tmp_path / "a")
+    stale = tmp_path / "a" / "survivors" / "gone-run"
+    stale.mkdir()
+    store.write_json_atomic(str(stale / survivor.OWNER), {"run_dir": str(tmp_path / "deleted")})
+    survivor.install(engine, CPSRConfig.model_validate(tiny_config(tmp_path / "a" / "run")["cpsr"]).checkpoint.model_copy(
+        update={"survivor_dir": root}), attempt=2)
+    assert survivor.read_survivor(root, 0, run) is None and not stale.exists()
+
+
+def test_the_survivor_keys_are_checked_and_can_turn_the_dump_off(tmp_path):
+    with pytest.raises(ConfigError, match="checkpoint.survivor_timeout_s"):
+        CPSRConfig.parse_block({"checkpoint": {"survivor_timeout_s": 0}})
+    assert CPSRConfig.parse_block({}).checkpoint.survivor_dir is None
+    assert survivor.default_root().startswith("/dev/shm/") and str(os.getuid()) in survivor.default_root()
+    engine, _ = trained(tmp_path, survivor=False)
+    assert not hasattr(engine, "survivor")
+
+
+KILL_AT = 6
+
+
+def test_the_rank_the_launcher_stops_after_its_peer_is_killed_dumps_its_exact_state(tmp_path):
+    """PP = 2 on 2 processes: rank 1 is SIGKILLed after iteration KILL_AT, the launcher stops rank 0."""
+    config = tiny_config(tmp_path / "run", stages=2)
+    config["cpsr"]["checkpoint"].update(survivor_dir=str(tmp_path / "survivors"), interval=4)
+    probes = tmp_path / "probes"
+    probes.mkdir()
+    result = run_job(tmp_path, config, "--train-iters", 12, "--kill-rank", 1, "--kill-at-iteration", KILL_AT,
+                     script=os.path.join(ROOT, "tests", "survivor_probe.py"), check=False,
+                     env={"PROBE_OUT": str(probes)})
+    assert result.returncode != 0
+    run = survivor.run_identity(str(tmp_path / "run"))
+    dumped = survivor.read_survivor(str(tmp_path / "survivors"), 0, run, attempt=1)
+    assert dumped is not None, result.stdout[-4000:]
+    assert dumped.iteration == KILL_AT and dumped.stage == 0, dumped.reason
+    expected = torch.load(probes / f"rank0-iteration{KILL_AT}.pt")
+    assert sorted(dumped.state) == sorted(expected)
+    assert all(torch.equal(dumped.state[k], expected[k]) for k in expected)
+    assert survivor.read_survivor(str(tmp_path / "survivors"), 1, run) is None  # SIGKILL leaves nothing
