@@ -3,27 +3,21 @@
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
 
-import deepspeed
 import pytest
 import torch
 
-from conftest import ROOT, TEST_MODEL, free_port, run_job, tiny_config
+from conftest import ROOT, TEST_MODEL, run_job, tiny_config
 import cpsr_ds
 from cpsr_ds.checkpoint import store, survivor
 from cpsr_ds.config import ConfigError, CPSRConfig
 from cpsr_ds.models.gpt import GPTConfig, gpt_pipeline
 from cpsr_ds.recovery import engine_state
-
-
-@pytest.fixture(scope="module", autouse=True)
-def process_group():
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    deepspeed.init_distributed(dist_backend="gloo")
-    yield
-    torch.distributed.destroy_process_group()
+from test_plugin import process_group  # noqa: F401 (an autouse fixture: one process group for the module)
 
 
 def trained(tmp_path, zero_stage=0, iterations=2, **checkpoint):
@@ -164,6 +158,14 @@ def test_sigterm_while_the_main_thread_is_blocked_still_dumps(tmp_path, monkeypa
         assert read(engine, tmp_path).reason == "SIGTERM received"
     finally:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+
+
+def test_after_the_dump_the_process_ends_by_the_signal_even_with_a_python_handler_installed():
+    """Launchers read the signal's meaning from the exit status: -SIGTERM, as without a dump."""
+    script = ("import signal; from cpsr_ds.checkpoint.survivor import die; "
+              "signal.signal(signal.SIGTERM, lambda *_: None); die(signal.SIGTERM)")
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == -signal.SIGTERM, result.stderr
 
 
 def test_a_restart_removes_its_ranks_earlier_dump_and_the_dumps_of_deleted_runs(tmp_path):

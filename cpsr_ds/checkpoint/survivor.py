@@ -38,6 +38,7 @@ import os
 import pickle
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -52,6 +53,7 @@ from cpsr_ds.checkpoint import store
 from cpsr_ds.checkpoint.persist import Concurrent
 from cpsr_ds.checkpoint.fileformat import CheckpointError, file_prefix, flatten, layout, nonfinite_tensors, read_snapshot
 from cpsr_ds.config import CheckpointConfig
+from cpsr_ds.recovery.engine_io import base_optimizer, local_state
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +61,6 @@ RUN_ID = "cpsr_run.json"  # in the run directory: the run's identity, made at it
 OWNER = "owner.json"
 STATE_FILE = "state.cpsr"
 TAG = "survivor"
-MOMENTS = ("exp_avg", "exp_avg_sq")
 # Signals a launcher stops a job's ranks with.
 SIGNALS = (signal.SIGTERM,)
 
@@ -113,54 +114,10 @@ def run_identity(run_dir: str) -> str:
 # ---------------------------------------------------------------- the state
 
 
-def _partitioned(engine) -> bool:
-    return any(hasattr(p, "_hp_mapping") for p in engine.module.parameters())
-
-
-def _base_optimizer(engine):
-    return getattr(engine.optimizer, "optimizer", engine.optimizer)
-
-
-def local_state(engine) -> tuple[dict[str, torch.Tensor], dict[str, tuple[int, int]]]:
-    """(state, fragments): this rank's parameters and Adam moments keyed as ``engine_state`` keys them, no collective.
-
-    Unpartitioned, each is the whole tensor (the live one, not a copy). Under ZeRO/bf16
-    each is this rank's fragment of the fp32 master or moment, flat, at ``fragments[name]``
-    = (start, numel) of the flattened tensor; a fragment covering the whole tensor is
-    given in its shape and not listed.
-    """
-    state, fragments = {}, {}
-    if not _partitioned(engine):
-        opt_state = _base_optimizer(engine).state
-        for name, p in engine.module.named_parameters():
-            state[f"param/{name}"] = p.detach()
-            for kind in MOMENTS:
-                state[f"{kind}/{name}"] = opt_state[p][kind].detach()
-        return state, fragments
-    optimizer = engine.optimizer
-    if any(p._hp_mapping is not None and p._hp_mapping.optim_fragment is None for p in engine.module.parameters()):
-        # load_checkpoint rebuilds the mappings without their moment views (see recovery's engine_state).
-        optimizer._hp_optimizer_states_linked = False
-        optimizer._lazy_init_hp_params_optimizer_state()
-    for name, p in engine.module.named_parameters():
-        mapping = p._hp_mapping
-        if mapping is None:
-            start, numel, parts = 0, 0, {k: torch.empty(0) for k in ("param", *MOMENTS)}
-        else:
-            start, numel = mapping.lp_fragment_address.start, mapping.lp_fragment_address.numel
-            parts = {"param": mapping.get_hp_fragment(), **{k: mapping.get_hp_fragment(k) for k in MOMENTS}}
-        whole = start == 0 and numel == p.numel()
-        for kind, t in parts.items():
-            state[f"{kind}/{name}"] = t.detach().view(p.shape) if whole else t.detach()
-        if not whole:
-            fragments[name] = (start, numel)
-    return state, fragments
-
-
 def counters(engine) -> dict:
     """The step counters and LR schedule the state belongs with."""
     scheduler = engine.lr_scheduler
-    steps = {int(st["step"]) for st in _base_optimizer(engine).state.values() if "step" in st}
+    steps = {int(st["step"]) for st in base_optimizer(engine).state.values() if "step" in st}
     return {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
             "skipped_steps": engine.skipped_steps, "micro_steps": engine.micro_steps,
             "optimizer_steps": sorted(steps),

@@ -67,6 +67,39 @@ def engine_state(engine) -> dict[str, torch.Tensor]:
     return state
 
 
+def local_state(engine) -> tuple[dict[str, torch.Tensor], dict[str, tuple[int, int]]]:
+    """(state, fragments): this rank's parameters and Adam moments keyed as ``engine_state`` keys them, no collective.
+
+    Unpartitioned, each is the whole tensor (the live one, not a copy). Under ZeRO/bf16
+    each is this rank's fragment of the fp32 master or moment, flat, at ``fragments[name]``
+    = (start, numel) of the flattened tensor; a fragment covering the whole tensor is
+    given in its shape and not listed.
+    """
+    state, fragments = {}, {}
+    if not _partitioned(engine):
+        opt_state = base_optimizer(engine).state
+        for name, p in engine.module.named_parameters():
+            state[f"param/{name}"] = p.detach()
+            for kind in MOMENTS:
+                state[f"{kind}/{name}"] = opt_state[p][kind].detach()
+        return state, fragments
+    if any(p._hp_mapping is not None and p._hp_mapping.optim_fragment is None for p in engine.module.parameters()):
+        _link_partitions(engine)
+    for name, p in engine.module.named_parameters():
+        mapping = p._hp_mapping
+        if mapping is None:
+            start, numel, parts = 0, 0, {k: torch.empty(0) for k in ("param", *MOMENTS)}
+        else:
+            start, numel = mapping.lp_fragment_address.start, mapping.lp_fragment_address.numel
+            parts = {"param": mapping.get_hp_fragment(), **{k: mapping.get_hp_fragment(k) for k in MOMENTS}}
+        whole = start == 0 and numel == p.numel()
+        for kind, t in parts.items():
+            state[f"{kind}/{name}"] = t.detach().view(p.shape) if whole else t.detach()
+        if not whole:
+            fragments[name] = (start, numel)
+    return state, fragments
+
+
 class DataParallel(NamedTuple):
     """This rank's place among its stage's data-parallel replicas (one replica: no process group)."""
 
