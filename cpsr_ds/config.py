@@ -141,6 +141,12 @@ class PredictorConfig(_Strict):
         description="vitp: at most this many predictor training steps after each checkpoint (count); null: no step "
         "limit. A step limit alone makes the predictor's training independent of the machine's load.",
     )
+    memory_mb: float = Field(
+        200.0, gt=0.0,
+        description="vitp: cap on the predictor's memory on its device in MiB (weights, optimizer state, samples, "
+        "activations; the paper's 200 MB): above it the samples stay in host memory and are streamed in smaller "
+        "batches; a cap below one chunk's batch is refused at the start, naming the sizes.",
+    )
 
     @model_validator(mode="after")
     def _training_is_bounded(self) -> "PredictorConfig":

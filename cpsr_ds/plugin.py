@@ -140,6 +140,8 @@ class Runtime:
         self.journal = ProgressJournal(self.directory, rank)
         self.faults = FaultInjector(cfg.faults, self.directory, rank, world)
         self.predictor = new_predictor(cfg)
+        if hasattr(self.predictor, "cap_memory"):
+            self.predictor.cap_memory(cfg.predictor.memory_mb)
         self.recovery = recover(engine, cfg, self.predictor)
         self.learning = hasattr(self.predictor, "step")
         self.coordinator = (Coordinator(cfg.coordinator, self.directory, rank, self.stage)
