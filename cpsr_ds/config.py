@@ -210,9 +210,10 @@ class PlannerConfig(_Strict):
 class CoordinatorConfig(_Strict):
     enabled: bool = Field(
         True,
-        description="With pipeline parallelism, the predictor's work after a checkpoint (a learning predictor's "
-        "training, the held-out check) runs in the pipeline's bubbles (cpsr_ds/coordinator.py) instead of at the "
-        "checkpoint; false, or one pipeline stage: at the checkpoint, on the training loop's path.",
+        description="The predictor's work after a checkpoint (a learning predictor's training, the held-out check) "
+        "runs off the training loop's path (cpsr_ds/coordinator.py): with pipeline parallelism in the pipeline's "
+        "bubbles, with one pipeline stage on a low-priority background thread; what is left at the next "
+        "checkpoint runs there. false: at the checkpoint, on the training loop's path.",
     )
     percentile: float = Field(
         10.0, gt=0.0, le=100.0,
