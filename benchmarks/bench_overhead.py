@@ -19,6 +19,10 @@ config's 8 sequences per micro-batch none does, and all the work runs inline.
 
 - PP = 2 (two processes on the two cores: a bubble leaves a core idle) is the headline;
   PP = 4 with DP = 1 and DP = 2 (4 and 8 processes) are reported, oversubscribed on 2 cores.
+- PP = 1 with DP = 1 and DP = 2 (no pipeline: the work runs on a nice-19 background thread of
+  each rank, what is left at the next checkpoint inline there): the throughput ratio on/off by
+  DP degree (``throughput_ratio_pp1``) and the predictor seconds per iteration in the background
+  and inline.
 - Throughput: iterations per second from rank 0's progress journal (its wall times) over
   the iterations after the warm-up (``--warm-up``, default: until vitp has the window of
   checkpoints it learns from, so that every measured iteration has predictor work to
@@ -28,7 +32,7 @@ config's 8 sequences per micro-batch none does, and all the work runs inline.
 - Bubbles (Fig. 10): from the on runs' coordinator records (``coordinator/rankNNNNN.jsonl``)
   after the warm-up, per stage (summed over its data-parallel ranks, divided by their
   iterations): the bubble time measured (``bubble_s``: the slots' spans), the predictor
-  time placed in them (``predictor_s``) and run inline (``inline_s``, on the training
+  time placed in them (``predictor_s``), run on the background thread (``background_s``, PP = 1) and run inline (``inline_s``, on the training
   loop's path), and the share of the bubbles filled, predictor_s / bubble_s. A rank's
   predictor work (placed and inline) at PP = 4, DP = 2 over DP = 1, per stage: wall
   seconds, so with 8 processes on 2 cores it holds the oversubscription too.
@@ -77,6 +81,7 @@ JOB = os.path.join(ROOT, "benchmarks", "overhead_job.py")
 DEEPSPEED = os.path.join(os.path.dirname(sys.executable), "deepspeed")
 HISTORY = 6
 LAYOUTS = ((2, 1), (4, 1), (4, 2))  # (PP, DP); the first is the headline
+PP1_LAYOUTS = ((1, 1), (1, 2))  # no pipeline: the work on a background thread
 RECOVERY_DP = (1, 2)
 RECOVERY_INTERVAL = 3
 RECOVERY_KILL_AT = 14  # two iterations after the checkpoint of 12: PB-R predicts
@@ -109,17 +114,18 @@ def per_stage(rows: list[dict], warm_up: int) -> dict[int, dict]:
     inline seconds per iteration (summed over the stage's ranks, divided by their iterations) and the bubble share
     the predictor filled."""
     sums: dict[int, dict] = defaultdict(lambda: {"iterations": 0, "bubble_s": 0.0, "predictor_s": 0.0,
-                                                 "inline_s": 0.0})
+                                                 "background_s": 0.0, "inline_s": 0.0})
     slices: dict[int, list] = defaultdict(list)
     for r in rows:
         if r["iteration"] - r["iterations"] < warm_up:
             continue
         total = sums[r["stage"]]
         for key in total:
-            total[key] += r[key]
+            total[key] += r.get(key, 0.0)  # lines written before background_s have none
         slices[r["stage"]] += r["slices"]
     return {stage: {"iterations": s["iterations"],
-                    **{f"{k}_per_iter": s[k] / s["iterations"] for k in ("bubble_s", "predictor_s", "inline_s")},
+                    **{f"{k}_per_iter": s[k] / s["iterations"]
+                       for k in ("bubble_s", "predictor_s", "background_s", "inline_s")},
                     "filled_fraction": filled(s["predictor_s"], s["bubble_s"]), "slices": len(slices[stage]),
                     "overruns": sum(spent > budget for _, budget, spent in slices[stage])}
             for stage, s in sorted(sums.items()) if s["iterations"]}
@@ -140,6 +146,16 @@ def dp_ratio(dp1: dict, dp2: dict) -> dict:
     """Per key (a stage, or one figure), DP = 2's value over DP = 1's; None where DP = 1's is 0 or either is
     missing."""
     return {k: dp2[k] / dp1[k] if dp1.get(k) and dp2.get(k) is not None else None for k in dp1}
+
+
+def at_pp(layouts: dict, pp: int) -> dict[int, dict]:
+    """The results of the layouts with ``pp`` stages (keys (PP, DP)), by DP degree."""
+    return {dp: r for (p, dp), r in sorted(layouts.items()) if p == pp}
+
+
+def median_ratios(by_dp: dict[int, dict]) -> dict[int, float]:
+    """Per DP degree, the median throughput ratio on/off over its pairs."""
+    return {dp: r["throughput_ratio"]["median"] for dp, r in by_dp.items()}
 
 
 def work_per_iter(stages: dict[int, dict]) -> dict[int, float]:
@@ -296,7 +312,7 @@ def recovery_memory(args, dp: int) -> list[dict]:
 def summarize_all(args, layouts: dict, footprints: dict, memory: list[dict]) -> dict:
     head = layouts[LAYOUTS[0]]
     peaks = recovery_peaks(memory)
-    pp4 = {dp: layouts[(4, dp)] for dp in (1, 2) if (4, dp) in layouts}
+    pp4, pp1 = at_pp(layouts, 4), at_pp(layouts, 1)
     return {
         "throughput_ratio": head["throughput_ratio"]["median"],
         "throughput_ratio_summary": head["throughput_ratio"],
@@ -309,7 +325,12 @@ def summarize_all(args, layouts: dict, footprints: dict, memory: list[dict]) -> 
         "recovery_peak_host_mb": peaks,
         "recovery_peak_dp2_over_dp1": peaks[2] / peaks[1] if {1, 2} <= set(peaks) and peaks[1] > 0 else None,
         "recovery_memory": memory,
-        "throughput_ratio_pp4": {dp: r["throughput_ratio"]["median"] for dp, r in pp4.items()},
+        "throughput_ratio_pp4": median_ratios(pp4),
+        "throughput_ratio_pp1": median_ratios(pp1),
+        "background_s_per_iter_pp1": {dp: r["stages"][0]["background_s_per_iter"] for dp, r in pp1.items()
+                                      if 0 in r["stages"]},
+        "inline_s_per_iter_pp1": {dp: r["stages"][0]["inline_s_per_iter"] for dp, r in pp1.items()
+                                  if 0 in r["stages"]},
         "predictor_s_per_iter_pp4": {dp: {s: f["predictor_s_per_iter"] for s, f in r["stages"].items()}
                                      for dp, r in pp4.items()},
         "bubble_s_per_iter_pp4": {dp: {s: f["bubble_s_per_iter"] for s, f in r["stages"].items()}
@@ -317,7 +338,7 @@ def summarize_all(args, layouts: dict, footprints: dict, memory: list[dict]) -> 
         "bubble_filled_fraction_pp4": {dp: r["bubble_filled_fraction"] for dp, r in pp4.items()},
         # A rank's predictor work (in the bubbles and inline) at DP = 2 over DP = 1, per stage of PP = 4.
         "predictor_work_dp2_over_dp1": (dp_ratio(work_per_iter(pp4[1]["stages"]), work_per_iter(pp4[2]["stages"]))
-                                        if len(pp4) == 2 else None),
+                                        if {1, 2} <= set(pp4) else None),
         "layouts": {f"pp{pp}_dp{dp}": r for (pp, dp), r in layouts.items()},
         "settings": {k: v for k, v in vars(args).items() if k not in ("json", "plot")},
     }
@@ -340,12 +361,13 @@ def print_result(result: dict) -> None:
         print(f"{name:10s} {r['processes']:5d} | {sum(r['throughput_on']) / len(r['throughput_on']):8.3f} "
               f"{sum(r['throughput_off']) / len(r['throughput_off']):8.3f} | {t['median']:.4f}, {t['mean']:.4f} "
               f"[{lo:.4f}, {hi:.4f}] over {t['measured']}{over}")
-    print(f"\nper stage and iteration, coordinator on (ms): bubble measured, predictor placed in it, predictor inline; "
-          f"filled share")
+    print(f"\nper stage and iteration, coordinator on (ms): bubble measured, predictor placed in it, predictor on the "
+          f"background thread (PP = 1), predictor inline; filled share")
     for name, r in result["layouts"].items():
         for stage, f in r["stages"].items():
             print(f"{name:10s} stage {stage} | bubble {f['bubble_s_per_iter'] * 1e3:8.2f} | placed "
-                  f"{f['predictor_s_per_iter'] * 1e3:8.2f} | inline {f['inline_s_per_iter'] * 1e3:8.2f} | "
+                  f"{f['predictor_s_per_iter'] * 1e3:8.2f} | background {f['background_s_per_iter'] * 1e3:8.2f} | "
+                  f"inline {f['inline_s_per_iter'] * 1e3:8.2f} | "
                   f"filled {num(f['filled_fraction'], '.1%', 6)} | slices {f['slices']}, over budget {f['overruns']}")
         print(f"{name:10s} all stages filled {num(r['bubble_filled_fraction'], '.1%', 6)}")
     print("\nheld-out error (Eq. 9) at the newest checkpoint both runs measured: on (in bubbles) / off (at checkpoints)")
@@ -364,6 +386,8 @@ def print_result(result: dict) -> None:
     print(f"recovery_peak_host_mb (stage 0, by DP degree): {result['recovery_peak_host_mb']}; DP = 2 over DP = 1: "
           f"{num(result['recovery_peak_dp2_over_dp1'], '.2f', 4)}")
     print(f"a rank's predictor work at PP = 4, DP = 2 over DP = 1, per stage: {result['predictor_work_dp2_over_dp1']}")
+    print(f"no pipeline (PP = 1), work on a background thread: throughput ratio on/off by DP degree "
+          f"{result['throughput_ratio_pp1']}")
 
 
 def plot(result: dict, path: str) -> None:
@@ -396,6 +420,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the runs' directories and logs (emptied first)")
     p.add_argument("--pairs", type=int, help="on/off pairs at PP = 2 (default 5; --quick: 2)")
     p.add_argument("--pairs-pp4", type=int, help="on/off pairs at PP = 4, each DP (default 2; --quick: 1)")
+    p.add_argument("--pairs-pp1", type=int, help="on/off pairs at PP = 1, each DP (default 2; --quick: 1)")
     p.add_argument("--iters", type=int, help="iterations per job (default 40; --quick: 20)")
     p.add_argument("--micro-batch", type=int, default=64, help="sequences per micro-batch")
     p.add_argument("--micro-batches", type=int, default=2, help="micro-batches per iteration")
@@ -409,6 +434,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.pairs = args.pairs or (2 if args.quick else 5)
     args.pairs_pp4 = args.pairs_pp4 if args.pairs_pp4 is not None else (1 if args.quick else 2)
+    args.pairs_pp1 = args.pairs_pp1 if args.pairs_pp1 is not None else (1 if args.quick else 2)
     args.iters = args.iters or (20 if args.quick else 40)
     if args.warm_up is None:
         args.warm_up = VITPPredictor(history=HISTORY).min_history * args.interval
@@ -423,8 +449,8 @@ def main(argv=None) -> None:
     os.makedirs(args.out_dir)
     started = time.monotonic()
     layouts = {}
-    for stages, dp in LAYOUTS:
-        pairs = args.pairs if (stages, dp) == LAYOUTS[0] else args.pairs_pp4
+    for stages, dp in LAYOUTS + PP1_LAYOUTS:
+        pairs = args.pairs if (stages, dp) == LAYOUTS[0] else args.pairs_pp1 if stages == 1 else args.pairs_pp4
         if pairs:
             print(f"PP = {stages}, DP = {dp}: {pairs} pair(s)", flush=True)
             layouts[(stages, dp)] = overhead(args, stages, dp, pairs)

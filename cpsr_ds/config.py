@@ -157,6 +157,12 @@ class PredictorConfig(_Strict):
         description="vitp: at most this many predictor training steps after each checkpoint (count); null: no step "
         "limit. A step limit alone makes the predictor's training independent of the machine's load.",
     )
+    memory_mb: float = Field(
+        200.0, gt=0.0,
+        description="vitp: cap on the predictor's memory on its device in MiB (weights, optimizer state, samples, "
+        "activations; the paper's 200 MB): above it the samples stay in host memory and are streamed in smaller "
+        "batches; a cap below one chunk's batch is refused at the start, naming the sizes.",
+    )
 
     @model_validator(mode="after")
     def _training_is_bounded(self) -> "PredictorConfig":
@@ -220,9 +226,10 @@ class PlannerConfig(_Strict):
 class CoordinatorConfig(_Strict):
     enabled: bool = Field(
         True,
-        description="With pipeline parallelism, the predictor's work after a checkpoint (a learning predictor's "
-        "training, the held-out check) runs in the pipeline's bubbles (cpsr_ds/coordinator.py) instead of at the "
-        "checkpoint; false, or one pipeline stage: at the checkpoint, on the training loop's path.",
+        description="The predictor's work after a checkpoint (a learning predictor's training, the held-out check) "
+        "runs off the training loop's path (cpsr_ds/coordinator.py): with pipeline parallelism in the pipeline's "
+        "bubbles, with one pipeline stage on a low-priority background thread; what is left at the next "
+        "checkpoint runs there. false: at the checkpoint, on the training loop's path.",
     )
     percentile: float = Field(
         10.0, gt=0.0, le=100.0,

@@ -30,11 +30,21 @@ piece at once, inline, to measure it (or, queued behind other work, at the next
 checkpoint); what is still queued at a checkpoint runs inline there, before the predictor
 sees the new checkpoint, and what is queued when the job ends is dropped.
 
+Without a pipeline (one stage: plain data parallelism or ZeRO) there are no bubbles;
+:class:`Background` runs the queued jobs to their ends on a thread of its own at the
+lowest priority (nice 19), so that the training loop's thread keeps the core it
+needs. The contract is the bubbles': what has not started by the next checkpoint
+runs inline there (after the job running on the thread has ended), before the
+predictor sees the new checkpoint. On CUDA that thread would issue its work on the
+side stream, started where the compute stream is when the job begins; that path is
+not exercised by the test suite.
+
 Record: ``coordinator/rankNNNNN.jsonl`` in the run directory, one JSON line per
 ``coordinator.log_every`` iterations per rank: ``rank``, ``stage``, ``iteration`` (the
 last one covered), ``iterations`` (how many), ``bubble_s`` (the slots' measured spans,
-summed), ``predictor_s`` (predictor work placed in slots), ``inline_s`` (predictor work
-run inline, on the training loop's path) and ``slices``, ``[slot, budget_s, spent_s]``
+summed), ``predictor_s`` (predictor work placed in slots), ``background_s`` (predictor
+work run on :class:`Background`'s thread), ``inline_s`` (predictor work run inline, or
+waited for, on the training loop's path) and ``slices``, ``[slot, budget_s, spent_s]``
 for every slot that ran work. Per iteration: ``bubble_s / iterations`` and
 ``predictor_s / iterations``; the bubble filled: ``predictor_s / bubble_s``.
 """
@@ -45,6 +55,7 @@ import contextlib
 import json
 import logging
 import os
+import threading
 import time
 from collections import defaultdict, deque
 from typing import Callable, Optional, Protocol
@@ -61,6 +72,8 @@ log = logging.getLogger(__name__)
 RECORD_DIR = "coordinator"
 PIECES = 5  # recent costs of a job's smallest piece that its estimate is the largest of
 MIN_PIECE_S = 0.002  # no piece is expected to take less: timing noise on a shared CPU is of that order
+LOWEST_PRIORITY = 19  # the nice value of the background thread
+DROP_WAIT_S = 30.0  # how long the end of the job waits for the background thread's running job
 
 
 class PredictorWork(PipeInstruction):
@@ -206,10 +219,12 @@ class Coordinator:
         self.pieces: dict[str, PieceCost] = defaultdict(PieceCost)
         self.open = None  # (slot, start, budget, spent) until the receive after the slot ends
         self.side = torch.cuda.Stream() if torch.cuda.is_available() else None
+        self.lock = threading.Condition()  # the record's sums, and Background's queue
         self._reset()
 
     def _reset(self) -> None:
         self.iterations, self.bubble_s, self.predictor_s, self.inline_s, self.slices = 0, 0.0, 0.0, 0.0, []
+        self.background_s = 0.0
 
     def piece(self, kind: str) -> PieceCost:
         """The cost record of the jobs of ``kind``, kept across checkpoints."""
@@ -276,16 +291,82 @@ class Coordinator:
         self.iterations += 1
         if self.iterations < self.cfg.log_every:
             return
-        row = {"rank": self.rank, "stage": self.stage, "iteration": iteration, "iterations": self.iterations,
-               "bubble_s": round(self.bubble_s, 6), "predictor_s": round(self.predictor_s, 6),
-               "inline_s": round(self.inline_s, 6), "slices": self.slices}
-        self._reset()
+        with self.lock:
+            row = {"rank": self.rank, "stage": self.stage, "iteration": iteration, "iterations": self.iterations,
+                   "bubble_s": round(self.bubble_s, 6), "predictor_s": round(self.predictor_s, 6),
+                   "background_s": round(self.background_s, 6), "inline_s": round(self.inline_s, 6),
+                   "slices": self.slices}
+            self._reset()
         try:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
             with open(self.path, "a") as f:
                 f.write(json.dumps(row) + "\n")
         except OSError as err:  # a record never stops training
             log.warning("cpsr: could not append to %s: %s", self.path, err)
+
+
+class Background(Coordinator):
+    """Without a pipeline: the queued jobs run to their ends on a low-priority thread of this rank."""
+
+    def __init__(self, cfg: CoordinatorConfig, directory: str, rank: int, stage: int):
+        super().__init__(cfg, directory, rank, stage)
+        self.running = False
+        self.stopped = False
+        self.error: Optional[BaseException] = None
+        self.thread = threading.Thread(target=self._work, name=f"cpsr-predictor-rank{rank}", daemon=True)
+        self.thread.start()
+
+    def submit(self, job: Job) -> None:
+        with self.lock:
+            self.queue.append(job)
+            self.lock.notify_all()
+
+    def _work(self) -> None:
+        # A thread's own nice value (Linux): the training loop's thread keeps the CPU it needs.
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOWEST_PRIORITY)
+        while True:
+            with self.lock:
+                self.lock.wait_for(lambda: self.queue or self.stopped)
+                if self.stopped:
+                    return
+                job, self.running = self.queue.popleft(), True
+            t0, error = time.perf_counter(), None
+            try:
+                with _side_stream(self.side):  # CUDA: not exercised by the test suite
+                    job.run(None)
+            except BaseException as err:  # raised on the training loop's thread at the next flush
+                error = err
+            with self.lock:
+                self.background_s += time.perf_counter() - t0
+                self.running, self.error = False, self.error or error
+                self.lock.notify_all()
+
+    def flush(self) -> None:
+        """Wait for the job running on the thread, then run what has not started, inline."""
+        t0 = time.perf_counter()
+        with self.lock:
+            pending = list(self.queue)
+            self.queue.clear()
+            self.lock.wait_for(lambda: not self.running)
+            error, self.error = self.error, None
+        if error is not None:
+            raise RuntimeError(f"cpsr: rank {self.rank}: the predictor's work on the background thread failed: "
+                               f"{error}") from error
+        for job in pending:
+            job.run(None)
+        with self.lock:
+            self.inline_s += time.perf_counter() - t0
+
+    def drop(self) -> None:
+        """Give up what has not started and end the thread, waiting at most DROP_WAIT_S for its running job."""
+        with self.lock:
+            left = len(self.queue)
+            self.queue.clear()
+            self.stopped = True
+            self.lock.notify_all()
+        if left:
+            log.info("cpsr: rank %d: %d job(s) of predictor work left undone at the end of the job", self.rank, left)
+        self.thread.join(timeout=DROP_WAIT_S)
 
 
 def read_records(directory: str) -> list[dict]:

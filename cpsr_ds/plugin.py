@@ -39,7 +39,7 @@ from cpsr_ds.checkpoint.factory import deepspeed_factory
 from cpsr_ds.checkpoint.layout import verify_storage
 from cpsr_ds.checkpoint.journal import ProgressJournal, journal_path, plausible, read_journal, retire_journals
 from cpsr_ds.config import CPSRConfig
-from cpsr_ds.coordinator import BubbleSchedule, CallJob, Coordinator, PieceCost, PredictorWork, TrainJob
+from cpsr_ds.coordinator import Background, BubbleSchedule, CallJob, Coordinator, PieceCost, PredictorWork, TrainJob
 from cpsr_ds.elastic import check_restartable
 from cpsr_ds.faults import FaultInjector, check_kill_rank
 from cpsr_ds.fitter import fit_loss_o, next_phase, stage_xi
@@ -124,7 +124,8 @@ class Runtime:
     With ``coordinator.enabled`` and more than one pipeline stage, the predictor's work
     after a checkpoint (vitp's training, the held-out check of the StateRow) is queued to
     :class:`~cpsr_ds.coordinator.Coordinator`, which runs it in the pipeline's bubbles;
-    with one stage it runs at the checkpoint.
+    with one stage to :class:`~cpsr_ds.coordinator.Background`, which runs it on a
+    low-priority thread; with the coordinator disabled it runs at the checkpoint.
     """
 
     def __init__(self, engine: PipelineEngine, cfg: CPSRConfig, lock: RunDirLock | None = None):
@@ -140,10 +141,13 @@ class Runtime:
         self.journal = ProgressJournal(self.directory, rank)
         self.faults = FaultInjector(cfg.faults, self.directory, rank, world)
         self.predictor = new_predictor(cfg)
+        if hasattr(self.predictor, "cap_memory"):
+            self.predictor.cap_memory(cfg.predictor.memory_mb)
         self.recovery = recover(engine, cfg, self.predictor)
         self.learning = hasattr(self.predictor, "step")
-        self.coordinator = (Coordinator(cfg.coordinator, self.directory, rank, self.stage)
-                            if cfg.coordinator.enabled and engine.num_stages > 1 else None)
+        # With a pipeline the work goes in its bubbles; without one, on a low-priority thread.
+        place = Coordinator if engine.num_stages > 1 else Background
+        self.coordinator = place(cfg.coordinator, self.directory, rank, self.stage) if cfg.coordinator.enabled else None
         self.observing = cfg.recovery.mode != "recompute"
         if not self.learning and not (self.observing and self.measuring):
             # Simple predictors fit at recovery time; a measuring rank's keeps observing for the held-out error.
@@ -253,11 +257,15 @@ class Runtime:
         if self.predictor is not None and state is not None:
             self.predictor.observe(iteration, own_share(engine, state))
             if self.learning:
-                # A learning predictor trains a little; its weights go with the checkpoint (a copy: in the
-                # bubbles it trains on while the checkpoint persists).
+                # A learning predictor trains a little; its weights go with the checkpoint: a copy, taken
+                # before the coordinator's queue trains on while the checkpoint persists.
                 p = self.cfg.predictor
-                self._run(TrainJob(self.predictor, p.train_steps, p.train_budget_s, self._piece("train")))
+                job = TrainJob(self.predictor, p.train_steps, p.train_budget_s, self._piece("train"))
+                if self.coordinator is None:
+                    job.run(None)
                 client_state = {PREDICTOR_STATE: copy.deepcopy(self.predictor.state_dict(include_history=False))}
+                if self.coordinator is not None:
+                    self.coordinator.submit(job)
         if self.per_stage:
             full = len(due) == self.stages
             engine.checkpoint_engine.select(None if full else [r for r, s in enumerate(self.rank_stages) if s in due],

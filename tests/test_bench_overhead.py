@@ -148,3 +148,22 @@ def test_recovery_peaks_are_stage_zeros_largest_by_dp_degree(bench):
     assert list(peaks) == [1, 2]
     assert bench.dp_ratio(peaks, peaks) == {1: 1.0, 2: 1.0}
     assert bench.dp_ratio({0: 2.0, 1: 0.0, 2: 1.0}, {0: 1.0, 1: 1.0}) == {0: 0.5, 1: None, 2: None}
+
+
+# ---------------------------------------------------------------- no pipeline: the background thread
+
+def test_pp1_figures_are_by_dp_degree_with_the_background_time_per_iteration(bench):
+    rows = [dict(line(0, 0, 11, 0.0, 0.0, inline_s=0.1), background_s=0.3),
+            dict(line(1, 0, 11, 0.0, 0.0), background_s=0.5),
+            line(0, 0, 12, 0.0, 0.0, inline_s=0.2)]  # a line from before background_s
+    stage = bench.per_stage(rows, warm_up=10)[0]
+    assert stage["background_s_per_iter"] == pytest.approx(0.8 / 3)
+    assert stage["inline_s_per_iter"] == pytest.approx(0.3 / 3)
+    assert stage["filled_fraction"] is None  # no bubbles
+    result = lambda median: {"throughput_ratio": {"median": median}}  # noqa: E731
+    layouts = {(2, 1): result(1.0), (1, 2): result(0.97), (4, 1): result(0.9), (1, 1): result(0.99)}
+    by_dp = bench.at_pp(layouts, 1)
+    assert list(by_dp) == [1, 2]
+    assert bench.median_ratios(by_dp) == {1: 0.99, 2: 0.97}
+    assert bench.median_ratios(bench.at_pp(layouts, 4)) == {1: 0.9}
+    assert bench.at_pp(layouts, 8) == {}

@@ -104,3 +104,13 @@ def test_launcher_rejects_an_interval_that_is_not_positive_at_parse_time(option,
     with pytest.raises(SystemExit):
         train_gpt.parse_args([option, value])
     assert f"argument {option}: must be a positive integer, got '{value}'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value, message", [
+    (0, r"cpsr\.predictor\.memory_mb: Input should be greater than 0"),
+    ("big", r"cpsr\.predictor\.memory_mb: Input should be a valid number"),
+])
+def test_a_bad_predictor_memory_cap_is_named(value, message):
+    with pytest.raises(ConfigError, match=message):
+        CPSRConfig.parse_block({"predictor": {"memory_mb": value}})
+    assert CPSRConfig.parse_block({}).predictor.memory_mb == 200.0

@@ -289,3 +289,57 @@ def test_vitp_peak_memory_is_under_200_mb():
     figures = json.loads(out.stdout.strip().splitlines()[-1])
     assert 0 < figures["train_peak_mib"] <= 200
     assert figures["predict_working_peak_mib"] <= 200
+
+
+# --- the memory cap (predictor.memory_mb) --------------------------------------
+
+def test_vitp_accounts_its_weights_optimizer_samples_and_batch_from_the_tensors():
+    p = fed("vitp", decay, **VITP_SMALL)
+    trainer, token, window = p.trainer, VITP_SMALL["token_size"], p.bands.window
+    weights = sum(w.numel() * 4 for w in trainer.model.parameters())
+    p.step(n_steps=1)
+    adam = sum(t.numel() * t.element_size() for s in trainer.optimizer.state.values() for t in s.values())
+    f = trainer.footprint
+    assert (f.weights, f.optimizer) == (weights, adam)
+    assert adam == 2 * weights + 4 * len(list(trainer.model.parameters()))  # both moments and a step count each
+    # Everything fits under 200 MiB: the history of the predicted kind (parameters) lives on the device.
+    assert not f.streamed and f.batch == VITP_SMALL["batch_chunks"]
+    assert f.samples == p.history.capacity * 4096 * 4
+    # A step's activations grow by the same bytes with every chunk of the batch.
+    per_chunk = trainer.costs.step_per_chunk
+    assert per_chunk > (window + 1) * token * 4
+    assert f.activations == trainer.costs.step_fixed + f.batch * per_chunk
+    assert f.total == f.weights + f.optimizer + f.samples + f.activations
+
+
+def test_under_a_small_cap_vitp_streams_smaller_batches_and_predicts_the_same():
+    free = fed("vitp", decay, **VITP_SMALL)
+    need = free.trainer.footprint
+    capped = fed("vitp", decay, memory_mb=0.5 * need.total / 2**20, **VITP_SMALL)
+    f = capped.trainer.footprint
+    assert f.streamed and 1 <= f.batch < VITP_SMALL["batch_chunks"] and f.total <= 0.5 * need.total
+    assert f.samples == f.batch * (capped.bands.window + 1) * VITP_SMALL["token_size"] * 4
+    for p in (free, capped):
+        p.step(n_steps=30)
+    # The same samples in micro-batches: the gradients differ only by float rounding.
+    assert capped.trainer.curve[-1].train_loss == pytest.approx(free.trainer.curve[-1].train_loss, rel=1e-3)
+    torch.testing.assert_close(capped.predict(TARGET), free.predict(TARGET), rtol=1e-4, atol=1e-5)
+    assert capped.options["memory_mb"] == pytest.approx(0.5 * need.total / 2**20)
+
+
+def test_a_cap_below_one_chunk_names_the_key_and_the_sizes():
+    with pytest.raises(ValueError, match=r"predictor\.memory_mb \(0\.5 MiB\).*weights .* MiB \+ optimizer state .* MiB "
+                                         r"\+ samples .* MiB \+ activations .* MiB = .* MiB"):
+        make_predictor("vitp", memory_mb=0.5)
+
+
+def test_vitp_peak_memory_stays_under_a_small_cap():
+    out = subprocess.run(
+        [sys.executable, "-m", "cpsr_ds.predictor.footprint", "--chunks", "1024", "--steps", "3", "--threads", "1",
+         "--memory-mb", "40"],
+        capture_output=True, text=True, check=True, timeout=120, cwd=Path(__file__).resolve().parents[1],
+    )
+    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    assert figures["streamed"] and figures["batch"] < 256 and figures["accounted_mib"] <= 40
+    assert 0 < figures["train_peak_mib"] <= 40
+    assert figures["predict_working_peak_mib"] <= 40

@@ -5,7 +5,9 @@ synthetic shard of ``chunks`` x ``token_size`` parameters, then measures the pea
 resident memory above that baseline (Linux VmHWM, reset through
 /proc/self/clear_refs) of training steps (from the first, optimizer state included) and of a full prediction, and the mean
 time of a training step. The history is the checkpoints themselves and is not
-counted; the predicted state that ``predict`` returns is reported apart.
+counted; the predicted state that ``predict`` returns is reported apart. ``--memory-mb``
+caps the predictor (``predictor.memory_mb``); the footprint it accounts under the cap
+(:mod:`cpsr_ds.predictor.memory`) is reported with the batch it chose.
 Prints one JSON object.
 """
 
@@ -43,25 +45,28 @@ def _peak_mib_since(baseline_kib: int) -> float:
     return (_status_kib("VmHWM") - baseline_kib) / 1024
 
 
-def _filled(chunks: int, token_size: int, checkpoints: int, batch_chunks: int) -> VITPPredictor:
+def _filled(chunks: int, token_size: int, checkpoints: int, batch_chunks: int, memory_mb: float) -> VITPPredictor:
     n = chunks * token_size
     gen = torch.Generator().manual_seed(0)
     start, drift = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
-    predictor = VITPPredictor(token_size=token_size, batch_chunks=batch_chunks, history=checkpoints, min_train_steps=1)
+    predictor = VITPPredictor(token_size=token_size, batch_chunks=batch_chunks, history=checkpoints, min_train_steps=1,
+                              memory_mb=memory_mb)
     for i in range(checkpoints):
         t = 50 * i + 7 * (i % 3)
         predictor.observe(t, {"param/w": start + drift * (1 - torch.exp(torch.tensor(-t / 400.0)))})
     return predictor
 
 
-def measure(chunks: int, token_size: int, checkpoints: int, steps: int, batch_chunks: int) -> dict:
+def measure(chunks: int, token_size: int, checkpoints: int, steps: int, batch_chunks: int,
+            memory_mb: float = 200.0) -> dict:
     # Run every code path once on a tiny shard first: the pages of torch's kernels
     # that the first call faults in are shared library code, not predictor memory.
-    warm = _filled(4, token_size, checkpoints, batch_chunks)
+    warm = _filled(4, token_size, checkpoints, batch_chunks, memory_mb)
     warm.step(n_steps=1)
     warm.predict(warm.history.iterations[-1] + 25)
     del warm
-    predictor = _filled(chunks, token_size, checkpoints, batch_chunks)
+    predictor = _filled(chunks, token_size, checkpoints, batch_chunks, memory_mb)
+    accounted = predictor.trainer.footprint
 
     baseline = _reset_peak()
     predictor.step(n_steps=1)
@@ -88,6 +93,10 @@ def measure(chunks: int, token_size: int, checkpoints: int, steps: int, batch_ch
         "predict_working_peak_mib": round(predict_peak - output_mib, 1),
         "predict_s": round(predict_s, 3),
         "model_params": sum(p.numel() for p in predictor.trainer.model.parameters()),
+        "memory_mb": memory_mb,
+        "accounted_mib": round(accounted.total / 2**20, 1),
+        "batch": accounted.batch,
+        "streamed": accounted.streamed,
     }
 
 
@@ -98,11 +107,13 @@ def main() -> None:
     ap.add_argument("--checkpoints", type=int, default=8)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--batch-chunks", type=int, default=256)
+    ap.add_argument("--memory-mb", type=float, default=200.0, help="predictor.memory_mb: the cap, MiB")
     ap.add_argument("--threads", type=int, default=0, help="torch threads; 0 leaves torch's default")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(json.dumps(measure(args.chunks, args.token_size, args.checkpoints, args.steps, args.batch_chunks)))
+    print(json.dumps(measure(args.chunks, args.token_size, args.checkpoints, args.steps, args.batch_chunks,
+                             args.memory_mb)))
 
 
 if __name__ == "__main__":

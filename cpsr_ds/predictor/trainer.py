@@ -8,10 +8,15 @@ held out; after each call the trainer predicts the newest checkpoint of those
 chunks from the window before it and records the loss, Eq. 9 in units of each
 chunk's recent movement, against time: the loss_p(t) curve the fitter fits
 tau_1 and tau_2 of Eq. 8 to.
+
+Its memory on its device is capped (``memory_mb``, :mod:`cpsr_ds.predictor.memory`):
+batches of more chunks than fit run as micro-batches, and the history's samples are
+streamed from host memory where they do not all fit.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -19,6 +24,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from cpsr_ds.predictor import fdd, samples
+from cpsr_ds.predictor.memory import MIB, Costs, Footprint, allocated_bytes, fit, tensor_bytes
 from cpsr_ds.predictor.network import VITP, Prepared, advance, prepare
 from cpsr_ds.predictor.state import KINDS, History
 
@@ -41,10 +47,32 @@ class StepReport:
     val_loss: float
 
 
+def forward(model: VITP, p: Prepared, times: torch.Tensor, kind: str) -> torch.Tensor:
+    """The network's prediction for a prepared window of chunks of ``kind``."""
+    kinds = torch.full((p.last.shape[0],), KINDS.index(kind), device=p.last.device)
+    return advance(p, model(p, times.to(p.last.device), kinds), model.bands)
+
+
+def descend(model: VITP, optimizer: torch.optim.Optimizer, kind: str, batches, values: int) -> float:
+    """One optimizer step on the mean squared normalised error over ``values`` values of ``kind``, summed over
+    ``batches`` ((prepared window, times, target), each made as it is consumed: one batch's activations at a time);
+    the loss."""
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    total = 0.0
+    for p, times, target in batches:
+        loss = ((forward(model, p, times, kind) - target) / p.scale).square().sum() / values
+        loss.backward()
+        total += float(loss.detach())
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    return total
+
+
 class VITPTrainer:
     def __init__(self, model: VITP, history: History, kinds: tuple[str, ...], token_size: int,
                  batch_chunks: int = 256, lr: float = 1e-3, max_stride: int = 2, holdout_every: int = 10,
-                 val_chunks: int = 256, seed: int = 0, device: str = "cpu"):
+                 val_chunks: int = 256, seed: int = 0, device: str = "cpu", memory_mb: float = 200.0):
         self.model = model.to(device)
         self.history = history
         self.kinds = kinds
@@ -60,6 +88,58 @@ class VITPTrainer:
         self.steps = 0
         self.seconds = 0.0
         self.curve: list[LossPoint] = []
+        self.costs = self._measure_costs(lr)
+        self.cap(memory_mb)
+        self._resident: tuple[tuple, dict[str, list[torch.Tensor]]] = ((), {})
+
+    def cap(self, memory_mb: float) -> None:
+        """Cap the footprint at ``memory_mb`` MiB; :class:`MemoryCapError` if not even one chunk fits under it."""
+        fit(self.costs, memory_mb * MIB, self.batch_chunks, math.inf)
+        self.cap_bytes = memory_mb * MIB
+
+    def _measure_costs(self, lr: float) -> Costs:
+        """The footprint's parts: a twin of the network and its optimizer take steps on random batches of one and
+        two chunks (the trainer's own network, optimizer and generator are left as they are)."""
+        twin = copy.deepcopy(self.model)
+        optimizer = torch.optim.Adam(twin.parameters(), lr=lr)
+        gen = torch.Generator().manual_seed(0)
+        w, token = self.window, self.token_size
+        times = samples.time_features(torch.arange(float(w)), float(w))
+
+        def step(rows: int) -> int:
+            y = torch.randn(rows, w, token, generator=gen).to(self.device)
+            target = y[:, -1] + 1.0
+            batches = ((prepare(y, self.bands), times, target) for _ in range(1))
+            return allocated_bytes(lambda: descend(twin, optimizer, KINDS[0], batches, rows * token))
+
+        step(1)  # the optimizer's state is made at the first step
+        one, two = step(1), step(2)
+        return Costs(weights=tensor_bytes(self.model.parameters()),
+                     optimizer=tensor_bytes(v for state in optimizer.state.values() for v in state.values()),
+                     step_fixed=2 * one - two, step_per_chunk=two - one,
+                     sample_per_chunk=(w + 1) * token * torch.finfo(torch.float32).bits // 8)
+
+    @property
+    def footprint(self) -> Footprint:
+        """The footprint on the device for the history's layout (before any checkpoint: with samples streamed)."""
+        layout = self.history.layout
+        itemsize = torch.finfo(torch.float32).bits // 8
+        history = (math.inf if layout is None else
+                   sum(self.history.capacity * layout.sizes[k] * itemsize for k in self._kinds()))
+        return fit(self.costs, self.cap_bytes, self.batch_chunks, history)
+
+    def _series(self, kind: str) -> list[torch.Tensor]:
+        """The history of ``kind``: on the device where it fits (copied once per checkpoint), else in host memory."""
+        series = self.history.series(kind)
+        if self.footprint.streamed:
+            return series
+        key = tuple(self.history.iterations)
+        if self._resident[0] != key:
+            self._resident = (key, {})
+        cached = self._resident[1]
+        if kind not in cached:
+            cached[kind] = [t.to(self.device) for t in series]
+        return cached[kind]
 
     @property
     def window(self) -> int:
@@ -77,11 +157,10 @@ class VITPTrainer:
 
     def run(self, p: Prepared, times: torch.Tensor, kind: str) -> torch.Tensor:
         """Prediction for a prepared window of chunks of ``kind``."""
-        kinds = torch.full((p.last.shape[0],), KINDS.index(kind), device=self.device)
-        return advance(p, self.model(p, times.to(self.device), kinds), self.bands)
+        return forward(self.model, p, times, kind)
 
     def _batch(self, kind: str, window: samples.Window, rows: torch.Tensor):
-        series = self.history.series(kind)
+        series = self._series(kind)
         y = samples.gather(series, window.inputs, rows, self.token_size).to(self.device)
         target = samples.gather(series, (window.target,), rows, self.token_size)[:, 0].to(self.device)
         times, t = window.times(self.history.iterations)
@@ -104,15 +183,11 @@ class VITPTrainer:
         kind = kinds[int(torch.randint(len(kinds), (1,), generator=self.generator))]
         wins = samples.windows(len(self.history), self.window, self.max_stride)
         window = wins[int(torch.randint(len(wins), (1,), generator=self.generator))]
-        p, times, target = self._batch(kind, window, self._train_rows(kind))
-        self.model.train()
-        loss = ((self.run(p, times, kind) - target) / p.scale).square().mean()
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-        self.optimizer.step()
+        rows = self._train_rows(kind)
+        batches = (self._batch(kind, window, part) for part in rows.split(self.footprint.batch))
+        loss = descend(self.model, self.optimizer, kind, batches, rows.numel() * self.token_size)
         self.steps += 1
-        return float(loss.detach())
+        return loss
 
     @torch.no_grad()
     def validate(self) -> tuple[float, float, dict[str, tuple[float, float, int]]]:
@@ -122,11 +197,16 @@ class VITPTrainer:
         self.model.eval()
         losses, per_kind = [], {}
         for kind in self._kinds():
-            p, times, target = self._batch(kind, window, self._val_rows(kind))
-            pred = self.run(p, times, kind)
-            losses.append(float(((pred - target) / p.scale).square().mean()))
-            per_kind[kind] = (float((pred - target).double().square().sum()),
-                              float((p.last - target).double().square().sum()), target.numel())
+            loss, err, skip, n = 0.0, 0.0, 0.0, 0
+            for part in self._val_rows(kind).split(self.footprint.batch):
+                p, times, target = self._batch(kind, window, part)
+                pred = self.run(p, times, kind)
+                loss += float(((pred - target) / p.scale).square().sum())
+                err += float((pred - target).double().square().sum())
+                skip += float((p.last - target).double().square().sum())
+                n += target.numel()
+            losses.append(loss / n)
+            per_kind[kind] = (err, skip, n)
         err = sum(v[0] for v in per_kind.values())
         base = sum(v[1] for v in per_kind.values())
         relative = math.sqrt(err / base) if base > 0 else 0.0

@@ -23,21 +23,23 @@ class VITPPredictor(Predictor):
     ``low_bins`` kept, ``mid_bins`` fed to the network, the rest dropped; network size
     ``d_model``/``heads``/``layers``; trainer options ``batch_chunks``, ``lr``,
     ``max_stride``, ``holdout_every``; ``ready()`` after ``min_train_steps`` steps;
-    ``predict`` runs ``predict_batch`` chunks at a time on ``device``."""
+    ``predict`` runs ``predict_batch`` chunks at a time on ``device``; ``memory_mb`` caps the footprint there
+    (:mod:`cpsr_ds.predictor.memory`), by smaller batches where needed."""
 
     name = "vitp"
 
     def __init__(self, token_size: int = 1024, window: int = 5, low_bins: int = 1, mid_bins: int = 1,
                  d_model: int = 64, heads: int = 4, layers: int = 2, batch_chunks: int = 256, lr: float = 1e-3,
                  max_stride: int = 2, holdout_every: int = 10, min_train_steps: int = 100,
-                 predict_batch: int = 256, seed: int = 0, device: str = "cpu", history: int = 16, **options):
+                 predict_batch: int = 256, seed: int = 0, device: str = "cpu", memory_mb: float = 200.0,
+                 history: int = 16, **options):
         self.min_history = window + 1
         self.align = token_size
         super().__init__(history=history, **options)
         self._options = dict(token_size=token_size, window=window, low_bins=low_bins, mid_bins=mid_bins,
                              d_model=d_model, heads=heads, layers=layers, batch_chunks=batch_chunks, lr=lr,
                              max_stride=max_stride, holdout_every=holdout_every, min_train_steps=min_train_steps,
-                             predict_batch=predict_batch, seed=seed, device=device)
+                             predict_batch=predict_batch, seed=seed, device=device, memory_mb=memory_mb)
         self.bands = fdd.Bands(window, low_bins, mid_bins)
         # Seeded initialisation without touching the training job's global RNG stream.
         with torch.random.fork_rng(devices=[]):
@@ -45,11 +47,17 @@ class VITPPredictor(Predictor):
             model = VITP(token_size, self.bands, d_model=d_model, heads=heads, layers=layers, d_ff=2 * d_model)
         kinds = tuple(k for k in KINDS if self.predicts(k))
         self.trainer = VITPTrainer(model, self.history, kinds, token_size, batch_chunks=batch_chunks, lr=lr,
-                                   max_stride=max_stride, holdout_every=holdout_every, seed=seed, device=device)
+                                   max_stride=max_stride, holdout_every=holdout_every, seed=seed, device=device,
+                                   memory_mb=memory_mb)
 
     @property
     def options(self) -> dict:
         return {**super().options, **self._options}
+
+    def cap_memory(self, memory_mb: float) -> None:
+        """Cap the footprint on the device at ``memory_mb`` MiB (``predictor.memory_mb``)."""
+        self.trainer.cap(memory_mb)
+        self._options["memory_mb"] = memory_mb
 
     def step(self, budget_s: float | None = None, n_steps: int | None = None) -> StepReport:
         """Train in a budget of seconds or steps (see :meth:`VITPTrainer.step`)."""
@@ -60,7 +68,8 @@ class VITPPredictor(Predictor):
 
     @torch.no_grad()
     def _extrapolate(self, kind, iterations, series, target):
-        token, w, batch = self._options["token_size"], self.bands.window, self._options["predict_batch"]
+        token, w = self._options["token_size"], self.bands.window
+        batch = min(self._options["predict_batch"], self.trainer.footprint.batch)
         inputs = tuple(range(len(series) - w, len(series)))
         times = samples.time_features(torch.tensor([float(iterations[i]) for i in inputs]), target)
         out = torch.empty_like(series[-1])
