@@ -141,8 +141,6 @@ class Runtime:
         self.journal = ProgressJournal(self.directory, rank)
         self.faults = FaultInjector(cfg.faults, self.directory, rank, world)
         self.predictor = new_predictor(cfg)
-        if hasattr(self.predictor, "cap_memory"):
-            self.predictor.cap_memory(cfg.predictor.memory_mb)
         self.recovery = recover(engine, cfg, self.predictor)
         self.learning = hasattr(self.predictor, "step")
         # With a pipeline the work goes in its bubbles; without one, on a low-priority thread.

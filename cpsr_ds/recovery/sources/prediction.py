@@ -13,7 +13,10 @@ PREDICTOR_STATE = "cpsr_predictor"  # key of the predictor's weights in DeepSpee
 
 def new_predictor(cfg: CPSRConfig):
     p = cfg.predictor
-    return make_predictor(p.name, history=p.history, params=p.params, moments=p.moments)
+    predictor = make_predictor(p.name, history=p.history, params=p.params, moments=p.moments)
+    if hasattr(predictor, "cap_memory"):  # a learning predictor: its memory on its device is capped
+        predictor.cap_memory(p.memory_mb)
+    return predictor
 
 
 def prepare(predictor, history: list[Retained], client_state: dict) -> None:
