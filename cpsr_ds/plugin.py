@@ -141,7 +141,7 @@ class Runtime:
         self.journal = ProgressJournal(self.directory, rank)
         self.faults = FaultInjector(cfg.faults, self.directory, rank, world)
         self.predictor = new_predictor(cfg)
-        self.recovery = recover(engine, cfg, self.predictor)
+        self.recovery = recover(engine, cfg, self.predictor, attempt=self.attempt)
         self.learning = hasattr(self.predictor, "step")
         # With a pipeline the work goes in its bubbles; without one, on a low-priority thread.
         place = Coordinator if engine.num_stages > 1 else Background

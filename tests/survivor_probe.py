@@ -1,6 +1,7 @@
 """Run under DeepSpeed's launcher by test_survivor.py: train as train_gpt.py does, and after every iteration save
 rank 0's engine_state; the killed rank waits for rank 0's state of its last iteration before its fault fires, so
-that the state the survivor dumps is always on record."""
+that the state the survivor dumps is always on record. With PROBE_RECOVERED, save instead each rank's state as
+recovery left it and as its checkpoint c holds it, and stop."""
 
 import os
 import sys
@@ -22,6 +23,13 @@ def probe_path(iteration: int) -> str:
 def main() -> None:
     job = train_gpt.setup()
     engine = job.engine
+    recovered = os.environ.get("PROBE_RECOVERED")
+    if recovered:
+        rank = engine.global_rank
+        torch.save(engine_state(engine), os.path.join(recovered, f"rank{rank}.pt"))
+        engine.load_checkpoint(job.cpsr_cfg.checkpoint.dir, tag=f"global_step{engine.cpsr.recovery.checkpoint}")
+        torch.save(engine_state(engine), os.path.join(recovered, f"rank{rank}-checkpoint.pt"))
+        return
     check = engine.cpsr.faults.check
 
     def after_rank0_recorded(iteration: int) -> None:

@@ -16,7 +16,8 @@ import cpsr_ds
 from cpsr_ds.checkpoint import store, survivor
 from cpsr_ds.config import ConfigError, CPSRConfig
 from cpsr_ds.models.gpt import GPTConfig, gpt_pipeline
-from cpsr_ds.recovery import engine_state
+from cpsr_ds.recovery import engine_state, read_reports
+from cpsr_ds.recovery.sources.survivor import restore_dump
 from test_plugin import process_group  # noqa: F401 (an autouse fixture: one process group for the module)
 
 
@@ -59,6 +60,19 @@ def test_the_dump_holds_exactly_the_engines_state_and_counters(tmp_path, zero_st
     assert dumped.counters["global_steps"] == 2 and dumped.counters["optimizer_steps"] == [2]
     assert dumped.counters["lr_scheduler"] == engine.lr_scheduler.state_dict()
     assert read(engine, tmp_path, attempt=2) is None  # a dump of another attempt is not this restart's
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_a_dump_written_back_gives_the_engine_its_state_and_the_forward_pass_its_weights(tmp_path, zero_stage):
+    engine, batches = trained(tmp_path, zero_stage)
+    assert engine.survivor.dump("test")
+    expected, loss = engine_state(engine), engine.eval_batch(iter(batches))
+    engine.train_batch(iter(batches))  # the state moves on
+    assert any(not torch.equal(v, expected[k]) for k, v in engine_state(engine).items())
+    restore_dump(engine, read(engine, tmp_path, attempt=1))
+    assert all(torch.equal(v, expected[k]) for k, v in engine_state(engine).items())
+    # Under ZeRO the module's weights the forward pass uses come from the restored partitions.
+    assert engine.eval_batch(iter(batches)) == loss
 
 
 def test_a_damaged_partial_or_foreign_dump_is_rejected(tmp_path, caplog):
@@ -189,24 +203,52 @@ def test_the_survivor_keys_are_checked_and_can_turn_the_dump_off(tmp_path):
     assert not hasattr(engine, "survivor")
 
 
-KILL_AT = 6
+KILL_AT = 10
 
 
-def test_the_rank_the_launcher_stops_after_its_peer_is_killed_dumps_its_exact_state(tmp_path):
-    """PP = 2 on 2 processes: rank 1 is SIGKILLed after iteration KILL_AT, the launcher stops rank 0."""
-    config = tiny_config(tmp_path / "run", stages=2)
-    config["cpsr"]["checkpoint"].update(survivor_dir=str(tmp_path / "survivors"), interval=4)
+@pytest.fixture(scope="module")
+def failed_run(tmp_path_factory):
+    """PP = 2 on 2 processes, checkpoints every 3 iterations: rank 1 is SIGKILLed after iteration KILL_AT, the
+    launcher stops rank 0, which dumps; the probe saved rank 0's state after every iteration."""
+    tmp_path = tmp_path_factory.mktemp("survivor-job")
+    config = tiny_config(tmp_path / "run", stages=2, predictor={"name": "linear", "history": 2},
+                         recovery={"mode": "predict"})
+    config["cpsr"]["checkpoint"].update(survivor_dir=str(tmp_path / "survivors"), interval=3)
     probes = tmp_path / "probes"
     probes.mkdir()
     result = run_job(tmp_path, config, "--train-iters", 12, "--kill-rank", 1, "--kill-at-iteration", KILL_AT,
                      script=os.path.join(ROOT, "tests", "survivor_probe.py"), check=False,
                      env={"PROBE_OUT": str(probes)})
     assert result.returncode != 0
+    return tmp_path, config, result
+
+
+def test_the_rank_the_launcher_stops_after_its_peer_is_killed_dumps_its_exact_state(failed_run):
+    tmp_path, _, result = failed_run
     run = survivor.run_identity(str(tmp_path / "run"))
     dumped = survivor.read_survivor(str(tmp_path / "survivors"), 0, run, attempt=1)
     assert dumped is not None, result.stdout[-4000:]
-    assert dumped.iteration == KILL_AT and dumped.stage == 0, dumped.reason
-    expected = torch.load(probes / f"rank0-iteration{KILL_AT}.pt")
+    assert dumped.iteration == KILL_AT and dumped.stage == 0 and dumped.world_size == 2, dumped.reason
+    expected = torch.load(tmp_path / "probes" / f"rank0-iteration{KILL_AT}.pt")
     assert sorted(dumped.state) == sorted(expected)
     assert all(torch.equal(dumped.state[k], expected[k]) for k in expected)
     assert survivor.read_survivor(str(tmp_path / "survivors"), 1, run) is None  # SIGKILL leaves nothing
+
+
+def test_the_restart_takes_the_surviving_stage_from_its_dump_and_predicts_only_the_lost_one(failed_run):
+    tmp_path, config, _ = failed_run
+    recovered = tmp_path / "recovered"
+    recovered.mkdir()
+    result = run_job(tmp_path, config, "--train-iters", 12, script=os.path.join(ROOT, "tests", "survivor_probe.py"),
+                     env={"PROBE_OUT": str(tmp_path / "probes"), "PROBE_RECOVERED": str(recovered)})
+    report = read_reports(str(tmp_path / "run"))[-1]
+    assert (report.method, report.reached, report.resume_iteration) == ("predict", KILL_AT, KILL_AT), report
+    assert report.sources == {"0": "survivor", "1": "linear"} and report.predictor == "linear", report
+    assert "stage 0 exact from its survivors' dumps; stage 1 predicted with linear" in result.stdout
+    # Stage 0 resumes with exactly the state it had at the failure; stage 1's is predicted from its checkpoints.
+    expected = torch.load(tmp_path / "probes" / f"rank0-iteration{KILL_AT}.pt")
+    state0 = torch.load(recovered / "rank0.pt")
+    assert all(torch.equal(state0[k], expected[k]) for k in expected)
+    state1 = torch.load(recovered / "rank1.pt")
+    checkpoint = torch.load(recovered / "rank1-checkpoint.pt")
+    assert any(not torch.equal(state1[k], checkpoint[k]) for k in checkpoint if k.startswith("param/"))

@@ -131,6 +131,7 @@ class Survivor:
     iteration: int
     rank: int
     stage: int
+    world_size: int  # of the job that wrote it
     attempt: int  # of the job that wrote it
     state: dict[str, torch.Tensor]  # engine_state's keys; a fragment where ``fragments`` names the parameter
     fragments: dict[str, tuple[int, int]]  # parameter name -> (start, numel) of its flattened tensor (ZeRO/bf16)
@@ -224,7 +225,7 @@ def _read(directory: str, rank: int, run: str, attempt: Optional[int]) -> Surviv
     bad = nonfinite_tensors(*flatten(contents["state"]))
     if bad:
         raise CheckpointError(f"non-finite values in {', '.join(bad)}")
-    return Survivor(man["iteration"], rank, man.get("stage", 0), man["attempt"], contents["state"],
+    return Survivor(man["iteration"], rank, man.get("stage", 0), man.get("world_size", 0), man["attempt"], contents["state"],
                     contents["fragments"], contents["counters"], entry["size"], man.get("reason", ""))
 
 

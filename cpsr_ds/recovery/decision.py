@@ -31,12 +31,13 @@ from cpsr_ds.recovery.engine_io import advance_counters, data_parallel, full_sta
 from cpsr_ds.recovery.report import RecoveryReport, carried_lag, earlier_reports
 from cpsr_ds.recovery.sources.checkpoint import load_history, restore, stage_history
 from cpsr_ds.recovery.sources.prediction import predicted_share, prepare
+from cpsr_ds.recovery.sources.survivor import SOURCE, dump_at, restore_dump
 from cpsr_ds.runlog import MEASUREMENTS_DIR, held_out_errors, read_measurements
 
 log = logging.getLogger(__name__)
 
 
-def recover(engine, cfg: CPSRConfig, predictor) -> RecoveryReport:
+def recover(engine, cfg: CPSRConfig, predictor, attempt: int = 0) -> RecoveryReport:
     """Restore ``engine`` from ``cfg.checkpoint.dir`` if an earlier run left progress there.
 
     ``predictor`` (fresh, from :func:`new_predictor`) is given the retained history
@@ -76,7 +77,7 @@ def recover(engine, cfg: CPSRConfig, predictor) -> RecoveryReport:
     history, client_state = load_history(engine, directory, full, cfg.predictor.history)
     prepare(predictor, history, client_state)
     # The newest of the history is c's state, the one the engine holds.
-    return _decide(engine, cfg, predictor, progress, engine.global_steps, history[-1].curvature)
+    return _decide(engine, cfg, predictor, progress, engine.global_steps, history[-1].curvature, attempt=attempt)
 
 
 class Cut(NamedTuple):
@@ -122,7 +123,7 @@ def implausible_reach(progress: Progress, c: int, planned: int | None) -> str | 
 
 
 def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int, curvature: StageCurvature | NoFit,
-            cut: Cut | None = None) -> RecoveryReport:
+            cut: Cut | None = None, attempt: int = 0) -> RecoveryReport:
     """PB-R or RB-R for a failure at the journal's f, the engine holding checkpoint c, ``curvature`` its stage_xi.
 
     ``predictor`` holds this data-parallel rank's share of the stage: each rank predicts
@@ -132,6 +133,10 @@ def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int, curv
 
     ``cut`` (per stage): c is this stage's own; recomputing restores the newest full cut
     and redoes the iterations from there, the cost PB-R is weighed against.
+
+    A stage whose every rank has its survivor dump at f from the job's previous attempt
+    (``attempt`` is this one's) takes its exact state from the dumps instead, and only the
+    other stages are predicted; where any stage must recompute, every stage does.
     """
     f = progress.reached
     base = c if cut is None else cut.iteration
@@ -146,10 +151,14 @@ def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int, curv
         log.error("cpsr recovery: %s: recomputing from checkpoint %d", implausible, base)
         return recompute(implausible)
     numbers = {"predictor": predictor.name}
-    ready = f != c and predictor.ready()
+    dp_group = data_parallel(engine).group
+    # Per stage: every data-parallel rank of it must have its dump, each holding its own partition.
+    dump = dump_at(cfg.checkpoint, engine, attempt, f) if cut is None else None
+    exact = all(gathered(dump is not None, dp_group))
+    ready = not exact and f != c and predictor.ready()
     held_out = predictor.validation_error() if ready else None
-    r = worst_error(gathered(None if held_out is None else held_out.relative, data_parallel(engine).group))
-    if f == c:  # per stage: this stage's own checkpoint is at f, nothing to predict
+    r = None if exact else worst_error(gathered(None if held_out is None else held_out.relative, dp_group))
+    if exact or f == c:  # survivors' dumps at f, or (per stage) this stage's own checkpoint at f
         why, predicted = None, None
     elif ready:
         losses = progress_losses(progress)
@@ -167,13 +176,23 @@ def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int, curv
     why = on_any_rank(why)
     if why is not None:
         return recompute(why, **numbers)
-    if predicted is not None:
+    if exact:
+        restore_dump(engine, dump)
+    elif predicted is not None:
         load_engine_state(engine, full_state(engine, predicted))
     advance_counters(engine, f - c)
+    source = SOURCE if exact else "checkpoint" if predicted is None else predictor.name
     reason = ("recovery.mode is predict" if cfg.recovery.mode == "predict"
-              else f"stage {engine.stage_id} checkpointed at {f}" if predicted is None
+              else f"stage {engine.stage_id} {'dumped' if exact else 'checkpointed'} at {f}" if predicted is None
               else f"held-out error r = {r:.3f}, {choice.reason}")
-    return RecoveryReport("predict", f, base, f, reason=reason, stage_checkpoints=cut and cut.stages, **numbers)
+    stages = gathered((engine.stage_id, source, numbers, reason))
+    sources = {str(stage): src for stage, src, _, _ in stages}
+    # The report speaks for the job: its numbers are those of the first stage that was predicted.
+    _, _, numbers, reason = next((s for s in stages if s[1] not in (SOURCE, "checkpoint")), stages[0])
+    if all(src in (SOURCE, "checkpoint") for src in sources.values()):
+        numbers = {**numbers, "predictor": None}
+    return RecoveryReport("predict", f, base, f, reason=reason, stage_checkpoints=cut and cut.stages,
+                          sources=sources if SOURCE in sources.values() else None, **numbers)
 
 
 def worst_error(errors: list[float | None]) -> float | None:

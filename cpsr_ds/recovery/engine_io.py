@@ -100,6 +100,33 @@ def local_state(engine) -> tuple[dict[str, torch.Tensor], dict[str, tuple[int, i
     return state, fragments
 
 
+def load_local_state(engine, state: dict[str, torch.Tensor], fragments: dict[str, tuple[int, int]]) -> None:
+    """Write ``state``, as :func:`local_state` read it on this rank, back into the engine; under ZeRO/bf16 a
+    collective over the stage's data-parallel group (the module's weights are refreshed from the partitions)."""
+    partitioned = _partitioned(engine)
+    with torch.no_grad():
+        if not partitioned:
+            opt_state = base_optimizer(engine).state
+            for name, p in engine.module.named_parameters():
+                p.copy_(state[f"param/{name}"])
+                for kind in MOMENTS:
+                    opt_state[p][kind].copy_(state[f"{kind}/{name}"])
+            return
+        _link_partitions(engine)
+        for name, p in engine.module.named_parameters():
+            mapping = p._hp_mapping
+            if mapping is None:
+                continue
+            start, numel = fragments.get(name, (0, p.numel()))
+            if (start, numel) != (mapping.lp_fragment_address.start, mapping.lp_fragment_address.numel):
+                raise ValueError(f"cpsr recovery: rank {engine.global_rank}'s saved fragment of {name} is "
+                                 f"[{start}, {start + numel}), its partition now holds another")
+            for kind in ("param", *MOMENTS):
+                fragment = mapping.get_hp_fragment() if kind == "param" else mapping.get_hp_fragment(kind)
+                fragment.copy_(state[f"{kind}/{name}"].reshape(fragment.shape))
+    engine.optimizer.update_lp_params()
+
+
 class DataParallel(NamedTuple):
     """This rank's place among its stage's data-parallel replicas (one replica: no process group)."""
 

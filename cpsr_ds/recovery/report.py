@@ -26,6 +26,9 @@ class RecoveryReport:
     world_change: str | None = None  # how the job's layout changed since its last start (world.adapt)
     # checkpoint.per_stage PB-R: the checkpoint each pipeline stage was predicted from (c is the newest full cut)
     stage_checkpoints: list[int] | None = None
+    # PB-R with survivor dumps: where each pipeline stage's state came from ("survivor": exact at f; a predictor's
+    # name: predicted), by stage; None where no stage had its dumps
+    sources: dict[str, str] | None = None
 
     @property
     def lost_iterations(self) -> int:
@@ -33,6 +36,18 @@ class RecoveryReport:
         if self.reached is None:
             return 0
         return self.reached - (self.checkpoint or 0)
+
+    def _how(self) -> str:
+        if not self.sources:
+            return f"with {self.predictor}"
+        by_source: dict[str, list[str]] = {}
+        for stage, source in sorted(self.sources.items(), key=lambda kv: int(kv[0])):
+            by_source.setdefault(source, []).append(stage)
+        parts = [f"stage {', '.join(stages)} " + ("exact from its survivors' dumps" if source == "survivor" else
+                                                   "from its checkpoint at f" if source == "checkpoint" else
+                                                   f"predicted with {source}")
+                 for source, stages in by_source.items()]
+        return "; ".join(parts)
 
     def describe(self) -> str:
         if self.method == "refused":
@@ -48,7 +63,7 @@ class RecoveryReport:
         if self.method == "predict":
             cost = "" if self.estimated_cost is None else f"estimated lag {self.estimated_cost:.1f} iterations against "
             return head + (
-                f"predict (PB-R) with {self.predictor}: resuming at iteration {self.resume_iteration}, "
+                f"predict (PB-R) {self._how()}: resuming at iteration {self.resume_iteration}, "
                 f"{cost}{self.lost_iterations} to recompute ({self.reason})"
             )
         return head + (
