@@ -437,7 +437,7 @@ def close(engine) -> None:
 # ---------------------------------------------------------------- main
 
 def measure(label: str, root: str, repeats: int, compute_s: float, strategies=STRATEGIES,
-            spec: ModelSpec | None = None) -> dict:
+            spec: ModelSpec | None = None, toy: bool = False) -> dict:
     """Every strategy on one state (``spec``: a GPT's, else the synthetic one); the floors for its size."""
     row = {"strategies": {}}
     files = synthetic_files(2**30) if spec is None else None
@@ -446,7 +446,8 @@ def measure(label: str, root: str, repeats: int, compute_s: float, strategies=ST
         d = os.path.join(root, label, strategy)
         os.makedirs(d)
         # The tiny GPT keeps its measurements as they were; a large state's persist would hold up the next window.
-        kw = dict(repeats=repeats, warmup=2, baseline=5, drain=label not in ("gpt_tiny", "synthetic_1g"))
+        kw = dict(repeats=repeats, warmup=1 if toy else 2, baseline=2 if toy else 5,
+                  drain=label not in ("gpt_tiny", "synthetic_1g"))
         if files is not None:
             engine = synthetic_engine(strategy, d)
             proto = SyntheticProtocol(strategy, engine, files, compute, d, **kw)
@@ -519,7 +520,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, help="gpt2_0.35b, gpt3_3.35b: transformer blocks of the config's shape")
     ap.add_argument("--micro-batch", type=int, help="gpt2_0.35b, gpt3_3.35b: micro-batch (default: the config's)")
     ap.add_argument("--grad-accum", type=int, help="gpt2_0.35b, gpt3_3.35b: accumulation steps (default: the config's)")
-    ap.add_argument("--toy", action="store_true", help="gpt2_0.35b, gpt3_3.35b at the tiny GPT's shape")
+    ap.add_argument("--toy", action="store_true", help="gpt2_0.35b, gpt3_3.35b at the tiny GPT's shape, fewer "
+                    "warm-up and baseline iterations: a check of the code path")
     args = ap.parse_args()
     repeats, compute_s = (10, 0.45) if args.quick else (20, 0.8)
     repeats = args.repeats or repeats
@@ -530,7 +532,7 @@ def main() -> None:
     try:
         for label in args.states:
             spec = None if label == "synthetic_1g" else model_spec(label, args)
-            sizes[label] = measure(label, root, repeats, compute_s, args.strategies, spec)
+            sizes[label] = measure(label, root, repeats, compute_s, args.strategies, spec, args.toy)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     for label, row in sizes.items():

@@ -15,8 +15,8 @@ runs), takes one training step and stops. This script runs itself as each job (w
 - at the restart, seconds of: the process start (interpreter and imports, from just
   before this script starts it), ``deepspeed.initialize``, reading the checkpoints (DeepSpeed's
   load and the state recovery keeps of each), prediction (the predictor given its
-  history, predicting), writing the prediction into the engine, the rest of the job's
-  setup (model build, run directory, corpus), and the first training step.
+  history, predicting), writing the prediction into the engine, reading the corpus,
+  the rest of the job's setup (model build, run directory), and the first training step.
 
 Beside them: the recovery report and the restart's downtime from the progress journal
 (its last line before the kill to its first after the restart).
@@ -44,8 +44,8 @@ sys.path.insert(0, ROOT)
 from cpsr_ds.config import PredictorConfig  # noqa: E402
 TRAIN = os.path.join(ROOT, "launch", "train_gpt.py")
 PREDICTOR_WORK = ("observe", "step", "validation_error", "state_dict")
-PARTS = ("process_start_s", "deepspeed_init_s", "reading_s", "prediction_s", "writing_s", "other_setup_s",
-         "first_step_s")
+PARTS = ("process_start_s", "deepspeed_init_s", "reading_s", "prediction_s", "writing_s", "corpus_s",
+         "other_setup_s", "first_step_s")
 TOY_SHAPE = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 64}
 
 
@@ -119,9 +119,10 @@ def job() -> None:
     entered = time.time()
     totals: dict[str, float] = {}
     deepspeed.initialize = _timed(deepspeed.initialize, totals, "deepspeed_init_s")
-    for name, part in (("_load_checked", "reading_s"), ("_prepare", "prediction_s"),
-                       ("_prediction", "prediction_s"), ("load_engine_state", "writing_s")):
-        setattr(recovery, name, _timed(getattr(recovery, name), totals, part))
+    for module, name, part in ((recovery, "_load_checked", "reading_s"), (recovery, "_prepare", "prediction_s"),
+                               (recovery, "_prediction", "prediction_s"), (recovery, "load_engine_state", "writing_s"),
+                               (train_gpt, "load_corpus", "corpus_s")):
+        setattr(module, name, _timed(getattr(module, name), totals, part))
     run = train_gpt.setup()
     ready = time.time()
     engine = run.engine
