@@ -25,7 +25,7 @@ def main() -> None:
         "global_steps": engine.global_steps,
         "recovered": engine_state(engine),
         # The weights the forward pass uses, as distinct from the optimizer's fp32 masters.
-        "module": {name: p.detach().float().clone() for name, p in engine.module.named_parameters()},
+        "module": {name: p.detach().float().cpu().clone() for name, p in engine.module.named_parameters()},
         "module_dtypes": {str(p.dtype) for p in engine.module.parameters()},
         "scheduler": engine.lr_scheduler.state_dict(),
         "optimizer_steps": sorted({int(st["step"]) for st in engine.optimizer.optimizer.state.values()}),
