@@ -88,7 +88,8 @@ def test_dry_run_restart_and_recovery(dry_run):
     assert set(bench["median_reduction"]) == {"recompute", "trend", "default"}
     assert len({(c["c"], c["d"]) for c in bench["cases"]}) >= 3
     # pytest selects the two single-process tests: "2/N tests collected (N - 2 deselected)".
-    assert load(out, "recovery_test")["passed"] and re.match(r"2(/\d+)? tests collected", load(out, "recovery_test")["summary"])
+    test = load(out, "recovery_test")
+    assert test["passed"] and re.match(r"2(/\d+)? tests collected", test["summary"])
 
 
 def test_rerun_keeps_what_exists_and_a_failure_fails_the_run(dry_run):

@@ -25,8 +25,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# Checkpoints and run directories, removed after each measurement: OUT_DIR keeps only results.
-SCRATCH = os.path.join(tempfile.gettempdir(), "cpsr-gpu-scratch")
 
 # name: (value on the GPU, value with --dry-run); the environment overrides either. The GPU values are
 # estimates for one H100 80 GB (see run.sh's header for the budget they come from).
@@ -36,7 +34,7 @@ KNOBS = {
     "GPT2_STRATEGIES": ("torch checkfreq pccheck cpsr ds_decoupled", "torch cpsr ds_decoupled"),
     "GPT2_MICRO": (8, 2),  # micro-batch (sequences of 1024)
     "GPT2_ACCUM": (2, 1),  # accumulation steps
-    "GPT3_LAYERS": (4, 2),  # transformer blocks of GPT3-3.35B's shape: 4 = 0.81 B parameters, 11.3 GB of state
+    "GPT3_LAYERS": (4, 2),  # transformer blocks of GPT3-3.35B's shape: 4 = 0.81 B parameters, 11.4 GB of state
     "GPT3_REPEATS": (3, 1),
     "GPT3_MICRO": (1, 2),  # sequences of 2048
     "GPT3_ACCUM": (4, 1),
@@ -65,7 +63,9 @@ def knobs(dry_run: bool) -> dict[str, str]:
 class Measurement:
     name: str  # OUT_DIR/NAME.json and .txt
     part: int
-    command: Callable[[dict, str, bool], list[str]]  # (knobs, OUT_DIR, dry_run) -> argv
+    # (knobs, OUT_DIR, dry_run, scratch) -> argv; scratch: a directory for checkpoints and run directories,
+    # emptied after each measurement (OUT_DIR keeps only results).
+    command: Callable[[dict, str, bool, str], list[str]]
     timeout_s: int
     summary: Callable[[dict], str]
     # The command prints its JSON instead of writing it (None: it writes NAME.json itself).
@@ -77,11 +77,12 @@ def python() -> list[str]:
 
 
 def checkpoint_command(state: str, prefix: str):
-    def command(k: dict, out: str, dry_run: bool) -> list[str]:
+    def command(k: dict, out: str, dry_run: bool, scratch: str) -> list[str]:
         return [*python(), "benchmarks/bench_checkpoint.py", "--states", state,
                 "--strategies", *k[f"{prefix}_STRATEGIES"].split(),
                 "--repeats", k[f"{prefix}_REPEATS"], "--micro-batch", k[f"{prefix}_MICRO"],
-                "--grad-accum", k[f"{prefix}_ACCUM"], "--dir", SCRATCH, "--json", os.path.join(out, f"checkpoint_{state}.json"),
+                "--grad-accum", k[f"{prefix}_ACCUM"], "--dir", scratch,
+                "--json", os.path.join(out, f"checkpoint_{state}.json"),
                 *(["--layers", k["GPT3_LAYERS"]] if prefix == "GPT3" else []), *(["--toy"] if dry_run else [])]
     return command
 
@@ -95,16 +96,16 @@ def checkpoint_summary(result: dict) -> str:
             f"{'-' if persist is None else f'{persist:.2f}'} GB/s, disk {result['disk_gbps']:.2f} GB/s")
 
 
-def recovery_test_command(k: dict, out: str, dry_run: bool) -> list[str]:
+def recovery_test_command(k: dict, out: str, dry_run: bool, scratch: str) -> list[str]:
     # On the CPU the test is part of `make test`; the dry run checks that pytest selects it here.
     return [*python(), "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_recovery.py", "-k",
             "single_process", *(["--collect-only"] if dry_run else [])]
 
 
-def restart_command(k: dict, out: str, dry_run: bool) -> list[str]:
+def restart_command(k: dict, out: str, dry_run: bool, scratch: str) -> list[str]:
     return [*python(), "benchmarks/gpu/restart.py", "--json", os.path.join(out, "restart_gpt2_0.35b.json"),
             "--micro-batch", k["RESTART_MICRO"], "--interval", k["RESTART_INTERVAL"], "--kill-at", k["RESTART_KILL_AT"],
-            "--dir", SCRATCH, *(["--toy"] if dry_run else [])]
+            "--dir", scratch, *(["--toy"] if dry_run else [])]
 
 
 def restart_summary(result: dict) -> str:
@@ -114,7 +115,7 @@ def restart_summary(result: dict) -> str:
             f"{result['report']['method']} from {result['report']['checkpoint']} to {result['report']['reached']}")
 
 
-def footprint_command(k: dict, out: str, dry_run: bool) -> list[str]:
+def footprint_command(k: dict, out: str, dry_run: bool, scratch: str) -> list[str]:
     return [*python(), "-m", "cpsr_ds.predictor.footprint", "--chunks", k["FOOTPRINT_CHUNKS"], "--steps", "5",
             "--threads", str(min(8, os.cpu_count() or 1))]
 
@@ -125,13 +126,13 @@ def footprint_summary(result: dict) -> str:
             f"{result['predict_output_mib']} MiB output; step {result['train_step_s']} s, predict {result['predict_s']} s")
 
 
-def recovery_bench_command(k: dict, out: str, dry_run: bool) -> list[str]:
+def recovery_bench_command(k: dict, out: str, dry_run: bool, scratch: str) -> list[str]:
     return [*python(), "benchmarks/bench_recovery.py", "--quick", "--config", "configs/gpt_gpu_recovery.json",
             "--intervals", k["RECOVERY_TC"], "--intervals-per-run", "20", "--seeds", k["RECOVERY_SEEDS"],
             "--methods", "trend", "--num-layers", k["RECOVERY_LAYERS"], "--hidden-size", k["RECOVERY_HIDDEN"],
             "--num-attention-heads", k["RECOVERY_HEADS"], "--seq-length", k["RECOVERY_SEQ"],
             "--micro-batch", k["RECOVERY_MICRO"], "--valid-sequences", k["RECOVERY_VALID"],
-            "--eval-every", k["RECOVERY_EVAL_EVERY"], "--out-dir", SCRATCH,
+            "--eval-every", k["RECOVERY_EVAL_EVERY"], "--out-dir", scratch,
             "--json", os.path.join(out, "recovery_bench.json"), *(["--vitp-steps", "1"] if dry_run else [])]
 
 
@@ -147,7 +148,7 @@ def device_summary(result: dict) -> str:
 
 
 DEVICE_PROBE = """
-import json, os, shutil, subprocess, sys
+import json, os, shutil, subprocess, sys, tempfile
 from importlib.metadata import version
 import torch, psutil
 smi = shutil.which("nvidia-smi")
@@ -156,13 +157,14 @@ out = {"name": torch.cuda.get_device_name() if torch.cuda.is_available() else "c
        "deepspeed": version("deepspeed"), "python": sys.version.split()[0], "cpus": os.cpu_count(),
        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
        "disk_free_gib": round(shutil.disk_usage(".").free / 2**30, 1),
+       "tmp_free_gib": round(shutil.disk_usage(tempfile.gettempdir()).free / 2**30, 1),
        "nvidia_smi": subprocess.run([smi, "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
                                     capture_output=True, text=True).stdout.strip() if smi else None}
 print(json.dumps(out))
 """
 
 
-def device_command(k: dict, out: str, dry_run: bool) -> list[str]:
+def device_command(k: dict, out: str, dry_run: bool, scratch: str) -> list[str]:
     return [*python(), "-c", DEVICE_PROBE]
 
 
@@ -177,13 +179,13 @@ MEASUREMENTS = (
 )
 
 
-def run_one(m: Measurement, k: dict, out: str, dry_run: bool) -> tuple[str, str]:
+def run_one(m: Measurement, k: dict, out: str, dry_run: bool, scratch: str) -> tuple[str, str]:
     """(status, summary line) of one measurement, run unless its JSON exists."""
     json_path, txt_path = os.path.join(out, f"{m.name}.json"), os.path.join(out, f"{m.name}.txt")
     if os.path.exists(json_path):
         return "kept", summarize(m, json_path)
-    command = m.command(k, out, dry_run)
-    os.makedirs(SCRATCH, exist_ok=True)
+    command = m.command(k, out, dry_run, scratch)
+    os.makedirs(scratch, exist_ok=True)
     print(f"== {m.name}: {' '.join(command).splitlines()[0][:300]}", flush=True)
     t0 = time.time()
     proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -196,7 +198,7 @@ def run_one(m: Measurement, k: dict, out: str, dry_run: bool) -> tuple[str, str]
         output, _ = proc.communicate()
         code = f"timed out after {m.timeout_s} s"
     seconds = time.time() - t0
-    shutil.rmtree(SCRATCH, ignore_errors=True)
+    shutil.rmtree(scratch, ignore_errors=True)
     with open(txt_path, "w") as f:
         f.write(output)
     if m.name == "recovery_test" and code == 0:
@@ -229,7 +231,11 @@ def main(argv=None) -> int:
     out = os.path.abspath(args.out_dir)
     k = knobs(args.dry_run)
     chosen = [m for m in MEASUREMENTS if m.part == 0 or args.part in ("all", str(m.part))]
-    results = [(m, *run_one(m, k, out, args.dry_run)) for m in chosen]
+    scratch = tempfile.mkdtemp(prefix="cpsr-gpu-")
+    try:
+        results = [(m, *run_one(m, k, out, args.dry_run, scratch)) for m in chosen]
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     print(f"\nGPU measurements in {out} (part {args.part}{', dry run' if args.dry_run else ''}):")
     for m, status, line in results:
         print(f"  {m.name:24s} {status:>8s}  {line}")

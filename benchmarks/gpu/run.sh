@@ -21,7 +21,7 @@
 #     recovery_test: tests/test_recovery.py -k single_process on CUDA (PB-R with bf16 + ZeRO-1,
 #       one process; two jobs of the tiny GPT, ~1 min).
 #   2 (~7 min) checkpoint_gpt3_3.35b: GPT3-3.35B's layer shape (hidden 4096, 32 heads, seq 2048) with
-#       GPT3_LAYERS blocks (4: 0.81 B parameters, 11.3 GB of state; all 16 need ~68 GB of GPU memory
+#       GPT3_LAYERS blocks (4: 0.81 B parameters, 11.4 GB of state; all 16 need ~68 GB of GPU memory
 #       before activations and 45 GB per checkpoint on a 64 GB disk), strategies GPT3_STRATEGIES;
 #       torch ~15 s per checkpoint, cpsr ~9 s persist per checkpoint, ~2 min each with the build.
 #     restart_gpt2_0.35b: GPT2-0.35B trained with a checkpoint every RESTART_INTERVAL iterations,
