@@ -446,8 +446,8 @@ def measure(label: str, root: str, repeats: int, compute_s: float, strategies=ST
         d = os.path.join(root, label, strategy)
         os.makedirs(d)
         # The tiny GPT keeps its measurements as they were; a large state's persist would hold up the next window.
-        kw = dict(repeats=repeats, warmup=1 if toy else 2, baseline=2 if toy else 5,
-                  drain=label not in ("gpt_tiny", "synthetic_1g"))
+        row["drained"] = label not in ("gpt_tiny", "synthetic_1g")
+        kw = dict(repeats=repeats, warmup=1 if toy else 2, baseline=2 if toy else 5, drain=row["drained"])
         if files is not None:
             engine = synthetic_engine(strategy, d)
             proto = SyntheticProtocol(strategy, engine, files, compute, d, **kw)
@@ -495,7 +495,8 @@ def print_table(label: str, row: dict) -> None:
           f"raw host copy {row['raw_copy_s'] * 1e3:.1f} ms; disk with fsync {disk['buffered']:.2f} GB/s buffered, "
           f"{disk['direct']:.2f} GB/s O_DIRECT")
     print("stall = training loop blocked inside the engine's calls; slowdown = (request + next iteration) - median "
-          "checkpoint-free iteration; medians of checkpoints; total = whole phase beyond checkpoint-free time, per checkpoint")
+          "checkpoint-free iteration; medians of checkpoints; total = whole phase beyond checkpoint-free time, per checkpoint"
+          + ("; the asynchronous engines flushed, untimed, after each checkpoint's window" if row["drained"] else ""))
     print(f"{'strategy':<13} {'stall ms':>9} {'x raw copy':>10} {'slowdown ms':>11} {'total ms':>9} "
           f"{'persist GB/s':>12} {'x disk':>7}")
     for strategy, r in row["strategies"].items():
