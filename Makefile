@@ -2,6 +2,8 @@
 # make test: the test suite.
 # Both create .venv on first use; torch is pinned to the CPU wheel (an unpinned
 # torch pulls several GB of CUDA packages).
+# make gpu-bench [GPU_OUT=DIR] [GPU_PART=1|2|3|all]: every GPU measurement (benchmarks/gpu/run.sh), on the
+# GPU machine, with the wheels of benchmarks/gpu/wheels.sh in .whl/ (it needs no .venv).
 
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -11,7 +13,7 @@ TORCH  := torch==2.13.0
 export DS_ACCELERATOR ?= cpu
 export PYTHONUNBUFFERED := 1
 
-.PHONY: demo test clean .venv
+.PHONY: demo test clean gpu-bench .venv
 
 .venv: $(STAMP)
 
@@ -26,6 +28,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+GPU_OUT  ?= benchmarks/results/gpu
+GPU_PART ?= all
+
+gpu-bench:
+	benchmarks/gpu/run.sh $(GPU_OUT) --part $(GPU_PART)
 
 clean:
 	rm -rf runs .pytest_cache

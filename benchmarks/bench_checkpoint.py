@@ -14,7 +14,7 @@ checkpoint-free iteration: the stall plus whatever the copy and writer threads t
 from compute meanwhile (on a GPU the copy is a DMA and takes little; on a 2-core CPU
 it competes with the matmuls). ``total`` adds everything the checkpointing phase
 cost beyond its checkpoint-free time (persist interference in later iterations
-included), per checkpoint. Two states are measured:
+included), per checkpoint. The states (``--states``; default the first two):
 
 * ``gpt_tiny``: the real tiny GPT (``configs/gpt_tiny_cpu.json``, one stage) in a
   single-process DeepSpeed engine, checkpointed by ``engine.save_checkpoint`` with
@@ -23,25 +23,38 @@ included), per checkpoint. Two states are measured:
 * ``synthetic_1g``: 1 GiB of mixed-precision model and optimizer state in DeepSpeed's
   two files, driven through the same engine classes; compute is matmuls on separate
   tensors, the optimizer step an in-place update of every state tensor.
+* ``gpt2_0.35b`` and ``gpt3_3.35b``: the GPT of ``configs/gpt2_0.35b.json`` and
+  ``configs/gpt3_3.35b.json`` as ``gpt_tiny`` is run (bf16 with fp32 masters and Adam,
+  ZeRO-1, on one device: pipeline and data-parallel degree 1), with the micro-batch
+  and accumulation of ``--micro-batch`` / ``--grad-accum`` and ``--layers`` transformer
+  blocks of the config's shape (GPT3-3.35B's 16 do not fit one 80 GB GPU with Adam,
+  nor two of its 45 GB checkpoints a 64 GB disk). Between two measured checkpoints the
+  asynchronous engines are flushed, untimed, so that each window starts with none in
+  flight (a checkpoint interval shorter than the persist time is the planner's
+  concern, not the stall's). ``--toy``: the same code path at the tiny GPT's shape.
 
 Persist throughput = checkpoint bytes / time from its first write until it is durable
 (files and manifest fsynced, ``latest`` moved); for ``torch`` and ``ds_decoupled``,
 which do not fsync, the time of writing plus an fsync of their files.
 
-    python benchmarks/bench_checkpoint.py [--quick] [--json PATH] [--dir DIR]
+    python benchmarks/bench_checkpoint.py [--quick] [--json PATH] [--dir DIR] [--states S ...]
+        [--strategies S ...] [--repeats N] [--layers N] [--micro-batch N] [--grad-accum N] [--toy]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
+import platform
 import shutil
 import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 for _key, _value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29517", "RANK": "0", "LOCAL_RANK": "0",
@@ -70,6 +83,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DECOUPLED = {"writer": {"decoupled": True, "type": "python", "data_parallel": "replica"}}
 MODEL_FILE = "mp_rank_00_model_states.pt"
 OPTIM_FILE = "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
+STATES = ("gpt_tiny", "synthetic_1g", "gpt2_0.35b", "gpt3_3.35b")
+# The disk probe writes this much at most: its speed is steady long before a 10 GB state's size.
+DISK_PROBE_MAX = 2 << 30
+# --toy: the model states at the tiny GPT's shape, for a check of the code path on a CPU.
+TOY_SHAPE = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 64}
 
 
 # ---------------------------------------------------------------- floors
@@ -148,8 +166,10 @@ class Protocol:
     DeepSpeed's ``save_checkpoint`` takes it) and ``engine`` (the checkpoint engine).
     """
 
-    def __init__(self, strategy: str, engine, ckpt_dir: str, repeats: int, warmup: int, baseline: int):
+    def __init__(self, strategy: str, engine, ckpt_dir: str, repeats: int, warmup: int, baseline: int,
+                 drain: bool = False):
         self.strategy = strategy
+        self.drain = drain
         self.engine = engine
         self.dir = ckpt_dir
         self.repeats = repeats
@@ -218,6 +238,8 @@ class Protocol:
     def after_window(self, tag: str, wall0: float, step: int):
         """Untimed bookkeeping after a checkpoint's window: its persist time, or its tag when the engine reports it."""
         if self.strategy in OURS:
+            if self.drain:
+                self.engine.flush()
             return tag
         tag_dir = os.path.join(self.dir, tag)
         if self.strategy == "torch":
@@ -264,7 +286,7 @@ class SyntheticProtocol(Protocol):
 
 
 class GPTProtocol(Protocol):
-    """The tiny GPT in a DeepSpeed pipeline engine, checkpointed by ``save_checkpoint``."""
+    """A GPT in a one-stage DeepSpeed pipeline engine, checkpointed by ``save_checkpoint``."""
 
     def __init__(self, strategy: str, ds, gpt: GPTConfig, ckpt_dir: str, **kw):
         super().__init__(strategy, ds.checkpoint_engine, ckpt_dir, **kw)
@@ -346,16 +368,40 @@ def deepspeed_factory_for(strategy: str):
         cpsr_ds.plugin.deepspeed_factory = ours
 
 
-def gpt_engine(strategy: str, ckpt_dir: str):
-    config = load_ds_config(os.path.join(ROOT, "configs", "gpt_tiny_cpu.json"))
-    gpt = GPTConfig.model_validate(config.pop("gpt"))
+@dataclass(frozen=True)
+class ModelSpec:
+    """A GPT state: its config in configs/, overrides of the config's "gpt" block and batch (None: the config's)."""
+
+    config: str
+    gpt: dict
+    micro_batch: int | None = None
+    grad_accum: int | None = None
+
+
+def model_spec(label: str, args) -> ModelSpec:
+    if label == "gpt_tiny":
+        return ModelSpec("gpt_tiny_cpu.json", {})
+    shape = {**(TOY_SHAPE if args.toy else {}), **({"num_layers": args.layers} if args.layers else {})}
+    return ModelSpec(f"{label}.json", shape, args.micro_batch, args.grad_accum)
+
+
+def gpt_engine(strategy: str, ckpt_dir: str, spec: ModelSpec):
+    config = load_ds_config(os.path.join(ROOT, "configs", spec.config))
+    gpt = GPTConfig.model_validate({**config.pop("gpt"), **spec.gpt})
     config.pop("pipeline", None)
+    for key, value in (("train_micro_batch_size_per_gpu", spec.micro_batch),
+                       ("gradient_accumulation_steps", spec.grad_accum)):
+        if value:
+            config[key] = value
+    # DeepSpeed's FusedAdam is compiled at first use, which needs a CUDA compiler; torch's AdamW needs none.
+    config["optimizer"]["params"]["torch_adam"] = True
     # The interval is never reached: the benchmark calls save_checkpoint itself.
     config["cpsr"] = {"checkpoint": {"dir": ckpt_dir, "strategy": "torch" if strategy == "ds_decoupled" else strategy,
                                      "interval": 10**9}}
     if strategy == "ds_decoupled":
         config["checkpoint"] = DECOUPLED
-    model = gpt_pipeline(gpt, num_stages=1, seed=0)
+    dtype = torch.bfloat16 if config.get("bf16", {}).get("enabled") else torch.float32
+    model = gpt_pipeline(gpt, num_stages=1, seed=0, params_dtype=dtype)
     with deepspeed_factory_for(strategy):
         ds, _, _, _ = cpsr_ds.initialize(model=model, model_parameters=model.parameters(), config=config)
     return ds, gpt
@@ -365,30 +411,55 @@ def gpt_state_bytes(ds) -> int:
     return state_bytes({"m": ds.module.state_dict(), "o": ds.optimizer.state_dict()})
 
 
+def describe_model(ds, gpt: GPTConfig) -> dict:
+    """What a GPT state is: its shape, parameters, batch and precision."""
+    return {"layers": gpt.num_layers, "hidden": gpt.hidden_size, "heads": gpt.num_attention_heads,
+            "seq_length": gpt.seq_length, "params": sum(p.numel() for p in ds.module.parameters()),
+            "micro_batch": ds.train_micro_batch_size_per_gpu(), "grad_accum": ds.gradient_accumulation_steps(),
+            "bf16": ds.bfloat16_enabled(), "zero_stage": ds.zero_optimization_stage()}
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
+
+
+def release() -> None:
+    """Free the last strategy's engine before the next one is built (a large state twice may not fit)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def close(engine) -> None:
     engine.cleanup()
 
 
 # ---------------------------------------------------------------- main
 
-def measure(label: str, root: str, repeats: int, compute_s: float) -> dict:
-    """Every strategy on one state; the floors for its size."""
+def measure(label: str, root: str, repeats: int, compute_s: float, strategies=STRATEGIES,
+            spec: ModelSpec | None = None, toy: bool = False) -> dict:
+    """Every strategy on one state (``spec``: a GPT's, else the synthetic one); the floors for its size."""
     row = {"strategies": {}}
-    files = synthetic_files(2**30) if label == "synthetic_1g" else None
+    files = synthetic_files(2**30) if spec is None else None
     compute = matmul_compute(compute_s) if files else None
-    for strategy in STRATEGIES:
+    for strategy in strategies:
         d = os.path.join(root, label, strategy)
         os.makedirs(d)
-        kw = dict(repeats=repeats, warmup=2, baseline=5)
+        # The tiny GPT keeps its measurements as they were; a large state's persist would hold up the next window.
+        row["drained"] = label not in ("gpt_tiny", "synthetic_1g")
+        kw = dict(repeats=repeats, warmup=1 if toy else 2, baseline=2 if toy else 5, drain=row["drained"])
         if files is not None:
             engine = synthetic_engine(strategy, d)
             proto = SyntheticProtocol(strategy, engine, files, compute, d, **kw)
             row["bytes"] = state_bytes(files)
         else:
-            ds, gpt = gpt_engine(strategy, d)
+            ds = proto = engine = None
+            release()
+            ds, gpt = gpt_engine(strategy, d, spec)
             engine = ds.checkpoint_engine
             proto = GPTProtocol(strategy, ds, gpt, d, **kw)
             row["bytes"] = gpt_state_bytes(ds)
+            row["model"] = describe_model(ds, gpt)
         try:
             result = proto.run()
         except RuntimeError as err:
@@ -405,7 +476,7 @@ def measure(label: str, root: str, repeats: int, compute_s: float) -> dict:
         print(f"  {label} {strategy}: stall {result['stall_s'] * 1e3:.1f} ms", flush=True)
     state = files if files is not None else {"m": ds.module.state_dict(), "o": ds.optimizer.state_dict()}
     row["raw_copy_s"] = raw_copy_s(state, repeats)
-    row["disk"] = disk_gbps(root, row["bytes"])
+    row["disk"] = disk_gbps(root, min(row["bytes"], DISK_PROBE_MAX))
     row["disk_gbps"] = max(row["disk"].values())
     row["compute_s"] = compute_s if files is not None else None
     return row
@@ -415,11 +486,17 @@ def print_table(label: str, row: dict) -> None:
     disk = row["disk"]
     it = statistics.median(r["iteration_s"] for r in row["strategies"].values() if r["stall_s"] is not None)
     what = f"matmul compute ~{row['compute_s']:.2f} s + in-place update" if row["compute_s"] else "train_batch"
+    model = row.get("model")
+    if model:
+        what += (f" of {model['layers']} layers, hidden {model['hidden']}, seq {model['seq_length']}, "
+                 f"{model['params'] / 1e6:.1f} M parameters, micro-batch {model['micro_batch']} x "
+                 f"{model['grad_accum']}, {'bf16' if model['bf16'] else 'fp32'}, ZeRO-{model['zero_stage']}")
     print(f"\n{label}: {row['bytes'] / 2**20:.1f} MiB; iteration {it * 1e3:.0f} ms ({what}); "
           f"raw host copy {row['raw_copy_s'] * 1e3:.1f} ms; disk with fsync {disk['buffered']:.2f} GB/s buffered, "
           f"{disk['direct']:.2f} GB/s O_DIRECT")
     print("stall = training loop blocked inside the engine's calls; slowdown = (request + next iteration) - median "
-          "checkpoint-free iteration; medians of checkpoints; total = whole phase beyond checkpoint-free time, per checkpoint")
+          "checkpoint-free iteration; medians of checkpoints; total = whole phase beyond checkpoint-free time, per checkpoint"
+          + ("; the asynchronous engines flushed, untimed, after each checkpoint's window" if row["drained"] else ""))
     print(f"{'strategy':<13} {'stall ms':>9} {'x raw copy':>10} {'slowdown ms':>11} {'total ms':>9} "
           f"{'persist GB/s':>12} {'x disk':>7}")
     for strategy, r in row["strategies"].items():
@@ -437,25 +514,37 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="10 checkpoints per strategy, ~0.5 s iterations")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--dir", help="directory on the storage to measure (default: a temporary one)")
+    ap.add_argument("--states", nargs="+", choices=STATES, default=list(STATES[:2]),
+                    help="the states to measure; the JSON's headline fields are the last one's")
+    ap.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
+    ap.add_argument("--repeats", type=int, help="measured checkpoints per strategy (default 20; --quick 10)")
+    ap.add_argument("--layers", type=int, help="gpt2_0.35b, gpt3_3.35b: transformer blocks of the config's shape")
+    ap.add_argument("--micro-batch", type=int, help="gpt2_0.35b, gpt3_3.35b: micro-batch (default: the config's)")
+    ap.add_argument("--grad-accum", type=int, help="gpt2_0.35b, gpt3_3.35b: accumulation steps (default: the config's)")
+    ap.add_argument("--toy", action="store_true", help="gpt2_0.35b, gpt3_3.35b at the tiny GPT's shape, fewer "
+                    "warm-up and baseline iterations: a check of the code path")
     args = ap.parse_args()
     repeats, compute_s = (10, 0.45) if args.quick else (20, 0.8)
-    deepspeed.init_distributed(dist_backend="gloo")
+    repeats = args.repeats or repeats
+    # ZeRO's collectives on CUDA tensors need NCCL, as in training.
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     root = tempfile.mkdtemp(prefix="cpsr-bench-", dir=args.dir)
     sizes = {}
     try:
-        for label in ("gpt_tiny", "synthetic_1g"):
-            sizes[label] = measure(label, root, repeats, compute_s)
+        for label in args.states:
+            spec = None if label == "synthetic_1g" else model_spec(label, args)
+            sizes[label] = measure(label, root, repeats, compute_s, args.strategies, spec, args.toy)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     for label, row in sizes.items():
         print_table(label, row)
-    large = sizes["synthetic_1g"]
+    large = sizes[args.states[-1]]
     results = {"stall_s": {s: r["stall_s"] for s, r in large["strategies"].items()},
                "slowdown_s": {s: r.get("slowdown_s") for s, r in large["strategies"].items()},
                "raw_copy_s": large["raw_copy_s"],
                "persist_gbps": {s: r.get("persist_gbps") for s, r in large["strategies"].items()},
                "disk_gbps": large["disk_gbps"], "repeats": repeats,
-               "device": "cuda" if torch.cuda.is_available() else "cpu", "sizes": sizes}
+               "device": device_name(), "states": args.states, "sizes": sizes}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

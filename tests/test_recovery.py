@@ -1,13 +1,18 @@
 """Predicting-based recovery (PB-R): the predicted state is what the engine holds, and
-training resumes at the failure point's batch. 4 processes: PP = 2 x DP = 2, ZeRO-1."""
+training resumes at the failure point's batch. 4 processes: PP = 2 x DP = 2, ZeRO-1; and
+one process with bf16 and ZeRO-1 (on one GPU only one NCCL rank fits), which
+benchmarks/gpu/run.sh runs on CUDA."""
 
+import json
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from conftest import ROOT, run_job, tiny_config
+from conftest import ROOT, free_port, run_job, tiny_config
 from cpsr_ds.checkpoint.journal import journal_path, read_journal
 
 F = 33  # the failure point: rank 3 is killed right after this iteration
@@ -42,30 +47,36 @@ def probe(failed_run):
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(4)]
 
 
+def assert_linear_prediction(rank: int, p: dict, module_rtol: float) -> None:
+    """What recovery put into the engine of ``rank`` (``p``, from pbr_probe.py) is the linear prediction from its
+    checkpoints: in the fp32 masters, Adam's moments kept, and in the module's weights within ``module_rtol``."""
+    report = p["report"]
+    assert report.method == "predict" and report.reached == F and report.predictor == "linear"
+    c = report.checkpoint
+    assert c < F and c % 5 == 0
+    prev = max(i for i in p["history"] if i < c)
+    x_c, x_prev = p["history"][c], p["history"][prev]
+    assert p["recovered"].keys() == x_c.keys()
+    moved = 0
+    for key, value in p["recovered"].items():
+        if key.startswith("param/"):
+            expected = x_c[key] + (F - c) / (c - prev) * (x_c[key] - x_prev[key])
+            moved += int(not torch.equal(value, x_c[key]))
+            # Under ZeRO-1 the forward pass uses the module's weights: they must be the prediction too.
+            assert torch.allclose(p["module"][key[len("param/"):]], expected, rtol=module_rtol, atol=1e-6), key
+        else:  # Adam's moments are kept from the checkpoint by default
+            expected = x_c[key]
+        assert torch.allclose(value, expected, rtol=1e-5, atol=1e-6), (rank, key)
+    assert moved > 0
+    # Counters as if the lost iterations had run: training resumes at batch F.
+    assert p["global_steps"] == F
+    assert p["scheduler"]["last_batch_iteration"] == F - 1
+    assert p["optimizer_steps"] == [F]
+
+
 def test_pbr_writes_the_linear_prediction_into_every_stage_and_replica(probe):
     for rank, p in enumerate(probe):
-        report = p["report"]
-        assert report.method == "predict" and report.reached == F and report.predictor == "linear"
-        c = report.checkpoint
-        assert c < F and c % 5 == 0
-        prev = max(i for i in p["history"] if i < c)
-        x_c, x_prev = p["history"][c], p["history"][prev]
-        assert p["recovered"].keys() == x_c.keys()
-        moved = 0
-        for key, value in p["recovered"].items():
-            if key.startswith("param/"):
-                expected = x_c[key] + (F - c) / (c - prev) * (x_c[key] - x_prev[key])
-                moved += int(not torch.equal(value, x_c[key]))
-                # Under ZeRO-1 the forward pass uses the module's weights: they must be the prediction too.
-                assert torch.allclose(p["module"][key[len("param/"):]], expected, rtol=1e-5, atol=1e-6), key
-            else:  # Adam's moments are kept from the checkpoint by default
-                expected = x_c[key]
-            assert torch.allclose(value, expected, rtol=1e-5, atol=1e-6), (rank, key)
-        assert moved > 0
-        # Counters as if the lost iterations had run: training resumes at batch F.
-        assert p["global_steps"] == F
-        assert p["scheduler"]["last_batch_iteration"] == F - 1
-        assert p["optimizer_steps"] == [F]
+        assert_linear_prediction(rank, p, module_rtol=1e-5)
     # Data-parallel replicas of a stage hold the same state; the two stages differ.
     assert probe[0]["recovered"].keys() == probe[1]["recovered"].keys()
     assert all(torch.equal(probe[0]["recovered"][k], probe[1]["recovered"][k]) for k in probe[0]["recovered"])
@@ -81,3 +92,53 @@ def test_restarted_job_resumes_at_the_failure_point(failed_run):
         assert iterations == list(range(1, F + 1)) + list(range(F + 1, 46))
     losses = [e.loss for e in read_journal(journal_path(str(run_dir), 0))]
     assert all(loss == loss and loss < 10 for loss in losses)  # finite, no blow-up
+
+
+def single_process_job(tmp, config: dict, script: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``script`` on ``config`` as one process with no launcher, in the environment DeepSpeed's launcher would set."""
+    path = tmp / f"ds_config_{free_port()}.json"
+    path.write_text(json.dumps(config))
+    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1", **(env or {}))
+    return subprocess.run([sys.executable, script, "--deepspeed_config", str(path), "--valid-sequences", "16",
+                           "--train-iters", "45", "--eval-interval", "45"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def single_bf16(tmp_path_factory):
+    """One process, bf16 + ZeRO-1: killed after iteration F, then restarted by pbr_probe.py, which records what
+    recovery wrote and trains on to the end."""
+    tmp = tmp_path_factory.mktemp("pbr_bf16")
+    run_dir = tmp / "run"
+    config = tiny_config(run_dir, stages=1, zero_stage=1,
+                         faults={"kill_rank": 0, "kill_at_iteration": F},
+                         predictor={"name": "linear", "history": 3},
+                         recovery={"mode": "predict"})  # fmt: skip
+    config["bf16"] = {"enabled": True}
+    # The probe loads the checkpoints the predictor learned from after training on.
+    config["cpsr"]["checkpoint"].update(interval=5, keep_last=8)
+    failed = single_process_job(tmp, config, os.path.join(ROOT, "launch", "train_gpt.py"))
+    assert failed.returncode != 0, f"the injected failure did not stop the job:\n{failed.stdout[-3000:]}"
+    out = tmp / "probe"
+    out.mkdir()
+    resumed = single_process_job(tmp, config, os.path.join(ROOT, "tests", "pbr_probe.py"),
+                                 env={"PROBE_OUT": str(out), "PROBE_RESUME": "1"})
+    assert resumed.returncode == 0, f"{resumed.stdout[-3000:]}\n{resumed.stderr[-3000:]}"
+    return run_dir, resumed, torch.load(out / "rank0.pt", weights_only=False)
+
+
+def test_single_process_bf16_zero1_pbr_writes_the_prediction(single_bf16):
+    _, _, p = single_bf16
+    assert p["module_dtypes"] == {"torch.bfloat16"}
+    # The bf16 weights are the fp32 masters rounded: within bf16's precision of the prediction.
+    assert_linear_prediction(0, p, module_rtol=2**-7)
+
+
+def test_single_process_bf16_zero1_resumes_at_the_failure_point(single_bf16):
+    run_dir, resumed, _ = single_bf16
+    assert f"predict (PB-R) with linear: resuming at iteration {F}" in resumed.stdout + resumed.stderr
+    iterations = [e.iteration for e in read_journal(journal_path(str(run_dir), 0))]
+    assert iterations == list(range(1, 46))
+    losses = [e.loss for e in read_journal(journal_path(str(run_dir), 0))]
+    assert all(loss == loss and loss < 10 for loss in losses)

@@ -1,0 +1,251 @@
+"""Every GPU measurement, in parts that each fit one 10-minute command; see run.sh for how to run it.
+
+    python benchmarks/gpu/run.py OUT_DIR [--dry-run] [--part 1|2|3|all]
+
+Each measurement writes OUT_DIR/NAME.json (its results) and OUT_DIR/NAME.txt (its
+output, tables included); one whose JSON exists is skipped, so that a part cut short
+is resumed by running it again. A measurement that fails leaves its .txt (no JSON)
+and the others still run; the exit status is then 1. The knobs (environment
+variables, KNOBS below) set sizes and counts; ``--dry-run`` runs every measurement's
+code path on the CPU at toy sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# name: (value on the GPU, value with --dry-run); the environment overrides either. The GPU values are
+# estimates for one H100 80 GB (see run.sh's header for the budget they come from).
+KNOBS = {
+    "GPT2_REPEATS": (5, 1),  # measured checkpoints per strategy, GPT2-0.35B
+    # The dry run takes one strategy of each code path of the benchmark's protocol (checkfreq's and pccheck's are cpsr's).
+    "GPT2_STRATEGIES": ("torch checkfreq pccheck cpsr ds_decoupled", "torch cpsr ds_decoupled"),
+    "GPT2_MICRO": (8, 2),  # micro-batch (sequences of 1024)
+    "GPT2_ACCUM": (2, 1),  # accumulation steps
+    "GPT3_LAYERS": (4, 2),  # transformer blocks of GPT3-3.35B's shape: 4 = 0.81 B parameters, 11.4 GB of state
+    "GPT3_REPEATS": (3, 1),
+    "GPT3_MICRO": (1, 2),  # sequences of 2048
+    "GPT3_ACCUM": (4, 1),
+    "GPT3_STRATEGIES": ("torch cpsr", "torch cpsr"),
+    "RESTART_MICRO": (8, 2),  # GPT2-0.35B's restart: micro-batch, one accumulation step
+    "RESTART_INTERVAL": (5, 5),
+    "RESTART_KILL_AT": (33, 23),
+    "FOOTPRINT_CHUNKS": (294912, 16),  # vitp's host memory for a shard of chunks x 1024 parameters: GPT2-0.35B's
+    "RECOVERY_TC": (10, 4),  # reduced bench_recovery: checkpoint interval; 20 intervals per reference
+    "RECOVERY_SEEDS": (1, 1),  # 3 failures per seed, each with 2 values of d
+    "RECOVERY_LAYERS": (8, 2),  # 8 x hidden 768: 57 M parameters
+    "RECOVERY_HIDDEN": (768, 64),
+    "RECOVERY_HEADS": (12, 4),
+    "RECOVERY_SEQ": (256, 64),
+    "RECOVERY_MICRO": (16, 16),
+    "RECOVERY_VALID": (512, 64),  # validation sequences (evaluated 64 at a time)
+    "RECOVERY_EVAL_EVERY": (10, 4),
+}
+
+
+def knobs(dry_run: bool) -> dict[str, str]:
+    return {name: os.environ.get(name, str(values[dry_run])) for name, values in KNOBS.items()}
+
+
+@dataclass(frozen=True)
+class Measurement:
+    name: str  # OUT_DIR/NAME.json and .txt
+    part: int
+    # (knobs, OUT_DIR, dry_run, scratch) -> argv; scratch: a directory for checkpoints and run directories,
+    # emptied after each measurement (OUT_DIR keeps only results).
+    command: Callable[[dict, str, bool, str], list[str]]
+    timeout_s: int
+    summary: Callable[[dict], str]
+    # The command prints its JSON instead of writing it (None: it writes NAME.json itself).
+    stdout_json: bool = False
+
+
+def python() -> list[str]:
+    return [sys.executable]
+
+
+def checkpoint_command(state: str, prefix: str):
+    def command(k: dict, out: str, dry_run: bool, scratch: str) -> list[str]:
+        return [*python(), "benchmarks/bench_checkpoint.py", "--states", state,
+                "--strategies", *k[f"{prefix}_STRATEGIES"].split(),
+                "--repeats", k[f"{prefix}_REPEATS"], "--micro-batch", k[f"{prefix}_MICRO"],
+                "--grad-accum", k[f"{prefix}_ACCUM"], "--dir", scratch,
+                "--json", os.path.join(out, f"checkpoint_{state}.json"),
+                *(["--layers", k["GPT3_LAYERS"]] if prefix == "GPT3" else []), *(["--toy"] if dry_run else [])]
+    return command
+
+
+def checkpoint_summary(result: dict) -> str:
+    state = result["sizes"][result["states"][-1]]
+    stalls = ", ".join(f"{s} {'n/a' if v is None else f'{v * 1e3:.1f} ms'}" for s, v in result["stall_s"].items())
+    persist = result["persist_gbps"].get("cpsr")
+    return (f"{state['bytes'] / 1e9:.2f} GB, {state['model']['layers']} layers; stall {stalls}; raw pinned copy "
+            f"{result['raw_copy_s'] * 1e3:.1f} ms; cpsr persist "
+            f"{'-' if persist is None else f'{persist:.2f}'} GB/s, disk {result['disk_gbps']:.2f} GB/s")
+
+
+def recovery_test_command(k: dict, out: str, dry_run: bool, scratch: str) -> list[str]:
+    # On the CPU the test is part of `make test`; the dry run checks that pytest selects it here.
+    return [*python(), "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_recovery.py", "-k",
+            "single_process", *(["--collect-only"] if dry_run else [])]
+
+
+def restart_command(k: dict, out: str, dry_run: bool, scratch: str) -> list[str]:
+    return [*python(), "benchmarks/gpu/restart.py", "--json", os.path.join(out, "restart_gpt2_0.35b.json"),
+            "--micro-batch", k["RESTART_MICRO"], "--interval", k["RESTART_INTERVAL"], "--kill-at", k["RESTART_KILL_AT"],
+            "--dir", scratch, *(["--toy"] if dry_run else [])]
+
+
+def restart_summary(result: dict) -> str:
+    peak = result["predictor_gpu_peak_mib"]
+    parts = ", ".join(f"{k[:-2]} {v:.1f}" for k, v in result["restart"].items())
+    return (f"predictor GPU memory {'-' if peak is None else f'{peak:.1f} MiB'}; restart (s): {parts}; "
+            f"{result['report']['method']} from {result['report']['checkpoint']} to {result['report']['reached']}")
+
+
+def footprint_command(k: dict, out: str, dry_run: bool, scratch: str) -> list[str]:
+    return [*python(), "-m", "cpsr_ds.predictor.footprint", "--chunks", k["FOOTPRINT_CHUNKS"], "--steps", "5",
+            "--threads", str(min(8, os.cpu_count() or 1))]
+
+
+def footprint_summary(result: dict) -> str:
+    return (f"vitp on {result['chunks'] * result['token_size'] / 1e6:.0f} M parameters: host peak training "
+            f"{result['train_peak_mib']} MiB, predicting {result['predict_working_peak_mib']} MiB beside its "
+            f"{result['predict_output_mib']} MiB output; step {result['train_step_s']} s, predict {result['predict_s']} s")
+
+
+def recovery_bench_command(k: dict, out: str, dry_run: bool, scratch: str) -> list[str]:
+    return [*python(), "benchmarks/bench_recovery.py", "--quick", "--config", "configs/gpt_gpu_recovery.json",
+            "--intervals", k["RECOVERY_TC"], "--intervals-per-run", "20", "--seeds", k["RECOVERY_SEEDS"],
+            "--methods", "trend", "--num-layers", k["RECOVERY_LAYERS"], "--hidden-size", k["RECOVERY_HIDDEN"],
+            "--num-attention-heads", k["RECOVERY_HEADS"], "--seq-length", k["RECOVERY_SEQ"],
+            "--micro-batch", k["RECOVERY_MICRO"], "--valid-sequences", k["RECOVERY_VALID"],
+            "--eval-every", k["RECOVERY_EVAL_EVERY"], "--out-dir", scratch,
+            "--json", os.path.join(out, "recovery_bench.json"), *(["--vitp-steps", "1"] if dry_run else [])]
+
+
+def recovery_bench_summary(result: dict) -> str:
+    def pct(v):
+        return "-" if v is None else f"{v:.1%}"
+    return "; ".join(f"{m}: reduction {pct(result['median_reduction'][m])}, worst loss excess "
+                     f"{result['worst_final_loss_excess'][m]:+.3%}" for m in result["median_reduction"])
+
+
+def device_summary(result: dict) -> str:
+    return f"{result['name']}, torch {result['torch']}, CUDA {result['cuda']}, deepspeed {result['deepspeed']}"
+
+
+DEVICE_PROBE = """
+import json, os, shutil, subprocess, sys, tempfile
+from importlib.metadata import version
+import torch, psutil
+smi = shutil.which("nvidia-smi")
+out = {"name": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+       "cuda_available": torch.cuda.is_available(), "torch": torch.__version__, "cuda": torch.version.cuda,
+       "deepspeed": version("deepspeed"), "python": sys.version.split()[0], "cpus": os.cpu_count(),
+       "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+       "disk_free_gib": round(shutil.disk_usage(".").free / 2**30, 1),
+       "tmp_free_gib": round(shutil.disk_usage(tempfile.gettempdir()).free / 2**30, 1),
+       "nvidia_smi": subprocess.run([smi, "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                                    capture_output=True, text=True).stdout.strip() if smi else None}
+print(json.dumps(out))
+"""
+
+
+def device_command(k: dict, out: str, dry_run: bool, scratch: str) -> list[str]:
+    return [*python(), "-c", DEVICE_PROBE]
+
+
+MEASUREMENTS = (
+    Measurement("device", 0, device_command, 120, device_summary, stdout_json=True),
+    Measurement("checkpoint_gpt2_0.35b", 1, checkpoint_command("gpt2_0.35b", "GPT2"), 450, checkpoint_summary),
+    Measurement("recovery_test", 1, recovery_test_command, 300, lambda r: "passed" if r["passed"] else "FAILED"),
+    Measurement("checkpoint_gpt3_3.35b", 2, checkpoint_command("gpt3_3.35b", "GPT3"), 420, checkpoint_summary),
+    Measurement("restart_gpt2_0.35b", 2, restart_command, 240, restart_summary),
+    Measurement("recovery_bench", 3, recovery_bench_command, 420, recovery_bench_summary),
+    Measurement("predictor_footprint", 3, footprint_command, 150, footprint_summary, stdout_json=True),
+)
+
+
+def run_one(m: Measurement, k: dict, out: str, dry_run: bool, scratch: str) -> tuple[str, str]:
+    """(status, summary line) of one measurement, run unless its JSON exists."""
+    json_path, txt_path = os.path.join(out, f"{m.name}.json"), os.path.join(out, f"{m.name}.txt")
+    if os.path.exists(json_path):
+        return "kept", summarize(m, json_path)
+    command = m.command(k, out, dry_run, scratch)
+    os.makedirs(scratch, exist_ok=True)
+    print(f"== {m.name}: {' '.join(command).splitlines()[0][:300]}", flush=True)
+    t0 = time.time()
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=m.timeout_s)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        code = f"timed out after {m.timeout_s} s"
+    seconds = time.time() - t0
+    shutil.rmtree(scratch, ignore_errors=True)
+    with open(txt_path, "w") as f:
+        f.write(output)
+    if m.name == "recovery_test" and code == 0:
+        with open(json_path, "w") as f:
+            json.dump({"passed": True, "collected_only": dry_run, "seconds": seconds, "command": command[1:],
+                       "summary": output.strip().splitlines()[-1]}, f, indent=1)
+    elif m.stdout_json and code == 0:
+        with open(json_path, "w") as f:
+            json.dump(json.loads(output.strip().splitlines()[-1]), f, indent=1)
+    if code != 0 or not os.path.exists(json_path):
+        if os.path.exists(json_path):
+            os.unlink(json_path)
+        tail = output.strip().splitlines()[-1:] or [""]
+        return "FAILED", f"exit {code} after {seconds:.0f} s: {tail[0][:200]} (see {txt_path})"
+    return f"{seconds:.0f} s", summarize(m, json_path)
+
+
+def summarize(m: Measurement, json_path: str) -> str:
+    with open(json_path) as f:
+        return m.summary(json.load(f))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out_dir")
+    p.add_argument("--dry-run", action="store_true", help="every code path on the CPU at toy sizes")
+    p.add_argument("--part", default="all", choices=["1", "2", "3", "all"])
+    args = p.parse_args(argv)
+    os.makedirs(args.out_dir, exist_ok=True)
+    out = os.path.abspath(args.out_dir)
+    k = knobs(args.dry_run)
+    chosen = [m for m in MEASUREMENTS if m.part == 0 or args.part in ("all", str(m.part))]
+    scratch = tempfile.mkdtemp(prefix="cpsr-gpu-")
+    try:
+        results = [(m, *run_one(m, k, out, args.dry_run, scratch)) for m in chosen]
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    print(f"\nGPU measurements in {out} (part {args.part}{', dry run' if args.dry_run else ''}):")
+    for m, status, line in results:
+        print(f"  {m.name:24s} {status:>8s}  {line}")
+    with open(os.path.join(out, "knobs.json"), "w") as f:
+        json.dump(k, f, indent=1)
+    failed = [m.name for m, status, _ in results if status == "FAILED"]
+    if failed:
+        print(f"failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
