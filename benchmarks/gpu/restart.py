@@ -110,7 +110,8 @@ def job() -> None:
     """One run of train_gpt.py's job, measured (see the module's docstring); writes rows to RESTART_PROBE_OUT."""
     import deepspeed
 
-    import cpsr_ds.recovery as recovery
+    from cpsr_ds.recovery import decision
+    from cpsr_ds.recovery.sources import checkpoint
 
     sys.path.insert(0, os.path.join(ROOT, "launch"))
     import train_gpt
@@ -119,9 +120,9 @@ def job() -> None:
     entered = time.time()
     totals: dict[str, float] = {}
     deepspeed.initialize = _timed(deepspeed.initialize, totals, "deepspeed_init_s")
-    for module, name, part in ((recovery, "_load_checked", "reading_s"), (recovery, "_prepare", "prediction_s"),
-                               (recovery, "_prediction", "prediction_s"), (recovery, "load_engine_state", "writing_s"),
-                               (train_gpt, "load_corpus", "corpus_s")):
+    for module, name, part in ((checkpoint, "_load_checked", "reading_s"), (decision, "prepare", "prediction_s"),
+                               (decision, "_prediction", "prediction_s"), (decision, "load_engine_state", "writing_s"),
+                               (decision, "restore_dump", "writing_s"), (train_gpt, "load_corpus", "corpus_s")):
         setattr(module, name, _timed(getattr(module, name), totals, part))
     run = train_gpt.setup()
     ready = time.time()
