@@ -14,6 +14,7 @@ import torch
 from conftest import ROOT, TEST_MODEL, run_job, tiny_config
 import cpsr_ds
 from cpsr_ds.checkpoint import store, survivor
+from cpsr_ds.checkpoint.journal import journal_path, read_journal
 from cpsr_ds.config import ConfigError, CPSRConfig
 from cpsr_ds.models.gpt import GPTConfig, gpt_pipeline
 from cpsr_ds.recovery import engine_state, read_reports
@@ -244,7 +245,7 @@ def test_the_restart_takes_the_surviving_stage_from_its_dump_and_predicts_only_t
     report = read_reports(str(tmp_path / "run"))[-1]
     assert (report.method, report.reached, report.resume_iteration) == ("predict", KILL_AT, KILL_AT), report
     assert report.sources == {"0": "survivor", "1": "linear"} and report.predictor == "linear", report
-    assert "stage 0 exact from its survivors' dumps; stage 1 predicted with linear" in result.stdout
+    assert "rank 0 exact from its survivor dump; rank 1 predicted with linear" in result.stdout
     # Stage 0 resumes with exactly the state it had at the failure; stage 1's is predicted from its checkpoints.
     expected = torch.load(tmp_path / "probes" / f"rank0-iteration{KILL_AT}.pt")
     state0 = torch.load(recovered / "rank0.pt")
@@ -252,3 +253,28 @@ def test_the_restart_takes_the_surviving_stage_from_its_dump_and_predicts_only_t
     state1 = torch.load(recovered / "rank1.pt")
     checkpoint = torch.load(recovered / "rank1-checkpoint.pt")
     assert any(not torch.equal(state1[k], checkpoint[k]) for k in checkpoint if k.startswith("param/"))
+
+
+def test_dp2_without_zero_one_rank_killed_resumes_at_f_from_a_replica_as_if_nothing_had_failed(tmp_path):
+    """DP = 2, fp32, no ZeRO: rank 1 is SIGKILLed after iteration 9; rank 0 dumps, and at the restart rank 1 takes
+    rank 0's state: the job resumes at the failure point with the failure-free run's losses."""
+    kill_at, iterations = 9, 14
+
+    def config(name):
+        c = tiny_config(tmp_path / name, stages=1)
+        c["cpsr"]["checkpoint"].update(survivor_dir=str(tmp_path / "survivors"), interval=4)
+        return c
+
+    run_job(tmp_path, config("reference"), "--train-iters", iterations)
+    failed = run_job(tmp_path, config("run"), "--train-iters", iterations, "--kill-rank", 1,
+                     "--kill-at-iteration", kill_at, check=False)
+    assert failed.returncode != 0
+    run_job(tmp_path, config("run"), "--train-iters", iterations)
+    report = read_reports(str(tmp_path / "run"))[-1]
+    assert report.sources == {"0": "survivor", "1": "replica"} and report.predictor is None, report
+    assert report.method == "predict" and report.resume_iteration == report.reached >= kill_at - 1, report
+    for rank in (0, 1):
+        reference = {e.iteration: e.loss for e in read_journal(journal_path(str(tmp_path / "reference"), rank))}
+        resumed = [e for e in read_journal(journal_path(str(tmp_path / "run"), rank)) if e.iteration > report.reached]
+        assert [e.iteration for e in resumed][-1] == iterations
+        assert all(abs(e.loss - reference[e.iteration]) <= 1e-6 * abs(reference[e.iteration]) for e in resumed)

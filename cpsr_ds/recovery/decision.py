@@ -31,10 +31,14 @@ from cpsr_ds.recovery.engine_io import advance_counters, data_parallel, full_sta
 from cpsr_ds.recovery.report import RecoveryReport, carried_lag, earlier_reports
 from cpsr_ds.recovery.sources.checkpoint import load_history, restore, stage_history
 from cpsr_ds.recovery.sources.prediction import predicted_share, prepare
-from cpsr_ds.recovery.sources.survivor import SOURCE, dump_at, restore_dump
+from cpsr_ds.recovery.sources import replica, survivor
+from cpsr_ds.recovery.sources.survivor import dump_at, restore_dump
 from cpsr_ds.runlog import MEASUREMENTS_DIR, held_out_errors, read_measurements
 
 log = logging.getLogger(__name__)
+
+# Sources that give a rank its exact state at f (nothing predicted).
+EXACT = (survivor.SOURCE, replica.SOURCE, "checkpoint")
 
 
 def recover(engine, cfg: CPSRConfig, predictor, attempt: int = 0) -> RecoveryReport:
@@ -135,8 +139,10 @@ def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int, curv
     and redoes the iterations from there, the cost PB-R is weighed against.
 
     A stage whose every rank has its survivor dump at f from the job's previous attempt
-    (``attempt`` is this one's) takes its exact state from the dumps instead, and only the
-    other stages are predicted; where any stage must recompute, every stage does.
+    (``attempt`` is this one's) takes its exact state from the dumps instead; without ZeRO
+    one replica's dump serves every rank of the stage. Only the other stages are
+    predicted; where any stage must recompute, every stage does. The report's ``sources``
+    say where each rank's state came from.
     """
     f = progress.reached
     base = c if cut is None else cut.iteration
@@ -152,9 +158,11 @@ def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int, curv
         return recompute(implausible)
     numbers = {"predictor": predictor.name}
     dp_group = data_parallel(engine).group
-    # Per stage: every data-parallel rank of it must have its dump, each holding its own partition.
+    # A stage is exact at f where every data-parallel rank of it has its dump, or, without ZeRO, some replica has.
     dump = dump_at(cfg.checkpoint, engine, attempt, f) if cut is None else None
-    exact = all(gathered(dump is not None, dp_group))
+    holders = gathered(dump is not None, dp_group)
+    from_replica = replica.covers(engine, holders)
+    exact = all(holders) or from_replica
     ready = not exact and f != c and predictor.ready()
     held_out = predictor.validation_error() if ready else None
     r = None if exact else worst_error(gathered(None if held_out is None else held_out.relative, dp_group))
@@ -176,23 +184,27 @@ def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int, curv
     why = on_any_rank(why)
     if why is not None:
         return recompute(why, **numbers)
-    if exact:
+    if exact and dump is not None:
         restore_dump(engine, dump)
+    if from_replica:
+        replica.copy_from_replica(engine, holders.index(True))
     elif predicted is not None:
         load_engine_state(engine, full_state(engine, predicted))
     advance_counters(engine, f - c)
-    source = SOURCE if exact else "checkpoint" if predicted is None else predictor.name
+    source = (survivor.SOURCE if exact and dump is not None else replica.SOURCE if from_replica
+              else "checkpoint" if predicted is None else predictor.name)
     reason = ("recovery.mode is predict" if cfg.recovery.mode == "predict"
               else f"stage {engine.stage_id} {'dumped' if exact else 'checkpointed'} at {f}" if predicted is None
               else f"held-out error r = {r:.3f}, {choice.reason}")
-    stages = gathered((engine.stage_id, source, numbers, reason))
-    sources = {str(stage): src for stage, src, _, _ in stages}
-    # The report speaks for the job: its numbers are those of the first stage that was predicted.
-    _, _, numbers, reason = next((s for s in stages if s[1] not in (SOURCE, "checkpoint")), stages[0])
-    if all(src in (SOURCE, "checkpoint") for src in sources.values()):
+    ranks = gathered((source, numbers, reason))
+    sources = {str(rank): src for rank, (src, _, _) in enumerate(ranks)}
+    # The report speaks for the job: its numbers are those of the first rank whose state was predicted.
+    _, numbers, reason = next((r for r in ranks if r[0] not in EXACT), ranks[0])
+    if all(src in EXACT for src in sources.values()):
         numbers = {**numbers, "predictor": None}
+    exact_somewhere = any(src in (survivor.SOURCE, replica.SOURCE) for src in sources.values())
     return RecoveryReport("predict", f, base, f, reason=reason, stage_checkpoints=cut and cut.stages,
-                          sources=sources if SOURCE in sources.values() else None, **numbers)
+                          sources=sources if exact_somewhere else None, **numbers)
 
 
 def worst_error(errors: list[float | None]) -> float | None:

@@ -27,7 +27,7 @@ def base_optimizer(engine):
     return getattr(engine.optimizer, "optimizer", engine.optimizer)
 
 
-def _partitioned(engine) -> bool:
+def partitioned(engine) -> bool:
     """ZeRO-1/2 and bf16 keep fp32 masters and moments in partitions behind ``_hp_mapping``."""
     return any(hasattr(p, "_hp_mapping") for p in engine.module.parameters())
 
@@ -51,12 +51,12 @@ def engine_state(engine) -> dict[str, torch.Tensor]:
     must call this, in the same order).
     """
     state = {}
-    partitioned = _partitioned(engine)
-    if partitioned:
+    zero = partitioned(engine)
+    if zero:
         _link_partitions(engine)
     opt_state = base_optimizer(engine).state
     for name, p in engine.module.named_parameters():
-        if partitioned:
+        if zero:
             state[f"param/{name}"] = safe_get_full_fp32_param(p).detach().float().cpu()
             for kind in MOMENTS:
                 state[f"{kind}/{name}"] = safe_get_full_optimizer_state(p, kind).detach().float().cpu()
@@ -76,7 +76,7 @@ def local_state(engine) -> tuple[dict[str, torch.Tensor], dict[str, tuple[int, i
     given in its shape and not listed.
     """
     state, fragments = {}, {}
-    if not _partitioned(engine):
+    if not partitioned(engine):
         opt_state = base_optimizer(engine).state
         for name, p in engine.module.named_parameters():
             state[f"param/{name}"] = p.detach()
@@ -103,9 +103,9 @@ def local_state(engine) -> tuple[dict[str, torch.Tensor], dict[str, tuple[int, i
 def load_local_state(engine, state: dict[str, torch.Tensor], fragments: dict[str, tuple[int, int]]) -> None:
     """Write ``state``, as :func:`local_state` read it on this rank, back into the engine; under ZeRO/bf16 a
     collective over the stage's data-parallel group (the module's weights are refreshed from the partitions)."""
-    partitioned = _partitioned(engine)
+    zero = partitioned(engine)
     with torch.no_grad():
-        if not partitioned:
+        if not zero:
             opt_state = base_optimizer(engine).state
             for name, p in engine.module.named_parameters():
                 p.copy_(state[f"param/{name}"])
@@ -185,13 +185,13 @@ def full_state(engine, own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def load_engine_state(engine, state: dict[str, torch.Tensor]) -> None:
     """Write ``state`` (as from :func:`engine_state`) into the engine: masters, moments, model weights."""
-    partitioned = _partitioned(engine)
-    if partitioned:
+    zero = partitioned(engine)
+    if zero:
         _link_partitions(engine)
     opt_state = base_optimizer(engine).state
     with torch.no_grad():
         for name, p in engine.module.named_parameters():
-            if partitioned:
+            if zero:
                 safe_set_full_fp32_param(p, state[f"param/{name}"].to(p.device))
                 for kind in MOMENTS:
                     safe_set_full_optimizer_state(p, state[f"{kind}/{name}"].to(p.device), kind)
@@ -199,7 +199,7 @@ def load_engine_state(engine, state: dict[str, torch.Tensor]) -> None:
                 p.copy_(state[f"param/{name}"])
                 for kind in MOMENTS:
                     opt_state[p][kind].copy_(state[f"{kind}/{name}"])
-    if partitioned:
+    if zero:
         # The low-precision (or, for fp32 ZeRO, the module's own) weights the forward
         # pass uses are refreshed from the fp32 partitions.
         engine.optimizer.update_lp_params()

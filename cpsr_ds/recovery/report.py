@@ -26,8 +26,9 @@ class RecoveryReport:
     world_change: str | None = None  # how the job's layout changed since its last start (world.adapt)
     # checkpoint.per_stage PB-R: the checkpoint each pipeline stage was predicted from (c is the newest full cut)
     stage_checkpoints: list[int] | None = None
-    # PB-R with survivor dumps: where each pipeline stage's state came from ("survivor": exact at f; a predictor's
-    # name: predicted), by stage; None where no stage had its dumps
+    # PB-R with survivor dumps: where each rank's state came from, by rank ("survivor": its own dump, "replica":
+    # a data-parallel replica's, exact at f; "checkpoint": its stage's checkpoint at f; a predictor's name:
+    # predicted); None where no rank had a dump
     sources: dict[str, str] | None = None
 
     @property
@@ -41,13 +42,12 @@ class RecoveryReport:
         if not self.sources:
             return f"with {self.predictor}"
         by_source: dict[str, list[str]] = {}
-        for stage, source in sorted(self.sources.items(), key=lambda kv: int(kv[0])):
-            by_source.setdefault(source, []).append(stage)
-        parts = [f"stage {', '.join(stages)} " + ("exact from its survivors' dumps" if source == "survivor" else
-                                                   "from its checkpoint at f" if source == "checkpoint" else
-                                                   f"predicted with {source}")
-                 for source, stages in by_source.items()]
-        return "; ".join(parts)
+        for rank, source in sorted(self.sources.items(), key=lambda kv: int(kv[0])):
+            by_source.setdefault(source, []).append(rank)
+        how = {"survivor": "exact from its survivor dump", "replica": "exact from a data-parallel replica's dump",
+               "checkpoint": "from its checkpoint at f"}
+        return "; ".join(f"rank{'s' * (len(ranks) > 1)} {', '.join(ranks)} {how.get(source, f'predicted with {source}')}"
+                         for source, ranks in by_source.items())
 
     def describe(self) -> str:
         if self.method == "refused":
