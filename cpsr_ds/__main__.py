@@ -15,6 +15,7 @@ from typing import Optional
 from cpsr_ds import node_view, plan_report, planner
 from cpsr_ds.checkpoint import store
 from cpsr_ds.checkpoint.journal import reached_iteration
+from cpsr_ds.recovery import earlier_reports
 
 
 def inspect_report(ckpt_dir: str, read_data: bool = True, ranks: Optional[set[int]] = None) -> dict:
@@ -34,7 +35,13 @@ def inspect_report(ckpt_dir: str, read_data: bool = True, ranks: Optional[set[in
             for c in store.list_checkpoints(ckpt_dir, read_data, ranks)]
     usable = next((r["tag"] for r in reversed(rows) if r["valid"]), None)
     return {"dir": ckpt_dir, "latest": latest, "usable": usable, "checkpoints": rows,
-            "journal_iteration": reached_iteration(ckpt_dir)}
+            "journal_iteration": reached_iteration(ckpt_dir), "recoveries": recoveries(ckpt_dir)}
+
+
+def recoveries(ckpt_dir: str) -> list[dict]:
+    """Each restart's recovery decision (``recovery.jsonl``): method, f, c, where each rank's state came from."""
+    return [{"method": r.method, "reached": r.reached, "checkpoint": r.checkpoint, "sources": r.sources,
+             "description": r.describe()} for r in earlier_reports(ckpt_dir) if r.reached is not None]
 
 
 def nodes_report(dirs: list[str], read_data: bool = True) -> dict:
@@ -67,6 +74,8 @@ def _print_table(report: dict) -> None:
               f"{mark}{'; '.join(r['problems'])}")
     print(f"latest: {report['latest']}   loads: {report['usable']}   "
           f"journal reached iteration: {report['journal_iteration']}")
+    for r in report.get("recoveries", ()):
+        print(f"recovered: {r['description'].removeprefix('cpsr recovery: ')}")
     if report.get("storage") == "node_local":
         _print_node(report)
     if report.get("agreed", {}) is None:

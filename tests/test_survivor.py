@@ -13,6 +13,7 @@ import torch
 
 from conftest import ROOT, TEST_MODEL, run_job, tiny_config
 import cpsr_ds
+from cpsr_ds.__main__ import inspect_report
 from cpsr_ds.checkpoint import store, survivor
 from cpsr_ds.checkpoint.journal import journal_path, read_journal
 from cpsr_ds.config import ConfigError, CPSRConfig
@@ -246,6 +247,7 @@ def test_the_restart_takes_the_surviving_stage_from_its_dump_and_predicts_only_t
     assert (report.method, report.reached, report.resume_iteration) == ("predict", KILL_AT, KILL_AT), report
     assert report.sources == {"0": "survivor", "1": "linear"} and report.predictor == "linear", report
     assert "rank 0 exact from its survivor dump; rank 1 predicted with linear" in result.stdout
+    assert inspect_report(str(tmp_path / "run"))["recoveries"][-1]["sources"] == report.sources
     # Stage 0 resumes with exactly the state it had at the failure; stage 1's is predicted from its checkpoints.
     expected = torch.load(tmp_path / "probes" / f"rank0-iteration{KILL_AT}.pt")
     state0 = torch.load(recovered / "rank0.pt")
