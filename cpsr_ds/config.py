@@ -89,6 +89,12 @@ class CheckpointConfig(_Strict):
         description="Seconds a survivor dump may take, waiting for a running optimizer step included; past it the "
         "dump is abandoned, never used. Keep it inside the launcher's grace period (DeepSpeed's and torch's: 30 s).",
     )
+    memory_interval: Optional[int] = Field(
+        None, gt=0,
+        description="Iterations between host snapshots: each rank copies its state into shared memory beside its "
+        "survivor dump (survivor_dir), no persist; a restart on the same node resumes from it when the training "
+        "process crashed and the node survived. null: none.",
+    )
 
     @field_validator("interval", mode="before")
     @classmethod

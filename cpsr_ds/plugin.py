@@ -34,7 +34,7 @@ from deepspeed.runtime.pipe.module import PipelineModule
 from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
 
 from cpsr_ds import planner, runlog, world
-from cpsr_ds.checkpoint import exiting, survivor
+from cpsr_ds.checkpoint import exiting, host_snapshot, survivor
 from cpsr_ds.checkpoint.factory import deepspeed_factory
 from cpsr_ds.checkpoint.layout import verify_storage
 from cpsr_ds.checkpoint.journal import ProgressJournal, journal_path, plausible, read_journal, retire_journals
@@ -651,8 +651,9 @@ def initialize(*args, **kwargs):
         _release_shm_allreduce_name(engine.global_rank)
         engine.cpsr = Runtime(engine, cfg, lock)
         engine.cpsr.recovery = replace(engine.cpsr.recovery, world_change=change)
-        # After recovery, which reads the earlier dumps this removes.
+        # After recovery, which reads the earlier dumps and snapshots these remove.
         survivor.install(engine, cfg.checkpoint, lock.attempt)
+        host_snapshot.install(engine, cfg.checkpoint, lock.attempt)
         _retire_departed(cfg.checkpoint.dir, lock.attempt)
     except BaseException:
         lock.release()

@@ -179,6 +179,9 @@ MEASUREMENTS = (
 )
 
 
+DISTRIBUTED = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "CROSS_RANK", "CROSS_SIZE")
+
+
 def run_one(m: Measurement, k: dict, out: str, dry_run: bool, scratch: str) -> tuple[str, str]:
     """(status, summary line) of one measurement, run unless its JSON exists."""
     json_path, txt_path = os.path.join(out, f"{m.name}.json"), os.path.join(out, f"{m.name}.txt")
@@ -188,7 +191,9 @@ def run_one(m: Measurement, k: dict, out: str, dry_run: bool, scratch: str) -> t
     os.makedirs(scratch, exist_ok=True)
     print(f"== {m.name}: {' '.join(command).splitlines()[0][:300]}", flush=True)
     t0 = time.time()
-    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    # A job of its own: the caller's rank and port (a test's process group, say) would make it join that job.
+    env = {name: value for name, value in os.environ.items() if name not in DISTRIBUTED}
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
         output, _ = proc.communicate(timeout=m.timeout_s)

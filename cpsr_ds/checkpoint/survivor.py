@@ -154,6 +154,12 @@ def _chunks(prefix: bytes, tensors: list[torch.Tensor], specs) -> Iterator:
         pos = spec.offset + spec.nbytes
 
 
+def identity(engine, run: str, attempt: int) -> dict:
+    """Whose a dump is: the manifest fields that tell a restart whether it may use it."""
+    return {"rank": engine.global_rank, "world_size": engine.world_size, "attempt": attempt, "run": run,
+            "stage": engine.stage_id}
+
+
 def write_dump(directory: str, contents: dict, manifest: dict, checksum: str,
                may_commit: Callable[[], bool] = lambda: True) -> int:
     """Write ``contents`` as the dump in ``directory``, atomically; returns its bytes, 0 if ``may_commit()`` said no.
@@ -199,14 +205,18 @@ def read_survivor(root: str, rank: int, run: str, attempt: Optional[int] = None)
     """``rank``'s dump of run ``run`` (of job attempt ``attempt``; None: any) under ``root``, verified;
     None where it is missing, partial, damaged, of another run or attempt, or holds a NaN or an infinity
     (the reason logged)."""
-    directory = dump_dir(root, run, rank)
+    return read_dump(dump_dir(root, run, rank), rank, run, attempt, "survivor dump")
+
+
+def read_dump(directory: str, rank: int, run: str, attempt: Optional[int], what: str) -> Optional[Survivor]:
+    """:func:`read_survivor` of the dump in ``directory`` (``what`` it is, for the log)."""
     if not os.path.isdir(directory):
-        log.info("cpsr: no survivor dump of rank %d in %s", rank, directory)
+        log.info("cpsr: no %s of rank %d in %s", what, rank, directory)
         return None
     try:
         return _read(directory, rank, run, attempt)
     except (CheckpointError, OSError) as err:
-        log.warning("cpsr: survivor dump of rank %d in %s not used: %s", rank, directory, err)
+        log.warning("cpsr: %s of rank %d in %s not used: %s", what, rank, directory, err)
         return None
 
 
@@ -231,7 +241,11 @@ def _read(directory: str, rank: int, run: str, attempt: Optional[int]) -> Surviv
 
 def remove_survivor(root: str, run: str, rank: int) -> None:
     """Delete ``rank``'s dump of run ``run`` and what an interrupted one left beside it."""
-    directory = dump_dir(root, run, rank)
+    remove_dump(dump_dir(root, run, rank))
+
+
+def remove_dump(directory: str) -> None:
+    """Delete the dump in ``directory`` and what an interrupted one left beside it."""
     _remove(directory)
     parent, name = os.path.split(directory)
     try:
@@ -278,8 +292,7 @@ class Dumper:
     def __init__(self, engine, root: str, run: str, attempt: int, timeout_s: float, checksum: str = "xxh3_64"):
         self.engine = weakref.proxy(engine)
         self.directory = dump_dir(root, run, engine.global_rank)
-        self.manifest = {"rank": engine.global_rank, "world_size": engine.world_size, "attempt": attempt,
-                         "run": run, "stage": engine.stage_id}
+        self.manifest = identity(engine, run, attempt)
         self.timeout_s = timeout_s
         self.checksum = checksum
         # Held by the optimizer step and by a dump: a dump never reads a state half updated.

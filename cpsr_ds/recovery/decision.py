@@ -10,6 +10,8 @@ from functools import partial
 from statistics import median
 from typing import Callable, NamedTuple
 
+import torch.distributed as dist
+
 from cpsr_ds.checkpoint.journal import Progress, journal_path, plausible, read_journal
 from cpsr_ds.checkpoint.layout import agreed_checkpoints, agreed_progress
 from cpsr_ds.config import CPSRConfig, RecoveryConfig
@@ -31,7 +33,8 @@ from cpsr_ds.recovery.engine_io import advance_counters, data_parallel, full_sta
 from cpsr_ds.recovery.report import RecoveryReport, carried_lag, earlier_reports
 from cpsr_ds.recovery.sources.checkpoint import load_history, restore, stage_history
 from cpsr_ds.recovery.sources.prediction import predicted_share, prepare
-from cpsr_ds.recovery.sources import replica, survivor
+from cpsr_ds.recovery.sources import host_snapshot, replica, survivor
+from cpsr_ds.recovery.sources.host_snapshot import agreed_snapshot, resume_from
 from cpsr_ds.recovery.sources.survivor import dump_at, restore_dump
 from cpsr_ds.runlog import MEASUREMENTS_DIR, held_out_errors, read_measurements
 
@@ -64,16 +67,19 @@ def recover(engine, cfg: CPSRConfig, predictor, attempt: int = 0) -> RecoveryRep
         return RecoveryReport("fresh" if reached is None else "restart", reached, None, 0)
     newest = full[-1]
     nothing_lost = reached is None or newest.iteration is None or reached <= newest.iteration
+    memory = agreed_snapshot(cfg.checkpoint, engine, attempt, newest.iteration or 0, reached)
     if nothing_lost or cfg.recovery.mode == "recompute":
         restore(engine, directory, reversed(full))
         c = engine.global_steps
+        if memory is not None:
+            c = resume_from(engine, memory, c)
         if reached is not None and reached < c:
             # Every rank finished c before it was committed: a journal ending earlier is stale.
             log.error("cpsr recovery: the journals end at iteration %d, before committed checkpoint %d: a journal "
                       "of a rank no longer in the job, or one that lost lines; taking %d", reached, c, c)
             reached = c
         reason = "recovery.mode is recompute" if reached is not None and reached > c else ""
-        return RecoveryReport("recompute", reached, c, c, reason=reason)
+        return RecoveryReport("recompute", reached, c, c, reason=reason, sources=snapshot_sources(memory))
     if cfg.checkpoint.per_stage and engine.num_stages > 1:
         return _recover_stages(engine, cfg, predictor, progress, verified, full)
 
@@ -81,7 +87,8 @@ def recover(engine, cfg: CPSRConfig, predictor, attempt: int = 0) -> RecoveryRep
     history, client_state = load_history(engine, directory, full, cfg.predictor.history)
     prepare(predictor, history, client_state)
     # The newest of the history is c's state, the one the engine holds.
-    return _decide(engine, cfg, predictor, progress, engine.global_steps, history[-1].curvature, attempt=attempt)
+    return _decide(engine, cfg, predictor, progress, engine.global_steps, history[-1].curvature, attempt=attempt,
+                   memory=memory)
 
 
 class Cut(NamedTuple):
@@ -127,13 +134,16 @@ def implausible_reach(progress: Progress, c: int, planned: int | None) -> str | 
 
 
 def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int, curvature: StageCurvature | NoFit,
-            cut: Cut | None = None, attempt: int = 0) -> RecoveryReport:
+            cut: Cut | None = None, attempt: int = 0, memory=None) -> RecoveryReport:
     """PB-R or RB-R for a failure at the journal's f, the engine holding checkpoint c, ``curvature`` its stage_xi.
 
     ``predictor`` holds this data-parallel rank's share of the stage: each rank predicts
     its share and checks its own held-out error; the stage's error is the worst of them,
     so that the stage's ranks decide alike, and the predicted shares are assembled
     (:func:`full_state`) into the state written into the engine.
+
+    ``memory`` (:func:`agreed_snapshot`): every rank's host snapshot at one iteration m > c; recomputing
+    resumes there, so PB-R is weighed against d = f - m.
 
     ``cut`` (per stage): c is this stage's own; recomputing restores the newest full cut
     and redoes the iterations from there, the cost PB-R is weighed against.
@@ -145,12 +155,13 @@ def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int, curv
     say where each rank's state came from.
     """
     f = progress.reached
-    base = c if cut is None else cut.iteration
+    base = memory.iteration if memory is not None else c if cut is None else cut.iteration
     d = f - base
 
     def recompute(reason: str, **numbers) -> RecoveryReport:
-        restored = c if cut is None else cut.restore()
-        return RecoveryReport("recompute", f, restored, restored, reason=reason, **numbers)
+        restored = (resume_from(engine, memory, c) if memory is not None else c if cut is None else cut.restore())
+        return RecoveryReport("recompute", f, restored, restored, reason=reason, sources=snapshot_sources(memory),
+                              **numbers)
 
     implausible = implausible_reach(progress, c if cut is None else min(cut.stages), planned_iterations(engine))
     if implausible is not None:
@@ -203,8 +214,17 @@ def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int, curv
     if all(src in EXACT for src in sources.values()):
         numbers = {**numbers, "predictor": None}
     exact_somewhere = any(src in (survivor.SOURCE, replica.SOURCE) for src in sources.values())
-    return RecoveryReport("predict", f, base, f, reason=reason, stage_checkpoints=cut and cut.stages,
+    return RecoveryReport("predict", f, c if cut is None else cut.iteration, f, reason=reason,
+                          stage_checkpoints=cut and cut.stages,
                           sources=sources if exact_somewhere else None, **numbers)
+
+
+def snapshot_sources(memory) -> dict[str, str] | None:
+    """The report's ``sources`` of a resumption from host snapshots: every rank's own."""
+    if memory is None:
+        return None
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return {str(rank): host_snapshot.SOURCE for rank in range(world)}
 
 
 def worst_error(errors: list[float | None]) -> float | None:

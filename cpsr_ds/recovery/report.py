@@ -45,7 +45,7 @@ class RecoveryReport:
         for rank, source in sorted(self.sources.items(), key=lambda kv: int(kv[0])):
             by_source.setdefault(source, []).append(rank)
         how = {"survivor": "exact from its survivor dump", "replica": "exact from a data-parallel replica's dump",
-               "checkpoint": "from its checkpoint at f"}
+               "checkpoint": "from its checkpoint at f", "host snapshot": "from its host snapshot"}
         return "; ".join(f"rank{'s' * (len(ranks) > 1)} {', '.join(ranks)} {how.get(source, f'predicted with {source}')}"
                          for source, ranks in by_source.items())
 
@@ -56,7 +56,8 @@ class RecoveryReport:
             return "cpsr recovery: no earlier progress, starting at iteration 0"
         if self.method == "restart":
             return f"cpsr recovery: job reached iteration {self.reached} but no checkpoint was committed; restarting from iteration 0"
-        head = f"cpsr recovery: job reached iteration {self.reached}, last checkpoint {self.checkpoint}; "
+        restored = "host snapshots of iteration" if "host snapshot" in (self.sources or {}).values() else "last checkpoint"
+        head = f"cpsr recovery: job reached iteration {self.reached}, {restored} {self.checkpoint}; "
         if self.stage_checkpoints:
             head = (f"cpsr recovery: job reached iteration {self.reached}, last full cut {self.checkpoint}, stages' "
                     f"last checkpoints {', '.join(map(str, self.stage_checkpoints))}; ")

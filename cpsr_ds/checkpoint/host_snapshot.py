@@ -1,0 +1,101 @@
+"""Host snapshots: every ``checkpoint.memory_interval`` iterations each rank copies its
+state into shared memory, beside its survivor dump (``checkpoint.survivor_dir``, by
+default in /dev/shm), and persists nothing. Shared memory outlives the training
+process, so when the process crashes (SIGKILL, a segfault, the OOM killer: no survivor
+dump) and the node survives, a restart resumes from the snapshot rather than from the
+last checkpoint, losing at most ``memory_interval`` iterations.
+
+A snapshot is a dump in the survivor dump's format (``survivor.write_dump``: manifest,
+checksum, atomic rename), one per rank, each replacing the one before. The copy of the
+state to the host is the training loop's only cost; writing it into shared memory runs
+on a thread, and a snapshot due while the previous one is still being written is
+skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Optional
+
+from cpsr_ds.checkpoint import survivor
+from cpsr_ds.config import CheckpointConfig
+from cpsr_ds.recovery.engine_io import local_state
+
+log = logging.getLogger(__name__)
+
+WHAT = "host snapshot"
+
+
+def snapshot_dir(root: str, run: str, rank: int) -> str:
+    return survivor.dump_dir(root, run, rank) + ".memory"
+
+
+def read_snapshot(cfg: CheckpointConfig, rank: int, attempt: int) -> Optional[survivor.Survivor]:
+    """``rank``'s host snapshot of job attempt ``attempt`` of the run in ``cfg.dir``, verified; None: none usable."""
+    run = survivor.run_identity(cfg.dir)
+    return survivor.read_dump(snapshot_dir(survivor.survivor_root(cfg), run, rank), rank, run, attempt, WHAT)
+
+
+class HostSnapshots:
+    """Writes this rank's host snapshot every ``interval`` iterations (:meth:`after_iteration`)."""
+
+    def __init__(self, engine, root: str, run: str, attempt: int, interval: int, checksum: str):
+        self.engine = engine
+        self.directory = snapshot_dir(root, run, engine.global_rank)
+        self.manifest = survivor.identity(engine, run, attempt)
+        self.interval = interval
+        self.checksum = checksum
+        self.written = self.skipped = 0
+        self._writer: Optional[threading.Thread] = None
+
+    def after_iteration(self, iteration: int) -> None:
+        if iteration % self.interval:
+            return
+        if self._writer is not None and self._writer.is_alive():
+            self.skipped += 1
+            log.warning("cpsr: host snapshot of iteration %d skipped: the one before is still being written",
+                        iteration)
+            return
+        state, fragments = local_state(self.engine)
+        # The copy is what the training loop waits for; the next optimizer step may then change the state.
+        contents = {"state": {k: t.detach().to("cpu", copy=True) for k, t in state.items()},
+                    "fragments": fragments, "counters": survivor.counters(self.engine)}
+        manifest = {**self.manifest, "iteration": iteration, "reason": WHAT, "written_ns": time.time_ns()}
+        self._writer = threading.Thread(target=self._write, args=(contents, manifest), name="cpsr-host-snapshot",
+                                        daemon=True)
+        self._writer.start()
+
+    def _write(self, contents: dict, manifest: dict) -> None:
+        try:
+            survivor.write_dump(self.directory, contents, manifest, self.checksum)
+            self.written += 1
+        except OSError as err:  # a full /dev/shm must not stop training: the checkpoints still run
+            log.error("cpsr: host snapshot of iteration %d not written to %s: %s", manifest["iteration"],
+                      self.directory, err)
+
+    def wait(self, timeout_s: Optional[float] = None) -> None:
+        """Until the snapshot being written is in place."""
+        if self._writer is not None:
+            self._writer.join(timeout_s)
+
+
+def install(engine, cfg: CheckpointConfig, attempt: int) -> Optional[HostSnapshots]:
+    """Snapshot ``engine`` every ``cfg.memory_interval`` iterations (after each ``train_batch``); removes the
+    rank's snapshot of an earlier attempt (recovery has read it). None where memory_interval is not set."""
+    root, run = survivor.survivor_root(cfg), survivor.run_identity(cfg.dir)
+    survivor.remove_dump(snapshot_dir(root, run, engine.global_rank))
+    if cfg.memory_interval is None:
+        return None
+    snapshots = HostSnapshots(engine, root, run, attempt, cfg.memory_interval, cfg.checksum)
+    train_batch = engine.train_batch
+
+    def snapshotting_train_batch(*args, **kwargs):
+        loss = train_batch(*args, **kwargs)
+        snapshots.after_iteration(engine.global_steps)
+        return loss
+
+    engine.train_batch = snapshotting_train_batch
+    engine.host_snapshots = snapshots
+    return snapshots

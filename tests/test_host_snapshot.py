@@ -1,0 +1,55 @@
+"""Host snapshots (checkpoint.memory_interval): each rank's exact state in shared memory every few iterations,
+and a restart after a process crash resuming from them rather than from the last checkpoint."""
+
+import os
+
+import pytest
+import torch
+
+from conftest import run_job, tiny_config
+from cpsr_ds.checkpoint import host_snapshot
+from cpsr_ds.checkpoint.journal import journal_path, read_journal
+from cpsr_ds.config import ConfigError, CPSRConfig
+from cpsr_ds.recovery import engine_state, read_reports
+from test_plugin import process_group  # noqa: F401 (an autouse fixture: one process group for the module)
+from test_survivor import trained
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_every_memory_interval_the_rank_s_exact_state_is_in_shared_memory(tmp_path, zero_stage):
+    engine, batches = trained(tmp_path, zero_stage, iterations=4, memory_interval=2)
+    at_4 = engine_state(engine)
+    engine.train_batch(iter(batches))  # iteration 5: no snapshot due, the state moves on
+    engine.host_snapshots.wait(30)
+    snap = host_snapshot.read_snapshot(engine.cpsr.cfg.checkpoint, 0, attempt=1)
+    assert snap is not None and snap.iteration == 4 and snap.reason == host_snapshot.WHAT
+    assert all(torch.equal(snap.state[k], at_4[k]) for k in at_4)
+    assert any(not torch.equal(v, at_4[k]) for k, v in engine_state(engine).items())
+    assert engine.host_snapshots.written == 2
+
+
+def test_memory_interval_is_checked():
+    with pytest.raises(ConfigError, match="checkpoint.memory_interval"):
+        CPSRConfig.parse_block({"checkpoint": {"memory_interval": 0}})
+
+
+def test_a_crashed_process_on_a_surviving_node_loses_at_most_memory_interval_iterations(tmp_path):
+    """PP = 2: rank 1 is SIGKILLed after iteration 13 (no dump), checkpoints every 8, host snapshots every 2: the
+    restart recomputes from the snapshots of iteration 12, exactly as the failed job had computed."""
+    kill_at, memory_interval = 13, 2
+    config = tiny_config(tmp_path / "run", stages=2, recovery={"mode": "recompute"})
+    config["cpsr"]["checkpoint"].update(survivor_dir=str(tmp_path / "shm"), interval=8, memory_interval=memory_interval)
+    failed = run_job(tmp_path, config, "--train-iters", 16, "--kill-rank", 1, "--kill-at-iteration", kill_at,
+                     check=False)
+    assert failed.returncode != 0
+    run_job(tmp_path, config, "--train-iters", 16)
+    report = read_reports(str(tmp_path / "run"))[-1]
+    assert (report.method, report.reached) == ("recompute", kill_at), report
+    assert report.checkpoint == report.resume_iteration == 12 and kill_at - report.checkpoint <= memory_interval
+    assert report.sources == {"0": "host snapshot", "1": "host snapshot"}, report
+    for rank in (0, 1):
+        entries = read_journal(journal_path(str(tmp_path / "run"), rank))
+        first = {e.iteration: e.loss for e in entries[:kill_at]}
+        redone = [e for e in entries[kill_at:] if e.iteration <= kill_at]
+        assert [e.iteration for e in redone] == [kill_at]
+        assert all(e.loss == first[e.iteration] for e in redone)  # the exact state at 12: the same iteration 13
