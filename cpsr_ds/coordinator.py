@@ -51,6 +51,7 @@ for every slot that ran work. Per iteration: ``bubble_s / iterations`` and
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import logging
@@ -315,6 +316,9 @@ class Background(Coordinator):
         self.error: Optional[BaseException] = None
         self.thread = threading.Thread(target=self._work, name=f"cpsr-predictor-rank{rank}", daemon=True)
         self.thread.start()
+        # A script that ends without engine.destroy() must not leave the thread inside torch while the
+        # interpreter finalises: that aborts the process ("terminate called without an active exception").
+        atexit.register(self.drop)
 
     def submit(self, job: Job) -> None:
         with self.lock:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import cpsr_ds
-from conftest import TEST_MODEL, free_port, tiny_config
+from conftest import TEST_MODEL, free_port, run_job, tiny_config
 from cpsr_ds.checkpoint.journal import journal_path, read_journal
 from cpsr_ds.config import CoordinatorConfig
 from cpsr_ds.coordinator import Background, CallJob, PieceCost, read_records
@@ -115,3 +115,12 @@ def test_the_record_says_what_ran_in_the_background_and_inline(runs):
     assert sum(r["background_s"] for r in rows) > 0
     assert all(r["bubble_s"] == 0 and r["predictor_s"] == 0 and not r["slices"] for r in rows)
     assert not read_records(str(runs[False][0]))
+
+
+def test_a_job_that_ends_without_destroy_exits_cleanly_with_work_on_the_thread(tmp_path):
+    """DP = 2, one stage: the last checkpoint's vitp training is still on the background thread when the script
+    returns (train_gpt.py does not call engine.destroy()); the processes must still exit 0."""
+    config = tiny_config(tmp_path / "run", stages=1,
+                         predictor={"name": "vitp", "history": 6, "train_steps": 4, "train_budget_s": None})
+    config["cpsr"]["checkpoint"].update(interval=2, keep_last=6)
+    run_job(tmp_path, config, "--train-iters", 14, "--eval-interval", 14)
