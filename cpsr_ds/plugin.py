@@ -200,6 +200,9 @@ class Runtime:
                 self.meter.start(iteration, f"global_step{iteration}", time.perf_counter() - t0)
         if self.coordinator is not None:
             self.coordinator.end_iteration(iteration)
+        snapshots = getattr(engine, "host_snapshots", None)  # host_snapshot.install's, with memory_interval
+        if finite and snapshots is not None:
+            snapshots.after_iteration(iteration)
         self.faults.check(iteration)
 
     def before_iteration(self) -> None:
@@ -536,9 +539,15 @@ class CPSRPipelineEngine(PipelineEngine):
     def train_batch(self, data_iter=None):
         # A peer's death shows here as a gloo error: from then on no wait at exit is for other ranks.
         with exiting.marks_failure("train_batch"):
-            self.cpsr.before_iteration()
-            loss = super().train_batch(data_iter)
-            self.cpsr.after_iteration(self, float(loss))
+            try:
+                self.cpsr.before_iteration()
+                loss = super().train_batch(data_iter)
+                self.cpsr.after_iteration(self, float(loss))
+            except Exception as err:
+                dumper = getattr(self, "survivor", None)  # survivor.install's, unless checkpoint.survivor is off
+                if dumper is not None:  # the state of the last completed iteration, for recovery
+                    dumper.dump(f"{type(err).__name__} in train_batch: {err}")
+                raise
         return loss
 
     def _get_all_ckpt_names(self, checkpoints_path, tag):

@@ -82,20 +82,12 @@ class HostSnapshots:
 
 
 def install(engine, cfg: CheckpointConfig, attempt: int) -> Optional[HostSnapshots]:
-    """Snapshot ``engine`` every ``cfg.memory_interval`` iterations (after each ``train_batch``); removes the
-    rank's snapshot of an earlier attempt (recovery has read it). None where memory_interval is not set."""
+    """Remove the rank's snapshot of an earlier attempt (recovery has read it) and, with ``cfg.memory_interval``,
+    set ``engine.host_snapshots``, which the plugin calls after each iteration; None without memory_interval."""
     root, run = survivor.survivor_root(cfg), survivor.run_identity(cfg.dir)
     survivor.remove_dump(snapshot_dir(root, run, engine.global_rank))
     if cfg.memory_interval is None:
         return None
     snapshots = HostSnapshots(engine, root, run, attempt, cfg.memory_interval, cfg.checksum)
-    train_batch = engine.train_batch
-
-    def snapshotting_train_batch(*args, **kwargs):
-        loss = train_batch(*args, **kwargs)
-        snapshots.after_iteration(engine.global_steps)
-        return loss
-
-    engine.train_batch = snapshotting_train_batch
     engine.host_snapshots = snapshots
     return snapshots

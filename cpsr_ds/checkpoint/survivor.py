@@ -447,8 +447,8 @@ def watch_signals(dumper: Dumper) -> bool:
 def install(engine, cfg: CheckpointConfig, attempt: int) -> Optional[Dumper]:
     """After recovery has read the earlier dumps: remove them, and make this engine dump on failure.
 
-    Wraps the engine's ``_take_model_step`` (the state lock) and ``train_batch`` (an
-    exception dumps before it propagates), and watches SIGTERM.
+    Wraps the engine's ``_take_model_step`` (the state lock), sets ``engine.survivor``
+    (the plugin's ``train_batch`` dumps through it when an exception leaves), and watches SIGTERM.
     """
     if not cfg.survivor:
         return None
@@ -461,17 +461,6 @@ def install(engine, cfg: CheckpointConfig, attempt: int) -> Optional[Dumper]:
     store.write_json_atomic(os.path.join(root, run, OWNER), {"run_dir": os.path.abspath(cfg.dir)})
     dumper = Dumper(engine, root, run, attempt, cfg.survivor_timeout_s, cfg.checksum)
     engine._take_model_step = dumper.stepping(engine._take_model_step)
-    train_batch = engine.train_batch
-
-    @functools.wraps(train_batch)
-    def dumping_train_batch(*args, **kwargs):
-        try:
-            return train_batch(*args, **kwargs)
-        except Exception as err:
-            dumper.dump(f"{type(err).__name__} in train_batch: {err}")
-            raise
-
-    engine.train_batch = dumping_train_batch
     engine.survivor = dumper
     watch_signals(dumper)
     return dumper
