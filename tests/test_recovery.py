@@ -18,16 +18,32 @@ from cpsr_ds.checkpoint.journal import journal_path, read_journal
 F = 33  # the failure point: rank 3 is killed right after this iteration
 
 
+def pbr_config(run_dir, stages: int, kill_rank: int) -> dict:
+    """ZeRO-1, a checkpoint every 5 iterations, ``kill_rank`` killed after iteration F, PB-R forced with linear."""
+    config = tiny_config(run_dir, stages=stages, zero_stage=1,
+                         faults={"kill_rank": kill_rank, "kill_at_iteration": F},
+                         predictor={"name": "linear", "history": 3},
+                         recovery={"mode": "predict"})  # fmt: skip
+    config["cpsr"]["checkpoint"]["interval"] = 5
+    return config
+
+
+def assert_journals_resume_at_f(run_dir, ranks: int) -> None:
+    """Every rank journaled each iteration once, F's included, on to the end; rank 0's losses are finite."""
+    for rank in range(ranks):
+        iterations = [e.iteration for e in read_journal(journal_path(str(run_dir), rank))]
+        assert iterations == list(range(1, F + 1)) + list(range(F + 1, 46))
+    losses = [e.loss for e in read_journal(journal_path(str(run_dir), 0))]
+    assert all(loss == loss and loss < 10 for loss in losses)  # finite, no blow-up
+
+
 @pytest.fixture(scope="module")
 def failed_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pbr")
     run_dir = tmp / "run"
-    config = tiny_config(run_dir, stages=2, zero_stage=1,
-                         faults={"kill_rank": 3, "kill_at_iteration": F},
-                         predictor={"name": "linear", "history": 3},
-                         recovery={"mode": "predict"})  # fmt: skip
+    config = pbr_config(run_dir, stages=2, kill_rank=3)
     # Every stage predicted: no survivor dumps (with them, stage 0's ranks would resume from theirs: test_survivor.py).
-    config["cpsr"]["checkpoint"].update(interval=5, survivor=False)
+    config["cpsr"]["checkpoint"].update(survivor=False)
     result = run_job(tmp, config, "--train-iters", 45, "--eval-interval", 45, nprocs=4, check=False)
     assert result.returncode != 0, "the injected failure did not stop the job"
     return tmp, config, run_dir
@@ -87,11 +103,7 @@ def test_restarted_job_resumes_at_the_failure_point(failed_run):
     tmp, config, run_dir = failed_run
     result = run_job(tmp, config, "--train-iters", 45, "--eval-interval", 45, nprocs=4)
     assert f"predict (PB-R) with linear: resuming at iteration {F}" in result.stdout
-    for rank in range(4):
-        iterations = [e.iteration for e in read_journal(journal_path(str(run_dir), rank))]
-        assert iterations == list(range(1, F + 1)) + list(range(F + 1, 46))
-    losses = [e.loss for e in read_journal(journal_path(str(run_dir), 0))]
-    assert all(loss == loss and loss < 10 for loss in losses)  # finite, no blow-up
+    assert_journals_resume_at_f(run_dir, ranks=4)
 
 
 def single_process_job(tmp, config: dict, script: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -111,13 +123,10 @@ def single_bf16(tmp_path_factory):
     recovery wrote and trains on to the end."""
     tmp = tmp_path_factory.mktemp("pbr_bf16")
     run_dir = tmp / "run"
-    config = tiny_config(run_dir, stages=1, zero_stage=1,
-                         faults={"kill_rank": 0, "kill_at_iteration": F},
-                         predictor={"name": "linear", "history": 3},
-                         recovery={"mode": "predict"})  # fmt: skip
+    config = pbr_config(run_dir, stages=1, kill_rank=0)
     config["bf16"] = {"enabled": True}
     # The probe loads the checkpoints the predictor learned from after training on.
-    config["cpsr"]["checkpoint"].update(interval=5, keep_last=8)
+    config["cpsr"]["checkpoint"].update(keep_last=8)
     failed = single_process_job(tmp, config, os.path.join(ROOT, "launch", "train_gpt.py"))
     assert failed.returncode != 0, f"the injected failure did not stop the job:\n{failed.stdout[-3000:]}"
     out = tmp / "probe"
@@ -138,7 +147,4 @@ def test_single_process_bf16_zero1_pbr_writes_the_prediction(single_bf16):
 def test_single_process_bf16_zero1_resumes_at_the_failure_point(single_bf16):
     run_dir, resumed, _ = single_bf16
     assert f"predict (PB-R) with linear: resuming at iteration {F}" in resumed.stdout + resumed.stderr
-    iterations = [e.iteration for e in read_journal(journal_path(str(run_dir), 0))]
-    assert iterations == list(range(1, 46))
-    losses = [e.loss for e in read_journal(journal_path(str(run_dir), 0))]
-    assert all(loss == loss and loss < 10 for loss in losses)
+    assert_journals_resume_at_f(run_dir, ranks=1)
