@@ -16,14 +16,16 @@ from cpsr_ds.recovery.sources.survivor import restore_dump
 SOURCE = "host snapshot"
 
 
-def agreed_snapshot(cfg: CheckpointConfig, engine, attempt: int, c: int, f: int | None) -> snapshots.survivor.Survivor | None:
+def agreed_snapshot(cfg: CheckpointConfig, engine, attempt: int, c: int,
+                    f: int | None) -> snapshots.survivor.Survivor | None:
     """This rank's host snapshot of the previous attempt where every rank has one of the same iteration m, with
-    c < m <= f, on its own stage of a job of this world size; else None on every rank (a collective)."""
-    snap = None
-    if cfg.memory_interval is not None and attempt > 1 and f is not None:
-        snap = snapshots.read_snapshot(cfg, engine.global_rank, attempt - 1)
-        if snap is not None and (snap.stage, snap.world_size) != (engine.stage_id, engine.world_size):
-            snap = None
+    c < m <= f, on its own stage of a job of this world size; else None on every rank (a collective, unless the
+    config, the attempt or f, the same on every rank, rule snapshots out)."""
+    if cfg.memory_interval is None or attempt <= 1 or f is None:
+        return None
+    snap = snapshots.read_snapshot(cfg, engine.global_rank, attempt - 1)
+    if snap is not None and (snap.stage, snap.world_size) != (engine.stage_id, engine.world_size):
+        snap = None
     found = set(gathered(None if snap is None else snap.iteration))
     (m,) = found if len(found) == 1 else (None,)
     return snap if m is not None and c < m <= f else None
