@@ -407,10 +407,6 @@ def gpt_engine(strategy: str, ckpt_dir: str, spec: ModelSpec):
     return ds, gpt
 
 
-def gpt_state_bytes(ds) -> int:
-    return state_bytes({"m": ds.module.state_dict(), "o": ds.optimizer.state_dict()})
-
-
 def describe_model(ds, gpt: GPTConfig) -> dict:
     """What a GPT state is: its shape, parameters, batch and precision."""
     return {"layers": gpt.num_layers, "hidden": gpt.hidden_size, "heads": gpt.num_attention_heads,
@@ -458,12 +454,18 @@ def measure(label: str, root: str, repeats: int, compute_s: float, strategies=ST
             ds, gpt = gpt_engine(strategy, d, spec)
             engine = ds.checkpoint_engine
             proto = GPTProtocol(strategy, ds, gpt, d, **kw)
-            row["bytes"] = gpt_state_bytes(ds)
             row["model"] = describe_model(ds, gpt)
         try:
             result = proto.run()
         except RuntimeError as err:
             result = {"stall_s": None, "persist_s": None, "error": str(err)}
+        else:
+            # The state as it was checkpointed: Adam's moments exist only after the first optimizer step, so the
+            # bytes and the raw copy are taken from the first strategy that trained, before its engine closes.
+            if "raw_copy_s" not in row:
+                state = files if files is not None else {"m": ds.module.state_dict(), "o": ds.optimizer.state_dict()}
+                row["bytes"] = state_bytes(state)
+                row["raw_copy_s"] = raw_copy_s(state, repeats)
         finally:
             close(engine)
             shutil.rmtree(d, ignore_errors=True)
@@ -471,11 +473,12 @@ def measure(label: str, root: str, repeats: int, compute_s: float, strategies=ST
         if result["stall_s"] is None:
             print(f"  {label} {strategy}: n/a ({result['error']})", flush=True)
             continue
-        result["persist_gbps"] = row["bytes"] / result["persist_s"] / GB if result["persist_s"] else None
-        row["strategies"][strategy] = result
         print(f"  {label} {strategy}: stall {result['stall_s'] * 1e3:.1f} ms", flush=True)
-    state = files if files is not None else {"m": ds.module.state_dict(), "o": ds.optimizer.state_dict()}
-    row["raw_copy_s"] = raw_copy_s(state, repeats)
+    if "raw_copy_s" not in row:
+        raise RuntimeError(f"{label}: no strategy ran, so there is no state to measure")
+    for result in row["strategies"].values():
+        if result["stall_s"] is not None:
+            result["persist_gbps"] = row["bytes"] / result["persist_s"] / GB if result["persist_s"] else None
     row["disk"] = disk_gbps(root, min(row["bytes"], DISK_PROBE_MAX))
     row["disk_gbps"] = max(row["disk"].values())
     row["compute_s"] = compute_s if files is not None else None

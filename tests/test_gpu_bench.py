@@ -71,7 +71,9 @@ def test_dry_run_measures_the_model_states_at_toy_size(dry_run):
     for result, layers in ((gpt2, 2), (gpt3, 2)):
         state = next(iter(result["sizes"].values()))
         assert state["model"]["layers"] == layers and state["model"]["bf16"] and state["model"]["zero_stage"] == 1
-        assert state["bytes"] > 0 and result["raw_copy_s"] > 0 and result["disk_gbps"] > 0
+        # The state as checkpointed: bf16 weights, fp32 masters and Adam's two moments, 14 bytes a parameter.
+        assert state["bytes"] >= 14 * state["model"]["params"], (state["bytes"], state["model"]["params"])
+        assert result["raw_copy_s"] > 0 and result["disk_gbps"] > 0
         for strategy in ("torch", "cpsr"):
             assert result["stall_s"][strategy] > 0 and result["persist_gbps"][strategy] > 0
 

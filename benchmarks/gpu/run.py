@@ -1,13 +1,15 @@
 """Every GPU measurement, in parts that each fit one 10-minute command; see run.sh for how to run it.
 
-    python benchmarks/gpu/run.py OUT_DIR [--dry-run] [--part 1|2|3|all]
+    python benchmarks/gpu/run.py OUT_DIR [--toy | --dry-run] [--part 1|2|3|all]
 
 Each measurement writes OUT_DIR/NAME.json (its results) and OUT_DIR/NAME.txt (its
 output, tables included); one whose JSON exists is skipped, so that a part cut short
 is resumed by running it again. A measurement that fails leaves its .txt (no JSON)
 and the others still run; the exit status is then 1. The knobs (environment
-variables, KNOBS below) set sizes and counts; ``--dry-run`` runs every measurement's
-code path on the CPU at toy sizes.
+variables, KNOBS below) set sizes and counts. ``--toy`` runs every measurement at toy
+sizes on the device in use (a check, in about three minutes on the GPU, that the code
+paths work there before the full parts spend their time); ``--dry-run`` is ``--toy`` on
+the CPU, where the recovery test is only collected (``make test`` runs it).
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ from typing import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# name: (value on the GPU, value with --dry-run); the environment overrides either. The GPU values are
-# estimates for one H100 80 GB (see run.sh's header for the budget they come from).
+# name: (value on the GPU, value with --toy or --dry-run); the environment overrides either. The GPU values are
+# sized for one H100 80 GB (run.sh's header gives each part's measured time there).
 KNOBS = {
     "GPT2_REPEATS": (5, 1),  # measured checkpoints per strategy, GPT2-0.35B
     # The dry run takes one strategy of each code path of the benchmark's protocol (checkfreq's and pccheck's are cpsr's).
@@ -55,15 +57,15 @@ KNOBS = {
 }
 
 
-def knobs(dry_run: bool) -> dict[str, str]:
-    return {name: os.environ.get(name, str(values[dry_run])) for name, values in KNOBS.items()}
+def knobs(toy: bool) -> dict[str, str]:
+    return {name: os.environ.get(name, str(values[toy])) for name, values in KNOBS.items()}
 
 
 @dataclass(frozen=True)
 class Measurement:
     name: str  # OUT_DIR/NAME.json and .txt
     part: int
-    # (knobs, OUT_DIR, dry_run, scratch) -> argv; scratch: a directory for checkpoints and run directories,
+    # (knobs, OUT_DIR, mode, scratch) -> argv, mode one of MODES; scratch: a directory for checkpoints and run directories,
     # emptied after each measurement (OUT_DIR keeps only results).
     command: Callable[[dict, str, bool, str], list[str]]
     timeout_s: int
@@ -72,18 +74,21 @@ class Measurement:
     stdout_json: bool = False
 
 
+MODES = ("full", "toy", "dry-run")
+
+
 def python() -> list[str]:
     return [sys.executable]
 
 
 def checkpoint_command(state: str, prefix: str):
-    def command(k: dict, out: str, dry_run: bool, scratch: str) -> list[str]:
+    def command(k: dict, out: str, mode: str, scratch: str) -> list[str]:
         return [*python(), "benchmarks/bench_checkpoint.py", "--states", state,
                 "--strategies", *k[f"{prefix}_STRATEGIES"].split(),
                 "--repeats", k[f"{prefix}_REPEATS"], "--micro-batch", k[f"{prefix}_MICRO"],
                 "--grad-accum", k[f"{prefix}_ACCUM"], "--dir", scratch,
                 "--json", os.path.join(out, f"checkpoint_{state}.json"),
-                *(["--layers", k["GPT3_LAYERS"]] if prefix == "GPT3" else []), *(["--toy"] if dry_run else [])]
+                *(["--layers", k["GPT3_LAYERS"]] if prefix == "GPT3" else []), *(["--toy"] if mode != "full" else [])]
     return command
 
 
@@ -96,16 +101,16 @@ def checkpoint_summary(result: dict) -> str:
             f"{'-' if persist is None else f'{persist:.2f}'} GB/s, disk {result['disk_gbps']:.2f} GB/s")
 
 
-def recovery_test_command(k: dict, out: str, dry_run: bool, scratch: str) -> list[str]:
+def recovery_test_command(k: dict, out: str, mode: str, scratch: str) -> list[str]:
     # On the CPU the test is part of `make test`; the dry run checks that pytest selects it here.
     return [*python(), "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_recovery.py", "-k",
-            "single_process", *(["--collect-only"] if dry_run else [])]
+            "single_process", *(["--collect-only"] if mode == "dry-run" else [])]
 
 
-def restart_command(k: dict, out: str, dry_run: bool, scratch: str) -> list[str]:
+def restart_command(k: dict, out: str, mode: str, scratch: str) -> list[str]:
     return [*python(), "benchmarks/gpu/restart.py", "--json", os.path.join(out, "restart_gpt2_0.35b.json"),
             "--micro-batch", k["RESTART_MICRO"], "--interval", k["RESTART_INTERVAL"], "--kill-at", k["RESTART_KILL_AT"],
-            "--dir", scratch, *(["--toy"] if dry_run else [])]
+            "--dir", scratch, *(["--toy"] if mode != "full" else [])]
 
 
 def restart_summary(result: dict) -> str:
@@ -115,7 +120,7 @@ def restart_summary(result: dict) -> str:
             f"{result['report']['method']} from {result['report']['checkpoint']} to {result['report']['reached']}")
 
 
-def footprint_command(k: dict, out: str, dry_run: bool, scratch: str) -> list[str]:
+def footprint_command(k: dict, out: str, mode: str, scratch: str) -> list[str]:
     return [*python(), "-m", "cpsr_ds.predictor.footprint", "--chunks", k["FOOTPRINT_CHUNKS"], "--steps", "5",
             "--threads", str(min(8, os.cpu_count() or 1))]
 
@@ -126,14 +131,14 @@ def footprint_summary(result: dict) -> str:
             f"{result['predict_output_mib']} MiB output; step {result['train_step_s']} s, predict {result['predict_s']} s")
 
 
-def recovery_bench_command(k: dict, out: str, dry_run: bool, scratch: str) -> list[str]:
+def recovery_bench_command(k: dict, out: str, mode: str, scratch: str) -> list[str]:
     return [*python(), "benchmarks/bench_recovery.py", "--quick", "--config", "configs/gpt_gpu_recovery.json",
             "--intervals", k["RECOVERY_TC"], "--intervals-per-run", "20", "--seeds", k["RECOVERY_SEEDS"],
             "--methods", "trend", "--num-layers", k["RECOVERY_LAYERS"], "--hidden-size", k["RECOVERY_HIDDEN"],
             "--num-attention-heads", k["RECOVERY_HEADS"], "--seq-length", k["RECOVERY_SEQ"],
             "--micro-batch", k["RECOVERY_MICRO"], "--valid-sequences", k["RECOVERY_VALID"],
             "--eval-every", k["RECOVERY_EVAL_EVERY"], "--out-dir", scratch,
-            "--json", os.path.join(out, "recovery_bench.json"), *(["--vitp-steps", "1"] if dry_run else [])]
+            "--json", os.path.join(out, "recovery_bench.json"), *(["--vitp-steps", "1"] if mode != "full" else [])]
 
 
 def recovery_bench_summary(result: dict) -> str:
@@ -164,7 +169,7 @@ print(json.dumps(out))
 """
 
 
-def device_command(k: dict, out: str, dry_run: bool, scratch: str) -> list[str]:
+def device_command(k: dict, out: str, mode: str, scratch: str) -> list[str]:
     return [*python(), "-c", DEVICE_PROBE]
 
 
@@ -173,21 +178,22 @@ MEASUREMENTS = (
     Measurement("checkpoint_gpt2_0.35b", 1, checkpoint_command("gpt2_0.35b", "GPT2"), 450, checkpoint_summary),
     Measurement("recovery_test", 1, recovery_test_command, 300, lambda r: "passed" if r["passed"] else "FAILED"),
     Measurement("checkpoint_gpt3_3.35b", 2, checkpoint_command("gpt3_3.35b", "GPT3"), 420, checkpoint_summary),
-    Measurement("restart_gpt2_0.35b", 2, restart_command, 240, restart_summary),
+
     Measurement("recovery_bench", 3, recovery_bench_command, 420, recovery_bench_summary),
     Measurement("predictor_footprint", 3, footprint_command, 150, footprint_summary, stdout_json=True),
+    Measurement("restart_gpt2_0.35b", 3, restart_command, 240, restart_summary),
 )
 
 
 DISTRIBUTED = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "CROSS_RANK", "CROSS_SIZE")
 
 
-def run_one(m: Measurement, k: dict, out: str, dry_run: bool, scratch: str) -> tuple[str, str]:
+def run_one(m: Measurement, k: dict, out: str, mode: str, scratch: str) -> tuple[str, str]:
     """(status, summary line) of one measurement, run unless its JSON exists."""
     json_path, txt_path = os.path.join(out, f"{m.name}.json"), os.path.join(out, f"{m.name}.txt")
     if os.path.exists(json_path):
         return "kept", summarize(m, json_path)
-    command = m.command(k, out, dry_run, scratch)
+    command = m.command(k, out, mode, scratch)
     os.makedirs(scratch, exist_ok=True)
     print(f"== {m.name}: {' '.join(command).splitlines()[0][:300]}", flush=True)
     t0 = time.time()
@@ -208,7 +214,7 @@ def run_one(m: Measurement, k: dict, out: str, dry_run: bool, scratch: str) -> t
         f.write(output)
     if m.name == "recovery_test" and code == 0:
         with open(json_path, "w") as f:
-            json.dump({"passed": True, "collected_only": dry_run, "seconds": seconds, "command": command[1:],
+            json.dump({"passed": True, "collected_only": mode == "dry-run", "seconds": seconds, "command": command[1:],
                        "summary": output.strip().splitlines()[-1]}, f, indent=1)
     elif m.stdout_json and code == 0:
         with open(json_path, "w") as f:
@@ -229,19 +235,22 @@ def summarize(m: Measurement, json_path: str) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out_dir")
-    p.add_argument("--dry-run", action="store_true", help="every code path on the CPU at toy sizes")
+    sizes = p.add_mutually_exclusive_group()
+    sizes.add_argument("--toy", action="store_true", help="every measurement at toy sizes, on the GPU")
+    sizes.add_argument("--dry-run", action="store_true", help="every code path on the CPU at toy sizes")
     p.add_argument("--part", default="all", choices=["1", "2", "3", "all"])
     args = p.parse_args(argv)
     os.makedirs(args.out_dir, exist_ok=True)
     out = os.path.abspath(args.out_dir)
-    k = knobs(args.dry_run)
+    mode = "dry-run" if args.dry_run else "toy" if args.toy else "full"
+    k = knobs(mode != "full")
     chosen = [m for m in MEASUREMENTS if m.part == 0 or args.part in ("all", str(m.part))]
     scratch = tempfile.mkdtemp(prefix="cpsr-gpu-")
     try:
-        results = [(m, *run_one(m, k, out, args.dry_run, scratch)) for m in chosen]
+        results = [(m, *run_one(m, k, out, mode, scratch)) for m in chosen]
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    print(f"\nGPU measurements in {out} (part {args.part}{', dry run' if args.dry_run else ''}):")
+    print(f"\nGPU measurements in {out} (part {args.part}{'' if mode == 'full' else f', {mode}'}):")
     for m, status, line in results:
         print(f"  {m.name:24s} {status:>8s}  {line}")
     with open(os.path.join(out, "knobs.json"), "w") as f:

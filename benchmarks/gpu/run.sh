@@ -1,51 +1,54 @@
 #!/usr/bin/env bash
 # Every GPU measurement of the project, on one machine with one CUDA GPU:
 #
-#   benchmarks/gpu/run.sh OUT_DIR [--dry-run] [--part 1|2|3|all]      (make gpu-bench GPU_OUT=... GPU_PART=...)
+#   benchmarks/gpu/run.sh OUT_DIR [--toy | --dry-run] [--part 1|2|3|all]  (make gpu-bench GPU_OUT=... GPU_PART=...)
 #
 # On the GPU machine: carry .whl/ (made by benchmarks/gpu/wheels.sh where the package index is
 # reachable); this installs it into /tmp/site, checks the GPU (nvidia-smi, torch.cuda), records it
 # (OUT_DIR/device.json) and runs benchmarks/gpu/run.py, which writes NAME.json and NAME.txt into
 # OUT_DIR for each measurement and ends with a summary; the exit status is 1 if any failed (the
 # others still ran). A measurement whose JSON exists is skipped: run a part cut short again to resume.
-# --dry-run: the same code paths on the CPU at toy sizes, with the Python in use (PYTHON), no wheels.
+# --toy: every measurement at toy sizes on the GPU (about three minutes), a check that the code paths work
+# there before the full parts spend their time. --dry-run: the same on the CPU, with the Python in use
+# (PYTHON), no wheels.
 #
-# Parts, each meant for one command of at most 10 minutes on one H100 80 GB (16 cores, 128 GiB, a
-# 64 GB disk at ~1.2 GB/s buffered, ~1.8 GB/s O_DIRECT). The times are estimates: iteration times
-# were never measured there; what they assume is given, and the knobs below change it.
-#   1 (~6 min) checkpoint_gpt2_0.35b: bench_checkpoint on GPT2-0.35B's state (0.30 B parameters with
+# Parts, each one command of at most 10 minutes on one H100 80 GB (16 cores, 128 GiB, a 64 GB disk
+# at ~1.1 GB/s buffered, ~1.8 GB/s O_DIRECT). The times are those measured there on 2026-11-23, with
+# the wheels already installed (about 20 s more on a fresh machine); the knobs below change them.
+#   1 (5 min) checkpoint_gpt2_0.35b: bench_checkpoint on GPT2-0.35B's state (0.30 B parameters with
 #       the byte vocabulary, bf16 + fp32 masters + Adam, ZeRO-1, PP = DP = 1: 4.3 GB), every strategy,
-#       GPT2_REPEATS checkpoints each after 2 warm-up ones; ~60 s per strategy (engine build ~20 s,
-#       persist ~3.5 s per checkpoint, torch's synchronous save ~5 s), beside the raw pinned copy and
-#       the disk with fsync (2 GiB probe).
+#       GPT2_REPEATS checkpoints each after 2 warm-up ones, beside the raw pinned copy and the disk
+#       with fsync (2 GiB probe): 245 s, torch's synchronous save ~10 s of it per checkpoint.
 #     recovery_test: tests/test_recovery.py -k single_process on CUDA (PB-R with bf16 + ZeRO-1,
-#       one process; two jobs of the tiny GPT, ~1 min).
-#   2 (~7 min) checkpoint_gpt3_3.35b: GPT3-3.35B's layer shape (hidden 4096, 32 heads, seq 2048) with
-#       GPT3_LAYERS blocks (4: 0.81 B parameters, 11.4 GB of state; all 16 need ~68 GB of GPU memory
+#       one process; two jobs of the tiny GPT): 49 s.
+#   2 (6-7 min) checkpoint_gpt3_3.35b: GPT3-3.35B's layer shape (hidden 4096, 32 heads, seq 2048) with
+#       GPT3_LAYERS blocks (4: 0.82 B parameters, 11.4 GB of state; all 16 need ~68 GB of GPU memory
 #       before activations and 45 GB per checkpoint on a 64 GB disk), strategies GPT3_STRATEGIES;
-#       torch ~15 s per checkpoint, cpsr ~9 s persist per checkpoint, ~2 min each with the build.
+#       torch's synchronous save takes 36 s per checkpoint, cpsr's persist 5.3 s.
+#   3 (7 min) recovery_bench: bench_recovery --quick reduced: a GPT of 8 layers x 768 (57 M
+#       parameters, seq 256) on the real corpus, T_c = RECOVERY_TC, 20 intervals, RECOVERY_SEEDS
+#       seeds (3 failures each, 2 values of d), methods recompute, trend and the default: 223 s.
+#     predictor_footprint: cpsr_ds.predictor.footprint on FOOTPRINT_CHUNKS x 1024 parameters
+#       (GPT2-0.35B's count): vitp's host memory and step time: 35 s.
 #     restart_gpt2_0.35b: GPT2-0.35B trained with a checkpoint every RESTART_INTERVAL iterations,
 #       killed after RESTART_KILL_AT, restarted (PB-R): the predictor's CUDA memory while training
-#       and the restart's parts up to the first step (~2 min).
-#   3 (~6 min) recovery_bench: bench_recovery --quick reduced: a GPT of 8 layers x 768 (57 M
-#       parameters, seq 256) on the real corpus, T_c = RECOVERY_TC, 20 intervals, RECOVERY_SEEDS
-#       seeds (3 failures each, 2 values of d), methods recompute, trend and the default (~4 min).
-#     predictor_footprint: cpsr_ds.predictor.footprint on FOOTPRINT_CHUNKS x 1024 parameters
-#       (GPT2-0.35B's count): vitp's host memory and step time (~1.5 min).
+#       and the restart's parts up to the first step: 150 s.
 # Knobs (environment; defaults in run.py's KNOBS): GPT2_REPEATS GPT2_MICRO GPT2_ACCUM GPT3_LAYERS
 # GPT3_REPEATS GPT3_MICRO GPT3_ACCUM GPT3_STRATEGIES RESTART_MICRO RESTART_INTERVAL RESTART_KILL_AT
 # FOOTPRINT_CHUNKS RECOVERY_TC RECOVERY_SEEDS RECOVERY_LAYERS RECOVERY_HIDDEN RECOVERY_HEADS
 # RECOVERY_SEQ RECOVERY_MICRO RECOVERY_VALID RECOVERY_EVAL_EVERY.
 set -euo pipefail
 
-usage="usage: benchmarks/gpu/run.sh OUT_DIR [--dry-run] [--part 1|2|3|all]"
+usage="usage: benchmarks/gpu/run.sh OUT_DIR [--toy | --dry-run] [--part 1|2|3|all]"
 cd "$(dirname "$0")/../.."
 out=""
 dry=""
+toy=""
 part=all
 while (( $# )); do
     case "$1" in
         --dry-run) dry=--dry-run ;;
+        --toy) toy=--toy ;;
         --part) part=${2:?$usage}; shift ;;
         -h|--help) echo "$usage"; exit 0 ;;
         -*) echo "run.sh: unknown option $1; $usage" >&2; exit 2 ;;
@@ -54,6 +57,7 @@ while (( $# )); do
     shift
 done
 [[ -n "$out" ]] || { echo "$usage" >&2; exit 2; }
+[[ -z "$dry" || -z "$toy" ]] || { echo "run.sh: --toy is on the GPU, --dry-run on the CPU: give one; $usage" >&2; exit 2; }
 
 if [[ -n "$dry" ]]; then
     PYTHON=${PYTHON:-python3}
@@ -80,7 +84,8 @@ else
         echo "run.sh: torch $("$PYTHON" -c 'import torch; print(torch.__version__)') sees no CUDA device" >&2
         exit 2
     fi
-    export DS_ACCELERATOR=cuda OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
+    # The image's own pytest plugins were built for its pytest, not the carried one.
+    export DS_ACCELERATOR=cuda OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
 fi
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
-exec "$PYTHON" benchmarks/gpu/run.py "$out" $dry --part "$part"
+exec "$PYTHON" benchmarks/gpu/run.py "$out" $dry $toy --part "$part"

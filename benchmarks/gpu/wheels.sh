@@ -48,7 +48,7 @@ DS_BUILD_OPS=0 "$PYTHON" -m pip wheel -q --no-deps "$deepspeed" -w "$dir"
 "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 -d "$dir" $(grep -v '^deepspeed==' <<<"$pins")
-count=$(find "$dir" -maxdepth 1 -name '*.whl' | wc -l)
+count=$(find "$dir" -maxdepth 1 -type f -name '*.whl' | wc -l)
 if (( count != ${#PACKAGES[@]} )); then
     echo "wheels.sh: $dir holds $count wheels, expected ${#PACKAGES[@]} (${PACKAGES[*]})" >&2
     exit 1
