@@ -73,6 +73,7 @@ from cpsr_ds.recovery import (
     own_share,
     recover,
 )
+from cpsr_ds.recovery.sources import summaries
 from cpsr_ds.rundir import RunDirLock, claim
 from cpsr_ds.runlog import CostRow, PlanRow, StateRow
 from cpsr_ds.stage_intervals import StageSchedule, multiples
@@ -287,13 +288,22 @@ class Runtime:
 
     def _record_state(self, iteration: int, state: dict) -> None:
         curvature = stage_xi(state)
-        if not self.measuring:
+        # A restart of a per-stage job predicts from each stage's history (recover's _recover_stages).
+        summarize = self.predictor is not None and self.predictor.summarizes and not self.per_stage
+        if not (self.measuring or summarize):
             return
         n_p = curvature.n_p if curvature else sum(t.numel() for k, t in state.items() if k.startswith("param/"))
         xi = curvature.xi if curvature else None
 
         def record() -> None:
             held_out = self.predictor.validation_error() if self.predictor is not None else None
+            if summarize:
+                summary = self.predictor.summary(held_out)
+                if summary is not None:
+                    summaries.write(self.directory, self.rank, iteration, self.attempt, summary,
+                                     self.cfg.checkpoint.keep_last)
+            if not self.measuring:
+                return
             row = StateRow(iteration, self.stage, self.rank, self.attempt, self.cfg.predictor.name, n_p, xi=xi,
                            held_out_error=None if held_out is None else held_out.mse.get("param"),
                            relative_error=None if held_out is None else held_out.relative)

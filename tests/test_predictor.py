@@ -170,6 +170,48 @@ def test_trend_is_exact_on_a_linear_trajectory_and_averages_out_checkpoint_noise
     assert err_trend < 0.8 * err_linear
 
 
+def test_trend_predicts_from_the_newest_checkpoint_and_its_summary_as_from_the_history():
+    states = lambda t: decay(t, noise=1e-3)
+    full = fed("trend", states)
+    summary = full.summary(full.validation_error())
+    assert summary["slope"]["param"].dtype == torch.bfloat16
+    short = make_predictor("trend")
+    short.observe(ITERATIONS[-1], states(ITERATIONS[-1]))
+    assert not short.ready()
+    assert short.load_summary(summary) and short.ready()
+    assert short.validation_error() == full.validation_error()
+    expected, got, last = full.predict(TARGET), short.predict(TARGET), states(ITERATIONS[-1])
+    step = expected["param/w"] - last["param/w"]
+    assert step.abs().max() > 0
+    # The slope is kept in bf16: the step is rounded to 8 bits.
+    assert torch.all((got["param/w"] - expected["param/w"]).abs() <= step.abs() * 2**-8 + 1e-7)
+    torch.testing.assert_close(got["exp_avg/w"], last["exp_avg/w"], rtol=0, atol=0)
+    # The next checkpoint makes a history of two: the summary no longer applies.
+    short.observe(TARGET, states(TARGET))
+    assert short.validation_error() is None
+
+
+@pytest.mark.parametrize("change", ["iteration", "span", "size", "name"])
+def test_a_summary_that_does_not_fit_is_refused(change):
+    states = lambda t: decay(t)
+    summary = fed("trend", states).summary(None)
+    summary = {**summary, "slope": dict(summary["slope"])}
+    short = make_predictor("trend", span=3 if change == "span" else 4)
+    newest = ITERATIONS[-2] if change == "iteration" else ITERATIONS[-1]
+    short.observe(newest, states(newest))
+    if change == "size":
+        summary["slope"]["param"] = summary["slope"]["param"][:-1]
+    if change == "name":
+        summary["name"] = "linear"
+    assert not short.load_summary(summary) and not short.ready()
+
+
+def test_only_trend_summarizes_and_needs_two_checkpoints_for_it():
+    assert make_predictor("trend").summary(None) is None
+    for name in ("skip", "linear", "damped"):
+        assert not make_predictor(name).summarizes and fed(name, lambda t: decay(t)).summary(None) is None
+
+
 def test_damping_gain_spans_linear_to_skip():
     assert damping_gain(0.0, 50, 20) == pytest.approx(20 / 50)
     assert damping_gain(0.01, 50, 50) == pytest.approx(math.exp(-0.5))

@@ -148,3 +148,59 @@ def test_single_process_bf16_zero1_resumes_at_the_failure_point(single_bf16):
     run_dir, resumed, _ = single_bf16
     assert f"predict (PB-R) with linear: resuming at iteration {F}" in resumed.stdout + resumed.stderr
     assert_journals_resume_at_f(run_dir, ranks=1)
+
+
+@pytest.fixture(scope="module")
+def trend_restarts(tmp_path_factory):
+    """One process, trend forced, killed after iteration F; restarted by pbr_probe.py twice from copies of the
+    failed run: as it is (with the predictor's summaries) and with checkpoint c's summary damaged."""
+    tmp = tmp_path_factory.mktemp("summaries")
+    run_dir = tmp / "run"
+    config = pbr_config(run_dir, stages=1, kill_rank=0)
+    config["cpsr"]["predictor"] = {"name": "trend", "history": 4}
+    config["cpsr"]["checkpoint"].update(keep_last=4, survivor=False)
+    failed = single_process_job(tmp, config, os.path.join(ROOT, "launch", "train_gpt.py"))
+    assert failed.returncode != 0, f"the injected failure did not stop the job:\n{failed.stdout[-3000:]}"
+    probes = {}
+    for case in ("summary", "damaged"):
+        case_dir = tmp / case
+        shutil.copytree(run_dir, case_dir)
+        if case == "damaged":
+            newest = max((case_dir / "predictor_summaries" / "rank00000").glob("*.pt"))
+            data = bytearray(newest.read_bytes())
+            data[-10] ^= 0xFF
+            newest.write_bytes(bytes(data))
+        case_config = json.loads(json.dumps(config))
+        case_config["cpsr"]["checkpoint"]["dir"] = str(case_dir)
+        out = tmp / f"probe_{case}"
+        out.mkdir()
+        resumed = single_process_job(tmp, case_config, os.path.join(ROOT, "tests", "pbr_probe.py"),
+                                     env={"PROBE_OUT": str(out)})
+        assert resumed.returncode == 0, f"{resumed.stdout[-3000:]}\n{resumed.stderr[-3000:]}"
+        probes[case] = (torch.load(out / "rank0.pt", weights_only=False), resumed.stdout + resumed.stderr)
+    return probes
+
+
+def test_a_predicting_restart_reads_one_checkpoint_and_the_trend_summary(trend_restarts):
+    p, _ = trend_restarts["summary"]
+    report = p["report"]
+    assert (report.method, report.predictor, report.resume_iteration) == ("predict", "trend", F)
+    assert report.checkpoint_bytes > 0 and report.bytes_read <= 1.25 * report.checkpoint_bytes, report
+
+
+def test_a_damaged_summary_means_the_full_history_and_the_same_prediction_within_bf16(trend_restarts):
+    (short, _), (full, output) = trend_restarts["summary"], trend_restarts["damaged"]
+    assert "is damaged" in output
+    report = full["report"]
+    assert (report.method, report.predictor, report.resume_iteration) == ("predict", "trend", F)
+    # Four checkpoints read: c and the three before it.
+    assert report.bytes_read >= 3.5 * report.checkpoint_bytes, report
+    assert short["report"].relative_error == pytest.approx(report.relative_error, rel=1e-9)
+    c = full["history"][report.checkpoint]
+    for key, predicted in full["recovered"].items():
+        if not key.startswith("param/"):
+            continue
+        step = predicted - c[key]
+        # The summary keeps the slope in bf16: the step d * slope is rounded to 8 bits.
+        assert torch.all((short["recovered"][key] - predicted).abs() <= step.abs() * 2**-8 + 1e-7), key
+        assert step.abs().max() > 0, key

@@ -25,6 +25,7 @@ is at best ``unverified``, and is opened and checked before it is chosen.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -410,17 +411,52 @@ def manifest_entry(manifests: dict[int, dict], tag_dir: str, path: str) -> Optio
     return None
 
 
+_bytes_loaded = 0  # by load_file in this process: what a restart read (recovery's report)
+_loaded_once: Optional[dict] = None  # inside reading_each_file_once(): path -> what load_file returned
+
+
+def bytes_loaded() -> int:
+    """The bytes of every checkpoint file :func:`load_file` has read in this process."""
+    return _bytes_loaded
+
+
+@contextlib.contextmanager
+def reading_each_file_once():
+    """Around DeepSpeed's ``load_checkpoint``: a file loaded again gets what its first load returned.
+
+    DeepSpeed's SDLoader loads every model-states file twice in a row: its
+    ``check_ckpt_list`` reads the first file of each list whole to see its
+    ``mp_world_size``, and throws it away. With pipeline layer files that is the module's
+    weights read twice. The first load's result, unused by the check, serves the second
+    (once); what is kept goes when the block ends.
+    """
+    global _loaded_once
+    _loaded_once = {}
+    try:
+        yield
+    finally:
+        _loaded_once = None
+
+
 def load_file(path: str, map_location: Any = None) -> Any:
     """A file of a checkpoint, checked against its manifests; files of DeepSpeed's own format load as they are."""
+    global _bytes_loaded
+    if _loaded_once is not None and path in _loaded_once:
+        return _loaded_once.pop(path)
+    _bytes_loaded += os.path.getsize(path)
     tag_dir = os.path.dirname(path)
     manifests = read_manifests(tag_dir)
     if not manifests:
-        return read_snapshot(path, map_location=map_location)
-    found = manifest_entry(manifests, tag_dir, path)
-    if found is None:
-        raise CheckpointError(f"{path}: listed in no rank manifest of {tag_dir} (partial checkpoint)")
-    entry, algorithm = found
-    return read_snapshot(path, entry, algorithm, map_location)
+        loaded = read_snapshot(path, map_location=map_location)
+    else:
+        found = manifest_entry(manifests, tag_dir, path)
+        if found is None:
+            raise CheckpointError(f"{path}: listed in no rank manifest of {tag_dir} (partial checkpoint)")
+        entry, algorithm = found
+        loaded = read_snapshot(path, entry, algorithm, map_location)
+    if _loaded_once is not None:
+        _loaded_once[path] = loaded
+    return loaded
 
 
 def forget_metadata(tag_dir: str, rank: int) -> None:

@@ -57,6 +57,7 @@ class Predictor(ABC):
     name: str
     min_history: int = 1
     align: int = 1
+    summarizes: bool = False  # True: summary() gives what a restart needs beside the newest checkpoint
 
     def __init__(self, history: int = 8, params: str = "predict", moments: str = "keep"):
         for what, value in (("params", params), ("moments", moments)):
@@ -123,6 +124,15 @@ class Predictor(ABC):
         iterations, flats = list(self.history.iterations), list(self.history.flats)
         pred = self._predict_flats(iterations[:-1], flats[:-1], iterations[-1])
         return holdout_error(iterations[-1], iterations[-1] - iterations[-2], pred, flats[-1], flats[-2], self.predicted_kinds)
+
+    def summary(self, held_out: ValidationResult | None) -> dict | None:
+        """What this predictor needs of the history besides its newest checkpoint, small enough to keep with
+        every checkpoint (``held_out``: its validation error now); None: it needs the history itself."""
+        return None
+
+    def load_summary(self, summary: dict) -> bool:
+        """Predict from the one observed checkpoint and ``summary`` (written for it); False where it does not fit."""
+        return False
 
     def state_dict(self, include_history: bool = True) -> dict:
         """Options, fitted state and (unless ``include_history`` is False) the history.

@@ -145,6 +145,12 @@ class History:
         self.iterations.append(int(iteration))
         self.flats.append(flats)
 
+    def clear(self) -> None:
+        self.layout = None
+        self.iterations.clear()
+        self.flats.clear()
+        self.others = {}
+
     def series(self, kind: str) -> list[torch.Tensor]:
         return [f[kind] for f in self.flats]
 

@@ -3,6 +3,7 @@ model, with its guards; see the package's docstring."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -14,6 +15,7 @@ import torch.distributed as dist
 
 from cpsr_ds.checkpoint.journal import Progress, journal_path, plausible, read_journal
 from cpsr_ds.checkpoint.layout import agreed_checkpoints, agreed_progress
+from cpsr_ds.checkpoint.store import bytes_loaded
 from cpsr_ds.config import CPSRConfig, RecoveryConfig
 from cpsr_ds.cost_model import PESSIMISM, RECOMPUTE, Choice, CostModel, EmpiricalModel, paper_model, recovery_choice
 from cpsr_ds.fitter import (
@@ -33,7 +35,7 @@ from cpsr_ds.recovery.engine_io import advance_counters, data_parallel, full_sta
 from cpsr_ds.recovery.report import RecoveryReport, carried_lag, earlier_reports
 from cpsr_ds.recovery.sources.checkpoint import load_history, restore, stage_history
 from cpsr_ds.recovery.sources.prediction import predicted_share, prepare
-from cpsr_ds.recovery.sources import host_snapshot, replica, survivor
+from cpsr_ds.recovery.sources import host_snapshot, replica, summaries, survivor
 from cpsr_ds.recovery.sources.host_snapshot import agreed_snapshot, resume_from
 from cpsr_ds.recovery.sources.survivor import dump_at, restore_dump
 from cpsr_ds.runlog import MEASUREMENTS_DIR, held_out_errors, read_measurements
@@ -83,12 +85,37 @@ def recover(engine, cfg: CPSRConfig, predictor, attempt: int = 0) -> RecoveryRep
     if cfg.checkpoint.per_stage and engine.num_stages > 1:
         return _recover_stages(engine, cfg, predictor, progress, verified, full)
 
-    # The predictor learns from the retained checkpoints up to c.
-    history, client_state = load_history(engine, directory, full, cfg.predictor.history)
-    prepare(predictor, history, client_state)
+    read_before = bytes_loaded()
+    history, summary_bytes = _newest_with_summary(engine, cfg, predictor, full)
+    if history is None:
+        # The predictor learns from the retained checkpoints up to c.
+        history, client_state = load_history(engine, directory, full, cfg.predictor.history)
+        prepare(predictor, history, client_state)
+    bytes_read = sum(gathered(bytes_loaded() - read_before + summary_bytes))
     # The newest of the history is c's state, the one the engine holds.
-    return _decide(engine, cfg, predictor, progress, engine.global_steps, history[-1].curvature, attempt=attempt,
-                   memory=memory)
+    report = _decide(engine, cfg, predictor, progress, engine.global_steps, history[-1].curvature, attempt=attempt,
+                     memory=memory)
+    return dataclasses.replace(report, bytes_read=bytes_read, checkpoint_bytes=newest.size)
+
+
+def _newest_with_summary(engine, cfg: CPSRConfig, predictor, full: list) -> tuple[list | None, int]:
+    """(the history PB-R needs, the bytes of summaries read): the newest checkpoint alone, where every rank's
+    predictor takes the summary kept with it (:mod:`summaries`); else (None, those bytes): the full history.
+    """
+    newest, summary, size = full[-1], None, 0
+    if predictor.summarizes and newest.iteration is not None:
+        summary, size = summaries.read(cfg.checkpoint.dir, engine.global_rank, newest.iteration, newest.attempt)
+    if not all(gathered(summary is not None)):
+        return None, size
+    # A newest state found non-finite leaves an older one in the engine, which the summary does not fit.
+    history, client_state = load_history(engine, cfg.checkpoint.dir, full, 1)
+    prepare(predictor, history, client_state)
+    if all(gathered(history[-1].iteration == newest.iteration and predictor.load_summary(summary))):
+        return history, size
+    log.warning("cpsr recovery: the predictor's summary of checkpoint %s does not fit its state on every rank: "
+                "reading the full history", newest.tag)
+    predictor.history.clear()
+    return None, size
 
 
 class Cut(NamedTuple):

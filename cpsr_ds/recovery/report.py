@@ -30,6 +30,9 @@ class RecoveryReport:
     # a data-parallel replica's, exact at f; "checkpoint": its stage's checkpoint at f; a predictor's name:
     # predicted); None where no rank had a dump
     sources: dict[str, str] | None = None
+    # PB-R: what every rank read together (checkpoint files and predictor summaries), and c's checkpoint's size
+    bytes_read: int | None = None
+    checkpoint_bytes: int | None = None
 
     @property
     def lost_iterations(self) -> int:

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from typing import NamedTuple
 
 import torch
 
+from cpsr_ds.checkpoint.store import reading_each_file_once
 from cpsr_ds.fitter import NoFit, StageCurvature, stage_xi
 from cpsr_ds.recovery.agree import gathered, on_any_rank
 from cpsr_ds.recovery.engine_io import MOMENTS, base_optimizer, engine_state, load_engine_state, nonfinite_tensor, own_share
@@ -27,7 +29,8 @@ class Retained(NamedTuple):
 def load(engine, directory: str, tag: str) -> dict:
     """Load ``tag`` into the engine, at whatever data-parallel degree it was written (:func:`zero_resharded`)."""
     resharded = zero_resharded(engine, directory, tag)
-    load_path, client_state = engine.load_checkpoint(directory, tag=tag, load_optimizer_states=resharded is None)
+    with reading_each_file_once():
+        load_path, client_state = engine.load_checkpoint(directory, tag=tag, load_optimizer_states=resharded is None)
     if load_path is None:
         raise RuntimeError(f"cpsr recovery: DeepSpeed could not load checkpoint {tag} in {directory}")
     if resharded is not None:
@@ -49,7 +52,7 @@ def zero_resharded(engine, directory: str, tag: str) -> tuple[dict[str, torch.Te
     load_engine_state writes into the new partitions, the way a predicted state is
     written. Model weights, counters and the LR schedule load through DeepSpeed as usual.
     """
-    if not engine.zero_optimization():
+    if not engine.zero_optimization() or _same_zero_degree(engine, directory, tag):
         return None
     model_states = engine.checkpoint_engine.load(engine._get_ckpt_name(directory, tag), map_location="cpu")
     old = model_states["dp_world_size"]
@@ -61,6 +64,15 @@ def zero_resharded(engine, directory: str, tag: str) -> tuple[dict[str, torch.Te
                                                       dp_world_size=old, bf16_mode=engine.bfloat16_enabled())
     parts = [engine.checkpoint_engine.load(name, map_location="cpu")["optimizer_state_dict"] for name in names]
     return full_zero_state(parts, model_states["param_shapes"]), parts[0]["base_optimizer_state"]
+
+
+def _same_zero_degree(engine, directory: str, tag: str) -> bool:
+    """Whether ``tag`` holds a ZeRO partition file for exactly this job's data-parallel ranks: from the file
+    names, so that the common restart does not read the model states file twice."""
+    names = engine._get_mp_rank_zero_checkpoint_names(load_dir=directory, tag=tag, mp_rank=engine.checkpoint_mp_rank,
+                                                      dp_world_size=engine.dp_world_size + 1,
+                                                      bf16_mode=engine.bfloat16_enabled())
+    return all(os.path.exists(name) for name in names[:-1]) and not os.path.exists(names[-1])
 
 
 def _restore_groups(optimizer, saved: dict) -> None:

@@ -1,0 +1,83 @@
+"""The predictor's summaries kept with each checkpoint, so that a predicting restart reads one checkpoint.
+
+Without them PB-R loads the last ``predictor.history`` checkpoints in full (Section III-A's
+history, 4x the bytes of one checkpoint by default). A predictor that can predict from the
+newest checkpoint and a small summary of the older ones (``Predictor.summary``: for
+``trend`` its least-squares slope in bf16 and its held-out error) has that summary written
+by each rank beside the checkpoint, once the predictor has seen it:
+``DIR/predictor_summaries/rankNNNNN/ITERATION-ATTEMPT.pt``, atomically, with a SHA-256 of
+its bytes in front. The restart reads the newest checkpoint's and the checkpoint alone
+where every rank has one that fits its share; anything else (missing, damaged, of another
+attempt or layout) means the full history, as before.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import io
+import logging
+import os
+
+import torch
+
+from cpsr_ds.checkpoint.store import describe_error, write_atomic
+
+log = logging.getLogger(__name__)
+
+SUMMARIES_DIR = "predictor_summaries"
+
+
+def path(directory: str, rank: int, iteration: int, attempt: int) -> str:
+    return os.path.join(directory, SUMMARIES_DIR, f"rank{rank:05d}", f"{iteration:09d}-{attempt}.pt")
+
+
+def write(directory: str, rank: int, iteration: int, attempt: int, summary: dict, keep: int) -> None:
+    """Write ``summary`` for the checkpoint of ``iteration``; keep this rank's ``keep`` newest.
+
+    A failed write costs a later restart its shortcut, not training: it is logged, not raised.
+    """
+    target = path(directory, rank, iteration, attempt)
+    buffer = io.BytesIO()
+    torch.save(summary, buffer)
+    payload = buffer.getvalue()
+    try:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        write_atomic(target, [hashlib.sha256(payload).hexdigest().encode() + b"\n", payload])
+    except OSError as err:
+        log.warning("cpsr: the predictor's summary of iteration %d was not written: %s", iteration,
+                    describe_error(err))
+        return
+    for old in sorted(glob.glob(os.path.join(os.path.dirname(target), "*.pt")), key=_order)[:-keep]:
+        try:
+            os.unlink(old)
+        except OSError:
+            pass
+
+
+def _order(name: str) -> tuple[int, int]:
+    iteration, _, attempt = os.path.basename(name).removesuffix(".pt").partition("-")
+    return int(iteration), int(attempt)
+
+
+def read(directory: str, rank: int, iteration: int, attempt: int) -> tuple[dict | None, int]:
+    """(the summary written for the checkpoint of ``iteration`` by ``attempt``, or None; the bytes read)."""
+    target = path(directory, rank, iteration, attempt)
+    try:
+        with open(target, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return None, 0
+    except OSError as err:
+        log.warning("cpsr recovery: cannot read %s: %s", target, describe_error(err))
+        return None, 0
+    digest, _, payload = data.partition(b"\n")
+    if hashlib.sha256(payload).hexdigest().encode() != digest:
+        log.warning("cpsr recovery: %s is damaged (its SHA-256 does not match): reading the full history instead",
+                    target)
+        return None, len(data)
+    try:
+        return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True), len(data)
+    except Exception as err:  # a summary of another version: the history serves instead
+        log.warning("cpsr recovery: cannot load %s (%s): reading the full history instead", target, err)
+        return None, len(data)
