@@ -82,8 +82,9 @@ def test_dry_run_restart_and_recovery(dry_run):
     _, out, _ = dry_run
     restart = load(out, "restart_gpt2_0.35b")
     assert restart["report"]["method"] == "predict" and restart["report"]["reached"] == 23
-    assert set(restart["restart"]) == {"process_start_s", "deepspeed_init_s", "reading_s", "prediction_s",
-                                       "writing_s", "corpus_s", "other_setup_s", "first_step_s", "total_s"}
+    assert set(restart["restart"]) == {"process_start_s", "model_build_s", "deepspeed_init_s", "reading_s",
+                                       "prediction_s", "writing_s", "plugin_setup_s", "corpus_s", "other_setup_s",
+                                       "first_step_s", "total_s"}
     assert all(v >= 0 for v in restart["restart"].values()) and restart["restart"]["reading_s"] > 0
     assert restart["predictor_work"] and restart["predictor_gpu_peak_mib"] is None  # no CUDA here
     bench = load(out, "recovery_bench")

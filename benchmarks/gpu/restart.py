@@ -15,8 +15,9 @@ runs), takes one training step and stops. This script runs itself as each job (w
 - at the restart, seconds of: the process start (interpreter and imports, from just
   before this script starts it), ``deepspeed.initialize``, reading the checkpoints (DeepSpeed's
   load and the state recovery keeps of each), prediction (the predictor given its
-  history, predicting), writing the prediction into the engine, reading the corpus,
-  the rest of the job's setup (model build, run directory), and the first training step.
+  history, predicting), writing the prediction into the engine, building the model, the
+  plugin's own setup besides recovery (checkpoint engine, survivor watcher, coordinator),
+  reading the corpus, the rest of the job's setup, and the first training step.
 
 Beside them: the recovery report and the restart's downtime from the progress journal
 (its last line before the kill to its first after the restart).
@@ -44,8 +45,9 @@ sys.path.insert(0, ROOT)
 from cpsr_ds.config import PredictorConfig  # noqa: E402
 TRAIN = os.path.join(ROOT, "launch", "train_gpt.py")
 PREDICTOR_WORK = ("observe", "step", "validation_error", "state_dict")
-PARTS = ("process_start_s", "deepspeed_init_s", "reading_s", "prediction_s", "writing_s", "corpus_s",
-         "other_setup_s", "first_step_s")
+PARTS = ("process_start_s", "model_build_s", "deepspeed_init_s", "reading_s", "prediction_s", "writing_s",
+         "plugin_setup_s", "corpus_s", "other_setup_s", "first_step_s")
+RECOVERY_PARTS = ("reading_s", "prediction_s", "writing_s")  # inside the plugin's setup (Runtime), which recovers
 TOY_SHAPE = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 64}
 
 
@@ -110,6 +112,7 @@ def job() -> None:
     """One run of train_gpt.py's job, measured (see the module's docstring); writes rows to RESTART_PROBE_OUT."""
     import deepspeed
 
+    from cpsr_ds import plugin
     from cpsr_ds.recovery import decision
     from cpsr_ds.recovery.sources import checkpoint
 
@@ -122,9 +125,12 @@ def job() -> None:
     deepspeed.initialize = _timed(deepspeed.initialize, totals, "deepspeed_init_s")
     for module, name, part in ((checkpoint, "_load_checked", "reading_s"), (decision, "prepare", "prediction_s"),
                                (decision, "_prediction", "prediction_s"), (decision, "load_engine_state", "writing_s"),
-                               (decision, "restore_dump", "writing_s"), (train_gpt, "load_corpus", "corpus_s")):
+                               (decision, "restore_dump", "writing_s"), (train_gpt, "load_corpus", "corpus_s"),
+                               (train_gpt, "gpt_pipeline", "model_build_s")):
         setattr(module, name, _timed(getattr(module, name), totals, part))
+    plugin.Runtime.__init__ = _timed(plugin.Runtime.__init__, totals, "runtime_s")
     run = train_gpt.setup()
+    totals["plugin_setup_s"] = totals.pop("runtime_s") - sum(totals.get(part, 0.0) for part in RECOVERY_PARTS)
     ready = time.time()
     engine = run.engine
     if engine.cpsr.recovery.reached is None:
