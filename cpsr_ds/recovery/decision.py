@@ -86,7 +86,8 @@ def recover(engine, cfg: CPSRConfig, predictor, attempt: int = 0) -> RecoveryRep
         return _recover_stages(engine, cfg, predictor, progress, verified, full)
 
     read_before = bytes_loaded()
-    history, summary_bytes = _newest_with_summary(engine, cfg, predictor, full)
+    survived = survivors(engine, cfg, attempt, reached)
+    history, summary_bytes = _newest_with_summary(engine, cfg, predictor, full, survived.exact)
     if history is None:
         # The predictor learns from the retained checkpoints up to c.
         history, client_state = load_history(engine, directory, full, cfg.predictor.history)
@@ -94,23 +95,25 @@ def recover(engine, cfg: CPSRConfig, predictor, attempt: int = 0) -> RecoveryRep
     bytes_read = sum(gathered(bytes_loaded() - read_before + summary_bytes))
     # The newest of the history is c's state, the one the engine holds.
     report = _decide(engine, cfg, predictor, progress, engine.global_steps, history[-1].curvature, attempt=attempt,
-                     memory=memory)
+                     memory=memory, survived=survived)
     return dataclasses.replace(report, bytes_read=bytes_read, checkpoint_bytes=newest.size)
 
 
-def _newest_with_summary(engine, cfg: CPSRConfig, predictor, full: list) -> tuple[list | None, int]:
+def _newest_with_summary(engine, cfg: CPSRConfig, predictor, full: list, exact: bool) -> tuple[list | None, int]:
     """(the history PB-R needs, the bytes of summaries read): the newest checkpoint alone, where every rank's
-    predictor takes the summary kept with it (:mod:`summaries`); else (None, those bytes): the full history.
+    predictor takes the summary kept with it (:mod:`summaries`) or its stage is ``exact`` (from survivor dumps:
+    nothing to predict); else (None, those bytes): the full history.
     """
     newest, summary, size = full[-1], None, 0
-    if predictor.summarizes and newest.iteration is not None:
+    if not exact and predictor.summarizes and newest.iteration is not None:
         summary, size = summaries.read(cfg.checkpoint.dir, engine.global_rank, newest.iteration, newest.attempt)
-    if not all(gathered(summary is not None)):
+    if not all(gathered(exact or summary is not None)):
         return None, size
     # A newest state found non-finite leaves an older one in the engine, which the summary does not fit.
     history, client_state = load_history(engine, cfg.checkpoint.dir, full, 1)
     prepare(predictor, history, client_state)
-    if all(gathered(history[-1].iteration == newest.iteration and predictor.load_summary(summary))):
+    fits = history[-1].iteration == newest.iteration and (exact or predictor.load_summary(summary))
+    if all(gathered(fits)):
         return history, size
     log.warning("cpsr recovery: the predictor's summary of checkpoint %s does not fit its state on every rank: "
                 "reading the full history", newest.tag)
@@ -160,8 +163,26 @@ def implausible_reach(progress: Progress, c: int, planned: int | None) -> str | 
     return None
 
 
+class Survived(NamedTuple):
+    """This rank's survivor dump at f (None: none), which ranks of its data-parallel group hold one, whether a
+    replica's serves, and whether the stage is exact at f (every rank's dump, or a replica's)."""
+
+    dump: object
+    holders: list[bool]
+    from_replica: bool
+    exact: bool
+
+
+def survivors(engine, cfg: CPSRConfig, attempt: int, f: int | None, cut: Cut | None = None) -> Survived:
+    """What the previous attempt's survivor dumps give this rank's stage at f (collective in its DP group)."""
+    dump = dump_at(cfg.checkpoint, engine, attempt, f) if cut is None and f is not None else None
+    holders = gathered(dump is not None, data_parallel(engine).group)
+    from_replica = replica.covers(engine, holders)
+    return Survived(dump, holders, from_replica, all(holders) or from_replica)
+
+
 def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int, curvature: StageCurvature | NoFit,
-            cut: Cut | None = None, attempt: int = 0, memory=None) -> RecoveryReport:
+            cut: Cut | None = None, attempt: int = 0, memory=None, survived: Survived | None = None) -> RecoveryReport:
     """PB-R or RB-R for a failure at the journal's f, the engine holding checkpoint c, ``curvature`` its stage_xi.
 
     ``predictor`` holds this data-parallel rank's share of the stage: each rank predicts
@@ -197,10 +218,7 @@ def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int, curv
     numbers = {"predictor": predictor.name}
     dp_group = data_parallel(engine).group
     # A stage is exact at f where every data-parallel rank of it has its dump, or, without ZeRO, some replica has.
-    dump = dump_at(cfg.checkpoint, engine, attempt, f) if cut is None else None
-    holders = gathered(dump is not None, dp_group)
-    from_replica = replica.covers(engine, holders)
-    exact = all(holders) or from_replica
+    dump, holders, from_replica, exact = survived or survivors(engine, cfg, attempt, f, cut)
     ready = not exact and f != c and predictor.ready()
     held_out = predictor.validation_error() if ready else None
     r = None if exact else worst_error(gathered(None if held_out is None else held_out.relative, dp_group))
