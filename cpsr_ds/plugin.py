@@ -37,6 +37,7 @@ from cpsr_ds import planner, runlog, world
 from cpsr_ds.checkpoint import exiting, host_snapshot, survivor
 from cpsr_ds.checkpoint.factory import deepspeed_factory
 from cpsr_ds.checkpoint.layout import verify_storage
+from cpsr_ds.checkpoint.store import reading_each_file_once
 from cpsr_ds.checkpoint.journal import ProgressJournal, journal_path, plausible, read_journal, retire_journals
 from cpsr_ds.config import CPSRConfig
 from cpsr_ds.coordinator import Background, BubbleSchedule, CallJob, Coordinator, PieceCost, PredictorWork, TrainJob
@@ -516,6 +517,11 @@ class Runtime:
 
 class CPSRPipelineEngine(PipelineEngine):
     cpsr: Runtime
+
+    def load_checkpoint(self, *args, **kwargs):
+        # DeepSpeed's SDLoader reads each model-states file twice; the second read reuses the first.
+        with reading_each_file_once():
+            return super().load_checkpoint(*args, **kwargs)
 
     def destroy(self):
         # The run directory is another job's to take only once pending checkpoints are done

@@ -422,7 +422,8 @@ def bytes_loaded() -> int:
 
 @contextlib.contextmanager
 def reading_each_file_once():
-    """Around DeepSpeed's ``load_checkpoint``: a file loaded again gets what its first load returned.
+    """Around DeepSpeed's ``load_checkpoint`` (the plugin's engine wraps it): a file loaded again gets what its
+    first load returned.
 
     DeepSpeed's SDLoader loads every model-states file twice in a row: its
     ``check_ckpt_list`` reads the first file of each list whole to see its

@@ -10,7 +10,6 @@ from typing import NamedTuple
 
 import torch
 
-from cpsr_ds.checkpoint.store import reading_each_file_once
 from cpsr_ds.fitter import NoFit, StageCurvature, stage_xi
 from cpsr_ds.recovery.agree import gathered, on_any_rank
 from cpsr_ds.recovery.engine_io import MOMENTS, base_optimizer, engine_state, load_engine_state, nonfinite_tensor, own_share
@@ -29,8 +28,7 @@ class Retained(NamedTuple):
 def load(engine, directory: str, tag: str) -> dict:
     """Load ``tag`` into the engine, at whatever data-parallel degree it was written (:func:`zero_resharded`)."""
     resharded = zero_resharded(engine, directory, tag)
-    with reading_each_file_once():
-        load_path, client_state = engine.load_checkpoint(directory, tag=tag, load_optimizer_states=resharded is None)
+    load_path, client_state = engine.load_checkpoint(directory, tag=tag, load_optimizer_states=resharded is None)
     if load_path is None:
         raise RuntimeError(f"cpsr recovery: DeepSpeed could not load checkpoint {tag} in {directory}")
     if resharded is not None:
