@@ -133,6 +133,12 @@ class Case:
     # A predicting case's cost-model check: "estimates" (model -> lag or None), "reasons" (why None),
     # "inputs" (the paper model's fits, or why it has none); {} where the method did not predict.
     cost_model: dict = field(default_factory=dict)
+    # Multi-process layouts (recovery_jobs.py): seconds from launching the restart to its first step, the bytes
+    # recovery read on every rank together, c's size, and the iterations between f and the resume iteration.
+    restart_s: float | None = None
+    bytes_read: int | None = None
+    checkpoint_bytes: int | None = None
+    lost: int | None = None
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -156,6 +162,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--valid-sequences", type=int, default=512,
                    help="validation set size: at 512 the reference's residual from its fit is about 0.2 %% of the loss")
     p.add_argument("--methods", nargs="+", default=list(PREDICTORS))
+    p.add_argument("--layouts", nargs="+", choices=["pp2", "dp2", "pp2dp2", "crash"],
+                   help="instead of the single-process methods: real multi-process jobs killed and restarted "
+                   "(benchmarks/recovery_jobs.py)")
     p.add_argument("--config", default=os.path.join(ROOT, "configs", "gpt_tiny_cpu.json"),
                    help="DeepSpeed config: optimizer and warmup (the pipeline is one stage, one process)")
     p.add_argument("--cos-min-ratio", type=float, default=0.1,
@@ -169,6 +178,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.intervals = args.intervals or ([50] if args.quick else [50, 100])
     args.vitp_steps = args.vitp_steps or (10 if args.quick else 20)
+    if args.layouts and (args.merge or args.plot):
+        p.error("--layouts is measured and summarised on its own: no --merge, no --plot")
     if args.intervals_per_run < 20:
         p.error("--intervals-per-run must be at least 20")
     return args
@@ -676,6 +687,12 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.merge:
         result = merge(args)
+    elif args.layouts:
+        import recovery_jobs
+
+        start = time.time()
+        result = recovery_jobs.summarize(args, recovery_jobs.run(args))
+        result["seconds"] = time.time() - start
     else:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29533"), RANK="0",
                           WORLD_SIZE="1", LOCAL_RANK="0")

@@ -59,6 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--train-iters", type=int, default=100)
     p.add_argument("--data", default=None, help="directory of text files (default: the Python standard library's sources)")
     p.add_argument("--eval-interval", type=positive_int, default=50, help="iterations between validation evaluations")
+    p.add_argument("--eval-at", type=int, nargs="+", default=[], metavar="K",
+                   help="also evaluate after these iterations (a benchmark's points around a failure)")
     p.add_argument("--log-interval", type=positive_int, default=10, help="iterations between log lines")
     p.add_argument("--valid-sequences", type=int, default=64, help="size of the fixed validation set, in sequences")
     p.add_argument("--seed", type=int, default=1234)
@@ -167,15 +169,18 @@ def train(job: Job) -> None:
     leader = engine.global_rank == 0
 
     def report_validation(iteration: int) -> None:
+        started = time.perf_counter()
         loss = evaluate(engine, validation)
         if leader:
-            print(f"iteration {iteration:6d} | validation loss {loss:.4f}", flush=True)
+            print(f"iteration {iteration:6d} | validation loss {loss:.4f} | evaluated in "
+                  f"{time.perf_counter() - started:.2f} s", flush=True)
             if cpsr_cfg.enabled:
                 append_validation(cpsr_cfg.checkpoint.dir, iteration, loss)
 
+    eval_at = set(args.eval_at)
     start = engine.global_steps
-    if start == 0:
-        report_validation(0)
+    if start == 0 or start in eval_at:
+        report_validation(start)
     tick, tick_iter = time.perf_counter(), start
     for iteration in range(start, args.train_iters):
         loss = engine.train_batch(iter(job.batches.micro_batches(iteration)))
@@ -185,7 +190,7 @@ def train(job: Job) -> None:
             rate = (done - tick_iter) / (now - tick)
             print(f"iteration {done:6d} | loss {float(loss):.4f} | {rate:.2f} it/s", flush=True)
             tick, tick_iter = now, done
-        if done % args.eval_interval == 0 or done == args.train_iters:
+        if done % args.eval_interval == 0 or done == args.train_iters or done in eval_at:
             report_validation(done)
     if leader and cpsr_cfg.enabled:
         print(json.dumps({"final_iteration": engine.global_steps, "recovery": engine.cpsr.recovery.method}), flush=True)

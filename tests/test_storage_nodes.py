@@ -1,6 +1,6 @@
-"""Two nodes on one machine, each with a checkpoint directory of its own: a node's directory lost between a
-failure and the restart, or the whole node, loses no committed checkpoint, its ranks' parts come back from the
-replicas."""
+"""Two nodes on one machine, each with a checkpoint directory of its own: a whole node lost (its process, its
+shared memory and its directory), or a node the job restarts without, loses no committed checkpoint, its ranks'
+parts come back from the replicas."""
 
 import json
 import os
@@ -32,8 +32,10 @@ def start_node(node: int, config_path, port: int, ckpt_dir, log_path, world_size
 
 
 def run_nodes(tmp_path, config_path, dirs, name) -> list[int]:
+    """Both nodes' processes to their end; ``config_path``: one config, or one per node."""
     port = free_port()
-    procs = [start_node(n, config_path, port, dirs[n], tmp_path / f"{name}-node{n}.log") for n in (0, 1)]
+    paths = config_path if isinstance(config_path, list) else [config_path] * 2
+    procs = [start_node(n, paths[n], port, dirs[n], tmp_path / f"{name}-node{n}.log") for n in (0, 1)]
     try:
         return [proc.wait(timeout=240) for proc in procs]
     finally:
@@ -51,8 +53,8 @@ def node_local_config(run_dir, kill_rank: int, **shape) -> dict:
     return config
 
 
-def write_config(tmp_path, config: dict):
-    path = tmp_path / "ds_config.json"
+def write_config(tmp_path, config: dict, name: str = "ds_config"):
+    path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(config))
     return path
 
@@ -61,29 +63,44 @@ def logs(tmp_path, name) -> str:
     return "".join((tmp_path / f"{name}-node{n}.log").read_text()[-3000:] for n in (0, 1))
 
 
-def test_a_node_s_directory_lost_after_a_failure_its_ranks_restore_from_the_replicas(tmp_path):
+def test_a_whole_node_sigkilled_its_disk_and_memory_gone_the_job_recovers_from_storage_losing_no_commit(tmp_path):
+    """Node 1 goes whole: its rank SIGKILLed (no dump), its shared memory (host snapshots) and its directory
+    lost. Node 0's rank keeps its own snapshot and dump, which alone make no consistent state: the restart takes
+    the newest committed checkpoint, node 1's part of it from node 0's replicas."""
     dirs = [tmp_path / "node0", tmp_path / "node1"]
-    config_path = write_config(tmp_path, node_local_config(dirs[0], stages=2, kill_rank=1))
+    shm = [tmp_path / "node0-shm", tmp_path / "node1-shm"]
+    config = node_local_config(dirs[0], stages=2, kill_rank=1)
+    config["cpsr"]["checkpoint"]["memory_interval"] = 2
 
-    codes = run_nodes(tmp_path, config_path, dirs, "first")
+    def write_configs() -> list:
+        for n in (0, 1):
+            config["cpsr"]["checkpoint"]["survivor_dir"] = str(shm[n])
+            write_config(tmp_path, config, f"ds_config_node{n}")
+        return [tmp_path / f"ds_config_node{n}.json" for n in (0, 1)]
+
+    paths = write_configs()
+    codes = run_nodes(tmp_path, paths, dirs, "first")
     assert codes[1] == -9 and codes[0] != 0, logs(tmp_path, "first")
-    committed = store.read_latest(str(dirs[1]))
-    assert committed == store.read_latest(str(dirs[0])) == f"global_step{KILL_AT // INTERVAL * INTERVAL}", \
-        logs(tmp_path, "first")
-    # Rank 0's part of it lives on node 1 too, where node 0's directory is about to be lost: replicated after
-    # the commit, in the iterations before the kill.
-    replicas = {c.tag: c for c in store.list_checkpoints(str(dirs[1] / store.REPLICAS), ranks={0})}
+    committed = store.read_latest(str(dirs[0]))
+    assert committed == f"global_step{KILL_AT // INTERVAL * INTERVAL}", logs(tmp_path, "first")
+    # Rank 1's part of it lives on node 0 too: replicated after the commit, in the iterations before the kill.
+    replicas = {c.tag: c for c in store.list_checkpoints(str(dirs[0] / store.REPLICAS), ranks={1})}
     assert replicas[committed].valid, replicas
+    assert any(shm[0].rglob("*")), "node 0 took host snapshots"
 
-    shutil.rmtree(dirs[0])
-    codes = run_nodes(tmp_path, config_path, dirs, "second")
+    for lost in (dirs[1], shm[1]):
+        shutil.rmtree(lost)
+    del config["cpsr"]["faults"]  # its marker was on the node that went
+    write_configs()
+    codes = run_nodes(tmp_path, paths, dirs, "second")
     assert codes == [0, 0], logs(tmp_path, "second")
-    (report,) = read_reports(str(dirs[0]))
+    *_, report = read_reports(str(dirs[0]))
     assert report.method == "recompute" and report.checkpoint == store.tag_iteration(committed), report
+    assert report.sources is None, report  # node 0's own snapshot was not taken alone
     assert report.reached in (KILL_AT - 1, KILL_AT), report
-    assert "restored from the replica" in (tmp_path / "second-node0.log").read_text()
-    assert [recorded_attempt(str(d)) for d in dirs] == [2, 2]  # node 0 counts on from node 1's record
-    # Node 0 trains on and commits again, with its own latest.
+    assert "restored from the replica" in (tmp_path / "second-node1.log").read_text()
+    assert [recorded_attempt(str(d)) for d in dirs] == [2, 2]  # node 1 counts on from node 0's record
+    # Node 1 trains on and commits again, with its own latest.
     assert store.read_latest(str(dirs[0])) == store.read_latest(str(dirs[1])) == f"global_step{ITERATIONS}"
 
 
