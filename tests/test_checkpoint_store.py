@@ -106,6 +106,33 @@ def test_read_snapshot_loads_torch_save_files(tmp_path):
     assert_same(read_snapshot(path), state)
 
 
+def test_deepspeed_s_file_count_check_reads_only_the_header_of_a_file_in_our_format(tmp_path):
+    """SDLoader's check wants one integer of the first file; without ZeRO that file holds stage 0's optimizer
+    state, which a later stage's rank would otherwise read whole."""
+    from deepspeed.runtime.state_dict_factory import SDLoaderFactory
+
+    state = {"module": {"w": torch.randn(256, 256)}, "mp_world_size": 2}
+    paths = [str(tmp_path / f"mp_rank_0{i}_model_states.pt") for i in (0, 1)]
+    for path in paths:
+        write_snapshot(path, state)
+    loads = []
+
+    class Loads:
+        def load(self, path, map_location=None):
+            loads.append(path)
+            return store.load_file(path, map_location)
+
+    before = store.bytes_loaded()
+    with store.reading_each_file_once():
+        SDLoaderFactory.get_sd_loader(paths, checkpoint_engine=Loads())
+        with pytest.raises(CheckpointError, match="checkpoint count 1 is different from saved mp_world_size 2"):
+            SDLoaderFactory.get_sd_loader(paths[1:], checkpoint_engine=Loads())
+    assert loads == [] and 0 < store.bytes_loaded() - before < 2 * 4096 * 2
+    # Outside the block DeepSpeed's own check runs, loading the file whole.
+    SDLoaderFactory.get_sd_loader(paths, checkpoint_engine=Loads())
+    assert loads == paths[:1]
+
+
 def test_write_atomic_leaves_target_untouched_on_error(tmp_path):
     path = str(tmp_path / "x")
     store.write_atomic(path, [b"old"])

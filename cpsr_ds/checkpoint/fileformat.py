@@ -144,6 +144,17 @@ def read_snapshot(path: str, expect: Optional[dict] = None, algorithm: str = "xx
     return unflatten(skeleton, tensors)
 
 
+def read_skeleton(path: str) -> tuple[Any, int] | None:
+    """(the skeleton: every value of a snapshot file but its tensors, which are ``TensorRef``; the bytes read),
+    reading the header alone; None for a ``torch.save`` file. Unverified: for metadata that guards nothing."""
+    with open(path, "rb") as f:
+        size, hasher, head = _start_reading(f, path, None, "xxh3_64")
+        if head[:8] != MAGIC:
+            return None
+        skeleton, _, data_size = _read_header(f, path, size, head, hasher)
+    return skeleton, size - data_size
+
+
 def scan_file(path: str, expect: Optional[dict] = None, algorithm: str = "xxh3_64") -> list[str]:
     """Key paths of the floating tensors in ``path`` holding NaN or Inf, the file read once.
 

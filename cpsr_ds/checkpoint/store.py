@@ -41,8 +41,8 @@ from typing import Any, Callable, Collection, Iterable, Iterator, Optional
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from cpsr_ds.checkpoint.fileformat import (MAGIC, PAGE, CheckpointError, check_size, new_hasher, read_snapshot,
-                                           scan_file)
+from cpsr_ds.checkpoint.fileformat import (MAGIC, PAGE, CheckpointError, check_size, new_hasher, read_skeleton,
+                                           read_snapshot, scan_file)
 from cpsr_ds.checkpoint.throttle import Throttle
 from cpsr_ds.config import CheckpointConfig
 
@@ -430,13 +430,38 @@ def reading_each_file_once():
     ``mp_world_size``, and throws it away. With pipeline layer files that is the module's
     weights read twice. The first load's result, unused by the check, serves the second
     (once); what is kept goes when the block ends.
+
+    The first file of the list is ``mp_rank_00_model_states.pt`` on every pipeline stage,
+    which without ZeRO holds stage 0's optimizer state: a later stage's rank would read it
+    whole for one integer. Within the block the check reads that integer from the file's
+    header instead (:func:`_check_from_header`).
     """
     global _loaded_once
+    from deepspeed.runtime.state_dict_factory import SDLoaderBase
+
     _loaded_once = {}
+    check = SDLoaderBase.check_ckpt_list
+    SDLoaderBase.check_ckpt_list = lambda loader: _check_from_header(loader, check)
     try:
         yield
     finally:
+        SDLoaderBase.check_ckpt_list = check
         _loaded_once = None
+
+
+def _check_from_header(loader, check: Callable) -> None:
+    """DeepSpeed's ``SDLoaderBase.check_ckpt_list`` (``check``) on the header of a file in our format: the list
+    holds as many files as the first one's ``mp_world_size`` says."""
+    global _bytes_loaded
+    found = read_skeleton(loader.ckpt_list[0]) if loader.ckpt_list else None
+    if found is None or not isinstance(found[0], dict):
+        return check(loader)
+    skeleton, header_bytes = found
+    _bytes_loaded += header_bytes
+    saved = skeleton.get("mp_world_size")
+    if saved is not None and len(loader.ckpt_list) != saved:
+        raise CheckpointError(f"{loader.ckpt_list[0]}: checkpoint count {len(loader.ckpt_list)} is different from "
+                              f"saved mp_world_size {saved}")
 
 
 def load_file(path: str, map_location: Any = None) -> Any:
