@@ -29,8 +29,11 @@ memory, as on a node that survived a process crash.
 
 Per case, besides bench_recovery's fields: ``restart_s``, from launching the restart to
 its first training step, the validation at k = 0 (which ``train_gpt.py`` times) taken
-out; ``bytes_read``, what recovery read (every rank, the recovery report's); ``lost``,
-the iterations between f and the iteration the job resumed at.
+out; ``bytes_read``, what recovery read (every rank, the recovery report's), beside
+``checkpoint_bytes``, c's size; ``lost``, the iterations between f and the iteration the
+job resumed at; and for a predicting case ``cost_model``: the recovery's own estimate of
+the lag and the share of the parameters it predicted, which the summary checks against
+the measured lags (Spearman's rho, median ratio estimate / measured, per method).
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ from bench_recovery import (  # noqa: E402
     reduction_summary,
     reference_fit,
 )
+from cpsr_ds import cost_model  # noqa: E402
 from cpsr_ds.checkpoint.journal import JOURNAL_DIR, journal_path, read_journal, read_validation  # noqa: E402
 from cpsr_ds.checkpoint.store import LATEST, list_checkpoints  # noqa: E402
 from cpsr_ds.recovery import read_reports  # noqa: E402
@@ -238,6 +242,9 @@ class Layouts:
         evaluated = sum(float(s) for i, s in EVAL_LINE.findall(output) if int(i) == report.resume_iteration)
         timing = dict(restart_s=first_step.wall_time - launched - evaluated, bytes_read=report.bytes_read,
                       checkpoint_bytes=report.checkpoint_bytes, lost=f - report.resume_iteration)
+        # The recovery's own estimate of the lag, checked against the measured one in the summary.
+        estimated = {} if report.method != "predict" or report.cost_model is None else {
+            "estimates": {report.cost_model: report.estimated_cost}, "predicted_share": report.predicted_share}
         if report.method != "predict":
             # Recomputing from c (or from a host snapshot) trains the reference's batches from there: its lag is
             # the iterations it redoes.
@@ -253,7 +260,7 @@ class Layouts:
         return Case(self.seed, method, self.Tc, c, d, **estimate(fit, f, d, curve, ref, 2 * self.Tc),
                     gap_after_restore=curve[0] - ref[f], window_end_excess=excess(f + 4 * d),
                     decision=report.describe(), final_loss_excess=excess(end) if to_end else None, curve=curve,
-                    **timing)
+                    cost_model=estimated, **timing)
 
     def close(self) -> None:
         shutil.rmtree(os.path.dirname(self.shm) if self.shm.startswith("/dev/shm") else self.shm, ignore_errors=True)
@@ -340,7 +347,17 @@ def summarize(args, measured: dict) -> dict:
                   f"{summary['worst_window_end_excess'][method]:+12.3%} / {end:>9s} | "
                   f"{'-' if not timed else format(summary['median_restart_s'][method], '9.1f'):>9s} {read:>9s} "
                   f"{'-' if not timed else summary['max_lost'][method]:>8} {len(rows):5d}")
+        check = {method: cost_model.evaluate([cost_model.Case(c.method, c.lag_iters, c.cost_model["estimates"])
+                                              for c in cases if c.method == method and c.cost_model])
+                 for method in dict.fromkeys(c.method for c in cases if c.cost_model)}
+        for method, models in check.items():
+            for model, r in models.items():
+                spearman = "-" if r["spearman"] is None else f"{r['spearman']:+.2f}"
+                ratio = "-" if r["median_ratio"] is None else f"{r['median_ratio']:.2f}"
+                print(f"{name:7s} {method:11s} | the {model} model's estimate against the measured lag over "
+                      f"{r['n']} predicting cases: Spearman {spearman}, median estimate / measured {ratio}")
         out["layouts"][name] = {
+            "cost_model": check,
             **summary, "layout": part["layout"], "references": part["references"],
             "cases": [{k: v for k, v in dataclasses.asdict(c).items() if k != "curve"} for c in cases],
             "curves": [{"seed": c.seed, "method": c.method, "Tc": c.Tc, "c": c.c, "d": c.d, "curve": c.curve}

@@ -10,7 +10,7 @@ behind one interface, ``model.estimate(f, c, predictor) -> Estimate``:
   Eq. 8 over the predictor's held-out errors; xi, N_p from Eq. 7) and T_c, the interval
   the held-out errors were measured at;
 - :class:`EmpiricalModel`: T_p = (1 - rho) d, rho per predictor as measured by
-  benchmarks/bench_recovery.py.
+  benchmarks/bench_recovery.py, times the share of the job's parameters predicted.
 
 How a failure maps onto the paper's t and T_c. Eq. 10's t is the time on the fits'
 axis (the phase's start as origin in the planner, iteration 0 where the fits are on
@@ -150,10 +150,19 @@ def paper_model(loss: LossFit | NoFit, accuracy: AccuracyFit | NoFit, curvature:
 
 @dataclass(frozen=True)
 class EmpiricalModel:
-    """T_p = (1 - rho) d, ``reduction``: rho per predictor name."""
+    """T_p = (1 - rho) d N_p / N, ``reduction``: rho per predictor name; ``share``: N_p / N.
+
+    rho was measured predicting every parameter. Where exact sources (survivor dumps,
+    replicas) give some stages their state at f, only N_p of the job's N parameters are
+    predicted (Section VI-A: the interrupted task alone), and the lag is taken to scale
+    with that share: to first order the loss gap a prediction leaves is a sum over the
+    predicted parameters (Eq. 6), as Eq. 13's x scales with N_p.
+    bench_recovery's ``--layouts pp2`` checks the scaling against measured lags.
+    """
 
     reduction: Mapping[str, float] = field(default_factory=lambda: dict(MEASURED_REDUCTION))
     name: str = "empirical"
+    share: float = 1.0
 
     def estimate(self, f: int, c: int, predictor: str) -> Estimate:
         d = _lost(self.name, f, c)
@@ -163,7 +172,10 @@ class EmpiricalModel:
         if rho is None or not math.isfinite(rho):
             return Estimate(self.name, None, {"d": d},
                             f"no measured reduction for predictor {predictor!r} (known: {', '.join(sorted(self.reduction))})")
-        return Estimate(self.name, (1.0 - rho) * d, {"d": d, "rho": rho})
+        if not 0.0 <= self.share <= 1.0:
+            return Estimate(self.name, None, {"d": d, "rho": rho}, f"the share predicted, {self.share}, is not in [0, 1]")
+        inputs = {"d": d, "rho": rho, **({} if self.share == 1.0 else {"share": self.share})}
+        return Estimate(self.name, (1.0 - rho) * d * self.share, inputs)
 
 
 @dataclass(frozen=True)

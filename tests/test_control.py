@@ -259,7 +259,7 @@ def decide(directory, name, engine=None, state=None):
 def test_the_decision_uses_the_model_planner_cost_model_names(tmp_path, name, lag):
     report = decide(run_dir(tmp_path), name)
     assert report.method == "predict" and report.resume_iteration == F
-    assert report.cost_model == name
+    assert report.cost_model == name and report.predicted_share == 1.0  # one process: everything predicted
     assert report.estimated_cost == pytest.approx(lag, rel=1e-6)
     assert f"{name} estimates a lag of {lag:.1f}" in report.reason
 

@@ -92,6 +92,15 @@ def test_empirical_model_is_one_minus_rho_times_d_per_predictor():
     assert not unknown and "'oracle'" in unknown.reason and "trend" in unknown.reason
 
 
+def test_empirical_model_scales_with_the_share_of_the_parameters_predicted():
+    whole, half = EmpiricalModel().estimate(1100, 1000, "trend"), EmpiricalModel(share=0.5).estimate(1100, 1000, "trend")
+    assert half.lag == pytest.approx(whole.lag / 2) and half.inputs["share"] == 0.5
+    assert EmpiricalModel(share=0.0).estimate(1100, 1000, "trend").lag == 0.0
+    for share in (1.5, -0.1, math.nan):
+        est = EmpiricalModel(share=share).estimate(1100, 1000, "trend")
+        assert not est and "share predicted" in est.reason
+
+
 @pytest.mark.parametrize("model", [EmpiricalModel(), PaperModel(P, 100)])
 @pytest.mark.parametrize("f, c", [(900, 1000), (math.nan, 1000), (1100, None)])
 def test_no_estimate_without_a_failure_after_the_checkpoint(model, f, c):

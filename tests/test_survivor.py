@@ -246,6 +246,8 @@ def test_the_restart_takes_the_surviving_stage_from_its_dump_and_predicts_only_t
     report = read_reports(str(tmp_path / "run"))[-1]
     assert (report.method, report.reached, report.resume_iteration) == ("predict", KILL_AT, KILL_AT), report
     assert report.sources == {"0": "survivor", "1": "linear"} and report.predictor == "linear", report
+    # Stage 1's parameters alone are predicted: the cost model's N_p / N.
+    assert report.predicted_share is not None and 0.2 < report.predicted_share < 0.8, report
     assert "rank 0 exact from its survivor dump; rank 1 predicted with linear" in result.stdout
     assert inspect_report(str(tmp_path / "run"))["recoveries"][-1]["sources"] == report.sources
     # Stage 0 resumes with exactly the state it had at the failure; stage 1's is predicted from its checkpoints.

@@ -219,6 +219,7 @@ def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int, curv
     dp_group = data_parallel(engine).group
     # A stage is exact at f where every data-parallel rank of it has its dump, or, without ZeRO, some replica has.
     dump, holders, from_replica, exact = survived or survivors(engine, cfg, attempt, f, cut)
+    share = predicted_share_of_job(engine, predicting=not exact and f != c)
     ready = not exact and f != c and predictor.ready()
     held_out = predictor.validation_error() if ready else None
     r = None if exact else worst_error(gathered(None if held_out is None else held_out.relative, dp_group))
@@ -227,11 +228,11 @@ def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int, curv
     elif ready:
         losses = progress_losses(progress)
         model = recovery_model(cfg.planner.cost_model, cfg.checkpoint.dir, losses, engine.stage_id, predictor.name,
-                               f, c, curvature)
+                               f, c, curvature, share)
         choice = recovery_choice(model.estimate(f, c, predictor.name), d, excess_at(losses, f),
                                  cfg.recovery.max_loss_excess, PESSIMISM, carried_lag(earlier_reports(cfg.checkpoint.dir), c))
         numbers.update(relative_error=r, estimated_cost=choice.estimate.lag, cost_model=model.name,
-                       guard_lag=choice.guard_lag, loss_excess=choice.loss_excess)
+                       guard_lag=choice.guard_lag, loss_excess=choice.loss_excess, predicted_share=share)
         why, predicted = _prediction(cfg.recovery, predictor, f, r, choice)
     else:
         why, predicted = f"predictor {predictor.name} not ready", None
@@ -336,8 +337,17 @@ def expected_loss_excess(directory: str, f: int, lag: float) -> float | None:
     return excess_at(journal_losses(directory), f)(lag)
 
 
+def predicted_share_of_job(engine, predicting: bool) -> float:
+    """N_p / N: the share of the job's parameters whose state is predicted, ``predicting`` being this rank's
+    (a collective). Data-parallel replicas hold their stage's parameters each, so each counts its 1/dp."""
+    held = sum(p.numel() for p in engine.module.parameters()) / data_parallel(engine).size
+    counts = gathered((held if predicting else 0.0, held))
+    total = sum(n for _, n in counts)
+    return sum(p for p, _ in counts) / total if total else 1.0
+
+
 def recovery_model(name: str, directory: str, losses: dict[int, float], stage: int, predictor: str, f: int, c: int,
-                   curvature: StageCurvature | NoFit) -> CostModel:
+                   curvature: StageCurvature | NoFit, share: float = 1.0) -> CostModel:
     """The recovery cost model ``planner.cost_model`` names, for a failure at f restored from checkpoint c.
 
     The paper's (Eq. 13; Eq. 14 for ``paper-eq14``) is built from the run's own records:
@@ -348,10 +358,12 @@ def recovery_model(name: str, directory: str, losses: dict[int, float], stage: i
     auto the intervals differ, so T_c is the median spacing of the checkpoints the
     errors were measured at. A missing input (no measurements: a run from before they
     were recorded, or one in recovery.mode recompute) or a NoFit leaves the model
-    without params, and its estimate says why.
+    without params, and its estimate says why. The empirical model's is scaled by ``share``,
+    the share of the job's parameters predicted (:func:`predicted_share_of_job`); the paper's
+    N_p is the stage's already.
     """
     if name == "empirical":
-        return EmpiricalModel()
+        return EmpiricalModel(share=share)
     if name not in ("paper", "paper-eq14"):
         raise ValueError(f"planner.cost_model {name!r}: not a recovery cost model (empirical, paper, paper-eq14)")
     rows, problems = read_measurements(directory)

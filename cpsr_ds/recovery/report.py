@@ -23,6 +23,7 @@ class RecoveryReport:
     cost_model: str | None = None  # the model that estimated it (planner.cost_model)
     guard_lag: float | None = None  # the pessimistic lag the loss-excess guard assumes, iterations
     loss_excess: float | None = None  # the relative loss excess guard_lag iterations of lag leave at f
+    predicted_share: float | None = None  # N_p / N: the share of the job's parameters predicted (the rest exact)
     world_change: str | None = None  # how the job's layout changed since its last start (world.adapt)
     # checkpoint.per_stage PB-R: the checkpoint each pipeline stage was predicted from (c is the newest full cut)
     stage_checkpoints: list[int] | None = None
