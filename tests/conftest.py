@@ -1,5 +1,6 @@
 import contextlib
 import glob
+import importlib.util
 import json
 import os
 import pathlib
@@ -21,6 +22,18 @@ JOB_ENV = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "i
 
 # Small enough that a 2-process run takes seconds, big enough to learn something.
 TEST_MODEL = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 64}
+
+
+def load_benchmark(name: str):
+    """``benchmarks/<name>.py`` as a module (the benchmarks directory on the import path, for their own imports)."""
+    benchmarks = os.path.join(ROOT, "benchmarks")
+    if benchmarks not in sys.path:
+        sys.path.insert(0, benchmarks)
+    spec = importlib.util.spec_from_file_location(name, os.path.join(benchmarks, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
 
 
 def free_port() -> int:

@@ -1,28 +1,20 @@
 """bench_recovery's check of the recovery cost models against measured lags, on synthetic cases."""
 
-import importlib.util
 import json
 import math
-import os
-import sys
 from dataclasses import asdict
 
 import pytest
 import torch
 
+from conftest import load_benchmark
 from cpsr_ds.fitter import stage_xi
 from cpsr_ds.predictor import make_predictor
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_recovery", os.path.join(ROOT, "benchmarks", "bench_recovery.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("bench_recovery")
 
 
 def drifting_state(t: int) -> dict:

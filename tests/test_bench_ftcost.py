@@ -1,30 +1,22 @@
 """bench_ftcost's pure parts: failure traces, T_l from a run's records, intervals over traces, the projection,
 the storage limit."""
 
-import importlib.util
 import math
-import os
-import sys
 
 import numpy as np
 import pytest
 from scipy import stats
 
+from conftest import load_benchmark
 from cpsr_ds import planner
 from cpsr_ds.checkpoint.journal import Entry
 from cpsr_ds.recovery import RecoveryReport, append_report, read_reports
 from cpsr_ds.runlog import CostRow, StateRow, append, measurements_path
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_ftcost", os.path.join(ROOT, "benchmarks", "bench_ftcost.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("bench_ftcost")
 
 
 # ---------------------------------------------------------------- traces

@@ -1,29 +1,20 @@
 """bench_overhead's pure parts: throughput from a journal, on/off ratios over pairs, per-stage bubble and predictor
 time from coordinator record lines, the filled share, held-out errors paired, recovery memory by DP degree."""
 
-import importlib.util
 import math
-import os
-import sys
 
 import pytest
 
+from conftest import load_benchmark
 from cpsr_ds.checkpoint.journal import Entry
 from cpsr_ds.config import CoordinatorConfig
 from cpsr_ds.coordinator import Coordinator, read_records
 from cpsr_ds.runlog import CostRow, StateRow
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    spec = importlib.util.spec_from_file_location("bench_overhead", os.path.join(ROOT, "benchmarks", "bench_overhead.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("bench_overhead")
 
 
 def line(rank, stage, iteration, bubble_s, predictor_s, inline_s=0.0, iterations=1, slices=()):

@@ -2,7 +2,6 @@
 the copies each method restarts from, and the summary, on synthetic directories and cases."""
 
 import argparse
-import importlib.util
 import json
 import os
 import shutil
@@ -10,20 +9,14 @@ import sys
 
 import pytest
 
+from conftest import load_benchmark
 from cpsr_ds.checkpoint import store
 from test_checkpoint_store import make_checkpoint
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
 def jobs():
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    spec = importlib.util.spec_from_file_location("recovery_jobs", os.path.join(ROOT, "benchmarks", "recovery_jobs.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("recovery_jobs")
 
 
 @pytest.fixture
