@@ -1,7 +1,6 @@
 """Host snapshots (checkpoint.memory_interval): each rank's exact state in shared memory every few iterations,
 and a restart after a process crash resuming from them rather than from the last checkpoint."""
 
-import os
 
 import pytest
 import torch
@@ -11,6 +10,7 @@ from cpsr_ds.checkpoint import host_snapshot
 from cpsr_ds.checkpoint.journal import journal_path, read_journal
 from cpsr_ds.config import ConfigError, CPSRConfig
 from cpsr_ds.recovery import engine_state, read_reports
+from cpsr_ds.recovery.sources import host_snapshot as snapshot_source
 from test_plugin import process_group  # noqa: F401 (an autouse fixture: one process group for the module)
 from test_survivor import trained
 
@@ -21,11 +21,26 @@ def test_every_memory_interval_the_rank_s_exact_state_is_in_shared_memory(tmp_pa
     at_4 = engine_state(engine)
     engine.train_batch(iter(batches))  # iteration 5: no snapshot due, the state moves on
     engine.host_snapshots.wait(30)
-    snap = host_snapshot.read_snapshot(engine.cpsr.cfg.checkpoint, 0, attempt=1)
-    assert snap is not None and snap.iteration == 4 and snap.reason == host_snapshot.WHAT
+    found = host_snapshot.read_snapshots(engine.cpsr.cfg.checkpoint, 0, attempt=1)
+    assert sorted(snap.iteration for snap in found) == [2, 4]  # the one before is kept too
+    (snap,) = [snap for snap in found if snap.iteration == 4]
+    assert snap.reason == host_snapshot.WHAT
     assert all(torch.equal(snap.state[k], at_4[k]) for k in at_4)
     assert any(not torch.equal(v, at_4[k]) for k, v in engine_state(engine).items())
     assert engine.host_snapshots.written == 2
+
+
+def test_ranks_whose_newest_snapshots_differ_resume_from_the_newest_they_all_hold(tmp_path, monkeypatch):
+    """The killed rank's snapshot of iteration 6 was cut off: it holds 4 (and 2); its peer holds 6 and 4."""
+    engine, batches = trained(tmp_path, 0, iterations=6, memory_interval=2)
+    engine.host_snapshots.wait(30)
+    cfg = engine.cpsr.cfg.checkpoint
+    assert sorted(s.iteration for s in host_snapshot.read_snapshots(cfg, 0, attempt=1)) == [4, 6]
+    monkeypatch.setattr(snapshot_source, "gathered", lambda mine: [mine, [2, 4]])
+    assert snapshot_source.agreed_snapshot(cfg, engine, attempt=2, c=0, f=6).iteration == 4
+    assert snapshot_source.agreed_snapshot(cfg, engine, attempt=2, c=4, f=6) is None  # none after c in common
+    monkeypatch.setattr(snapshot_source, "gathered", lambda mine: [mine, [2]])
+    assert snapshot_source.agreed_snapshot(cfg, engine, attempt=2, c=0, f=6) is None
 
 
 def test_memory_interval_is_checked():

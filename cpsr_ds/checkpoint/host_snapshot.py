@@ -6,10 +6,14 @@ dump) and the node survives, a restart resumes from the snapshot rather than fro
 last checkpoint, losing at most ``memory_interval`` iterations.
 
 A snapshot is a dump in the survivor dump's format (``survivor.write_dump``: manifest,
-checksum, atomic rename), one per rank, each replacing the one before. The copy of the
-state to the host is the training loop's only cost; writing it into shared memory runs
-on a thread, and a snapshot due while the previous one is still being written is
-skipped.
+checksum, atomic rename). Each rank keeps two, in alternating slots, each replacing the
+one before it: a process killed while writing one (the kill can come right after the
+iteration that started it) still has the one before, so every rank holds a snapshot of
+a common iteration, which recovery needs (a rank's newest alone may be one interval
+older than its peers'). The cost is twice the rank's state in shared memory. The copy
+of the state to the host is the training loop's only cost; writing it into shared
+memory runs on a thread, and a snapshot due while the previous one is still being
+written is skipped.
 """
 
 from __future__ import annotations
@@ -28,14 +32,18 @@ log = logging.getLogger(__name__)
 WHAT = "host snapshot"
 
 
-def snapshot_dir(root: str, run: str, rank: int) -> str:
-    return survivor.dump_dir(root, run, rank) + ".memory"
+SLOTS = 2
 
 
-def read_snapshot(cfg: CheckpointConfig, rank: int, attempt: int) -> Optional[survivor.Survivor]:
-    """``rank``'s host snapshot of job attempt ``attempt`` of the run in ``cfg.dir``, verified; None: none usable."""
-    run = survivor.run_identity(cfg.dir)
-    return survivor.read_dump(snapshot_dir(survivor.survivor_root(cfg), run, rank), rank, run, attempt, WHAT)
+def snapshot_dir(root: str, run: str, rank: int, slot: int) -> str:
+    return survivor.dump_dir(root, run, rank) + f".memory{slot}"
+
+
+def read_snapshots(cfg: CheckpointConfig, rank: int, attempt: int) -> list[survivor.Survivor]:
+    """``rank``'s host snapshots of job attempt ``attempt`` of the run in ``cfg.dir``, verified: those usable."""
+    run, root = survivor.run_identity(cfg.dir), survivor.survivor_root(cfg)
+    found = [survivor.read_dump(snapshot_dir(root, run, rank, slot), rank, run, attempt, WHAT) for slot in range(SLOTS)]
+    return [snap for snap in found if snap is not None]
 
 
 class HostSnapshots:
@@ -43,7 +51,7 @@ class HostSnapshots:
 
     def __init__(self, engine, root: str, run: str, attempt: int, interval: int, checksum: str):
         self.engine = engine
-        self.directory = snapshot_dir(root, run, engine.global_rank)
+        self.directories = [snapshot_dir(root, run, engine.global_rank, slot) for slot in range(SLOTS)]
         self.manifest = survivor.identity(engine, run, attempt)
         self.interval = interval
         self.checksum = checksum
@@ -63,17 +71,18 @@ class HostSnapshots:
         contents = {"state": {k: t.detach().to("cpu", copy=True) for k, t in state.items()},
                     "fragments": fragments, "counters": survivor.counters(self.engine)}
         manifest = {**self.manifest, "iteration": iteration, "reason": WHAT, "written_ns": time.time_ns()}
-        self._writer = threading.Thread(target=self._write, args=(contents, manifest), name="cpsr-host-snapshot",
-                                        daemon=True)
+        directory = self.directories[iteration // self.interval % SLOTS]
+        self._writer = threading.Thread(target=self._write, args=(directory, contents, manifest),
+                                        name="cpsr-host-snapshot", daemon=True)
         self._writer.start()
 
-    def _write(self, contents: dict, manifest: dict) -> None:
+    def _write(self, directory: str, contents: dict, manifest: dict) -> None:
         try:
-            survivor.write_dump(self.directory, contents, manifest, self.checksum)
+            survivor.write_dump(directory, contents, manifest, self.checksum)
             self.written += 1
         except OSError as err:  # a full /dev/shm must not stop training: the checkpoints still run
             log.error("cpsr: host snapshot of iteration %d not written to %s: %s", manifest["iteration"],
-                      self.directory, err)
+                      directory, err)
 
     def wait(self, timeout_s: Optional[float] = None) -> None:
         """Until the snapshot being written is in place."""
@@ -82,10 +91,11 @@ class HostSnapshots:
 
 
 def install(engine, cfg: CheckpointConfig, attempt: int) -> Optional[HostSnapshots]:
-    """Remove the rank's snapshot of an earlier attempt (recovery has read it) and, with ``cfg.memory_interval``,
+    """Remove the rank's snapshots of an earlier attempt (recovery has read them) and, with ``cfg.memory_interval``,
     set ``engine.host_snapshots``, which the plugin calls after each iteration; None without memory_interval."""
     root, run = survivor.survivor_root(cfg), survivor.run_identity(cfg.dir)
-    survivor.remove_dump(snapshot_dir(root, run, engine.global_rank))
+    for slot in range(SLOTS):
+        survivor.remove_dump(snapshot_dir(root, run, engine.global_rank, slot))
     if cfg.memory_interval is None:
         return None
     snapshots = HostSnapshots(engine, root, run, attempt, cfg.memory_interval, cfg.checksum)

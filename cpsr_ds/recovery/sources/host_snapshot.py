@@ -1,8 +1,10 @@
 """The host-snapshot source: every rank's snapshot of its exact state at one iteration m,
 taken every ``checkpoint.memory_interval`` iterations into shared memory
-(``cpsr_ds/checkpoint/host_snapshot.py``). Where every rank of the job has one at the
-same m after the newest checkpoint c (the processes crashed, the nodes survived),
-recomputing starts at m rather than c: d = f - m <= memory_interval iterations."""
+(``cpsr_ds/checkpoint/host_snapshot.py``, two per rank). Where every rank of the job has
+one at the same m after the newest checkpoint c (the processes crashed, the nodes
+survived), recomputing starts at the newest such m rather than c: d = f - m <=
+memory_interval iterations, unless the killed process was still writing its snapshot of
+f's interval, which leaves the one before (2 memory_interval)."""
 
 from __future__ import annotations
 
@@ -18,17 +20,15 @@ SOURCE = "host snapshot"
 
 def agreed_snapshot(cfg: CheckpointConfig, engine, attempt: int, c: int,
                     f: int | None) -> snapshots.survivor.Survivor | None:
-    """This rank's host snapshot of the previous attempt where every rank has one of the same iteration m, with
-    c < m <= f, on its own stage of a job of this world size; else None on every rank (a collective, unless the
-    config, the attempt or f, the same on every rank, rule snapshots out)."""
+    """This rank's host snapshot of the previous attempt at the newest iteration m, c < m <= f, of which every
+    rank has one, on its own stage of a job of this world size; else None on every rank (a collective, unless
+    the config, the attempt or f, the same on every rank, rule snapshots out)."""
     if cfg.memory_interval is None or attempt <= 1 or f is None:
         return None
-    snap = snapshots.read_snapshot(cfg, engine.global_rank, attempt - 1)
-    if snap is not None and (snap.stage, snap.world_size) != (engine.stage_id, engine.world_size):
-        snap = None
-    found = set(gathered(None if snap is None else snap.iteration))
-    (m,) = found if len(found) == 1 else (None,)
-    return snap if m is not None and c < m <= f else None
+    mine = {snap.iteration: snap for snap in snapshots.read_snapshots(cfg, engine.global_rank, attempt - 1)
+            if (snap.stage, snap.world_size) == (engine.stage_id, engine.world_size) and c < snap.iteration <= f}
+    common = set.intersection(*map(set, gathered(sorted(mine))))
+    return mine[max(common)] if common else None
 
 
 def resume_from(engine, snap: snapshots.survivor.Survivor, c: int) -> int:
