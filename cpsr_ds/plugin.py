@@ -149,8 +149,10 @@ class Runtime:
         place = Coordinator if engine.num_stages > 1 else Background
         self.coordinator = place(cfg.coordinator, self.directory, rank, self.stage) if cfg.coordinator.enabled else None
         self.observing = cfg.recovery.mode != "recompute"
-        if not self.learning and not (self.observing and self.measuring):
-            # Simple predictors fit at recovery time; a measuring rank's keeps observing for the held-out error.
+        if not self.learning and not (self.observing and (self.measuring or self.predictor.summarizes)):
+            # Simple predictors fit at recovery time; a measuring rank's keeps observing for the held-out error,
+            # and every rank's that keeps a summary of its own share beside each checkpoint, so that a
+            # restart reads that checkpoint alone.
             self.predictor = None
         self.monitor = engine.monitor if rank == 0 and engine.monitor.enabled else None
         self.meter = CostMeter()

@@ -270,6 +270,9 @@ def test_dp2_without_zero_one_rank_killed_resumes_at_f_from_a_replica_as_if_noth
         return c
 
     run_job(tmp_path, config("reference"), "--train-iters", iterations)
+    # Each replica keeps trend's summary of its own share beside every checkpoint, not only the first.
+    for rank in (0, 1):
+        assert os.listdir(tmp_path / "reference" / "predictor_summaries" / f"rank{rank:05d}"), rank
     failed = run_job(tmp_path, config("run"), "--train-iters", iterations, "--kill-rank", 1,
                      "--kill-at-iteration", kill_at, check=False)
     assert failed.returncode != 0

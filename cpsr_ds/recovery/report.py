@@ -48,10 +48,13 @@ class RecoveryReport:
         by_source: dict[str, list[str]] = {}
         for rank, source in sorted(self.sources.items(), key=lambda kv: int(kv[0])):
             by_source.setdefault(source, []).append(rank)
-        how = {"survivor": "exact from its survivor dump", "replica": "exact from a data-parallel replica's dump",
-               "checkpoint": "from its checkpoint at f", "host snapshot": "from its host snapshot"}
-        return "; ".join(f"rank{'s' * (len(ranks) > 1)} {', '.join(ranks)} {how.get(source, f'predicted with {source}')}"
-                         for source, ranks in by_source.items())
+        how = {"survivor": "exact from {its} survivor dump{s}", "replica": "exact from a data-parallel replica's dump",
+               "checkpoint": "from {its} checkpoint at f", "host snapshot": "from {its} host snapshot{s}"}
+        return "; ".join(
+            f"rank{'s' * (len(ranks) > 1)} {', '.join(ranks)} "
+            + how.get(source, f"predicted with {source}").format(its="their" if len(ranks) > 1 else "its",
+                                                                s="s" * (len(ranks) > 1))
+            for source, ranks in by_source.items())
 
     def describe(self) -> str:
         if self.method == "refused":
