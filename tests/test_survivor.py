@@ -265,7 +265,9 @@ def test_dp2_without_zero_one_rank_killed_resumes_at_f_from_a_replica_as_if_noth
     kill_at, iterations = 9, 14
 
     def config(name):
-        c = tiny_config(tmp_path / name, stages=1)
+        # The predictor's work inline at each checkpoint (no background thread), so that every summary is
+        # written before the job ends.
+        c = tiny_config(tmp_path / name, stages=1, coordinator={"enabled": False})
         c["cpsr"]["checkpoint"].update(survivor_dir=str(tmp_path / "survivors"), interval=4)
         return c
 
