@@ -43,7 +43,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -67,6 +66,7 @@ from bench_recovery import (  # noqa: E402
     reference_fit,
 )
 from cpsr_ds import cost_model  # noqa: E402
+from jobs import free_port  # noqa: E402
 from cpsr_ds.checkpoint.journal import JOURNAL_DIR, journal_path, read_journal, read_validation  # noqa: E402
 from cpsr_ds.checkpoint.store import LATEST, list_checkpoints  # noqa: E402
 from cpsr_ds.recovery import read_reports  # noqa: E402
@@ -271,12 +271,6 @@ def read_ratio(case: Case) -> str:
     if not case.bytes_read or not case.checkpoint_bytes:
         return "-"
     return f"{case.bytes_read / case.checkpoint_bytes:.2f}x"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(args) -> dict:
