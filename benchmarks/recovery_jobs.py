@@ -95,8 +95,8 @@ LAYOUTS = {
     "pp2": Layout(stages=2, procs=2, zero_stage=0, kill_rank=1, methods=("predict_all", "sources")),
     # Plain data parallelism: the survivor's dump is the lost rank's exact state too.
     "dp2": Layout(stages=1, procs=2, zero_stage=0, kill_rank=1, methods=("sources",)),
-    # Two replicas per stage under ZeRO-1: the lost rank's optimizer partition is on no replica (nor, today, its
-    # weights: a ZeRO dump holds the partition), so the stage it belonged to is predicted.
+    # Two replicas per stage under ZeRO-1: the lost rank's optimizer partition is on no replica, so its fp32 masters
+    # come from its replica's dumped weights and its moments are predicted.
     "pp2dp2": Layout(stages=2, procs=4, zero_stage=1, kill_rank=3, methods=("predict_all", "sources")),
     # A process crash on a node that survived: the killed rank's host snapshot is still in shared memory.
     "crash": Layout(stages=2, procs=2, zero_stage=0, kill_rank=1, methods=("sources",), memory_interval=MEMORY_INTERVAL),

@@ -57,6 +57,7 @@ def test_the_dump_holds_exactly_the_engines_state_and_counters(tmp_path, zero_st
     expected = engine_state(engine)
     assert dumped.iteration == engine.global_steps == 2 and dumped.attempt == 1 and dumped.reason == "test"
     assert dumped.fragments == {}  # one data-parallel rank holds every partition whole
+    assert dumped.weights is None  # and has no replica to give its weights to
     assert sorted(dumped.state) == sorted(expected)
     assert all(torch.equal(dumped.state[k], expected[k]) for k in expected)
     assert dumped.counters["global_steps"] == 2 and dumped.counters["optimizer_steps"] == [2]
@@ -259,31 +260,61 @@ def test_the_restart_takes_the_surviving_stage_from_its_dump_and_predicts_only_t
     assert any(not torch.equal(state1[k], checkpoint[k]) for k in checkpoint if k.startswith("param/"))
 
 
-def test_dp2_without_zero_one_rank_killed_resumes_at_f_from_a_replica_as_if_nothing_had_failed(tmp_path):
-    """DP = 2, fp32, no ZeRO: rank 1 is SIGKILLed after iteration 9; rank 0 dumps, and at the restart rank 1 takes
-    rank 0's state: the job resumes at the failure point with the failure-free run's losses."""
-    kill_at, iterations = 9, 14
+def dp2_job_failed_and_restarted(tmp_path, kill_at, iterations, zero_stage=0, **cpsr):
+    """DP = 2, fp32: a failure-free reference run, and the same run with rank 1 SIGKILLed after ``kill_at``,
+    restarted; the restart's output and recovery report."""
 
     def config(name):
         # The predictor's work inline at each checkpoint (no background thread), so that every summary is
         # written before the job ends.
-        c = tiny_config(tmp_path / name, stages=1, coordinator={"enabled": False})
+        c = tiny_config(tmp_path / name, stages=1, zero_stage=zero_stage, coordinator={"enabled": False}, **cpsr)
         c["cpsr"]["checkpoint"].update(survivor_dir=str(tmp_path / "survivors"), interval=4)
         return c
 
     run_job(tmp_path, config("reference"), "--train-iters", iterations)
-    # Each replica keeps trend's summary of its own share beside every checkpoint, not only the first.
-    for rank in (0, 1):
-        assert os.listdir(tmp_path / "reference" / "predictor_summaries" / f"rank{rank:05d}"), rank
     failed = run_job(tmp_path, config("run"), "--train-iters", iterations, "--kill-rank", 1,
                      "--kill-at-iteration", kill_at, check=False)
     assert failed.returncode != 0
-    run_job(tmp_path, config("run"), "--train-iters", iterations)
-    report = read_reports(str(tmp_path / "run"))[-1]
+    result = run_job(tmp_path, config("run"), "--train-iters", iterations)
+    return result, read_reports(str(tmp_path / "run"))[-1]
+
+
+def losses_after(directory, rank: int, iteration: int) -> dict[int, float]:
+    return {e.iteration: e.loss for e in read_journal(journal_path(str(directory), rank)) if e.iteration > iteration}
+
+
+def test_dp2_without_zero_one_rank_killed_resumes_at_f_from_a_replica_as_if_nothing_had_failed(tmp_path):
+    """DP = 2, fp32, no ZeRO: rank 1 is SIGKILLed after iteration 9; rank 0 dumps, and at the restart rank 1 takes
+    rank 0's state: the job resumes at the failure point with the failure-free run's losses."""
+    kill_at, iterations = 9, 14
+    _, report = dp2_job_failed_and_restarted(tmp_path, kill_at, iterations)
+    # Each replica keeps trend's summary of its own share beside every checkpoint, not only the first.
+    for rank in (0, 1):
+        assert os.listdir(tmp_path / "reference" / "predictor_summaries" / f"rank{rank:05d}"), rank
     assert report.sources == {"0": "survivor", "1": "replica"} and report.predictor is None, report
     assert report.method == "predict" and report.resume_iteration == report.reached >= kill_at - 1, report
     for rank in (0, 1):
-        reference = {e.iteration: e.loss for e in read_journal(journal_path(str(tmp_path / "reference"), rank))}
-        resumed = [e for e in read_journal(journal_path(str(tmp_path / "run"), rank)) if e.iteration > report.reached]
-        assert [e.iteration for e in resumed][-1] == iterations
-        assert all(abs(e.loss - reference[e.iteration]) <= 1e-6 * abs(reference[e.iteration]) for e in resumed)
+        reference = losses_after(tmp_path / "reference", rank, 0)
+        resumed = losses_after(tmp_path / "run", rank, report.reached)
+        assert max(resumed) == iterations
+        assert all(abs(loss - reference[i]) <= 1e-6 * abs(reference[i]) for i, loss in resumed.items())
+
+
+def test_zero1_dp2_one_rank_killed_takes_its_parameters_from_a_replica_and_predicts_only_its_moments(tmp_path):
+    """DP = 2 under ZeRO-1: each replica holds half of the fp32 masters and moments but the module's whole
+    weights. Rank 1 is SIGKILLed; at the restart its masters come from rank 0's dumped weights, its moments are
+    predicted: the first iteration after f, a function of the parameters alone, has the failure-free run's loss."""
+    kill_at, iterations = 10, 12
+    result, report = dp2_job_failed_and_restarted(tmp_path, kill_at, iterations, zero_stage=1,
+                                                  predictor={"name": "trend"}, recovery={"mode": "predict"})
+    assert report.sources == {"0": "survivor", "1": "replica+trend"} and report.predictor == "trend", report
+    assert report.method == "predict" and report.resume_iteration == report.reached >= kill_at - 1, report
+    # Rank 1's half of the stage, its moments, is all that was predicted.
+    assert report.predicted_share == 0.5, report
+    assert "rank 1 parameters exact from a data-parallel replica's dump, its moments predicted with trend" in result.stdout
+    f = report.reached
+    for rank in (0, 1):
+        reference = losses_after(tmp_path / "reference", rank, 0)
+        resumed = losses_after(tmp_path / "run", rank, f)
+        assert max(resumed) == iterations
+        assert abs(resumed[f + 1] - reference[f + 1]) <= 1e-6 * abs(reference[f + 1]), (resumed, reference)

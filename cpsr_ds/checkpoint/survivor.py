@@ -5,7 +5,8 @@ node's other ranks and waits 30 s before SIGKILL; a rank on another node sees it
 collective fail ("Connection reset by peer") within seconds. Either way the rank still
 holds its state at the last iteration it completed. :class:`Dumper` writes that state
 (parameters and Adam moments in the form recovery's ``engine_state`` has them, this
-rank's partition only under ZeRO/bf16; step counters and the LR schedule) to
+rank's partition only under ZeRO/bf16, there with the module's whole weights for a peer
+that lost its partition; step counters and the LR schedule) to
 ``checkpoint.survivor_dir``, by default in ``/dev/shm``::
 
     SURVIVOR_DIR/<run>/owner.json                               the run directory it belongs to
@@ -53,7 +54,7 @@ from cpsr_ds.checkpoint import store
 from cpsr_ds.checkpoint.persist import Concurrent
 from cpsr_ds.checkpoint.fileformat import CheckpointError, file_prefix, flatten, layout, nonfinite_tensors, read_snapshot
 from cpsr_ds.config import CheckpointConfig
-from cpsr_ds.recovery.engine_io import base_optimizer, local_state
+from cpsr_ds.recovery.engine_io import base_optimizer, local_state, replica_weights
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +139,9 @@ class Survivor:
     counters: dict
     nbytes: int
     reason: str  # what made the rank dump
+    # the module's whole weights by parameter name, where a data-parallel peer's partition needs them
+    # (engine_io.replica_weights); None otherwise
+    weights: dict[str, torch.Tensor] | None = None
 
 
 # ---------------------------------------------------------------- writing
@@ -232,11 +236,12 @@ def _read(directory: str, rank: int, run: str, attempt: Optional[int]) -> Surviv
     if entry is None or man["iteration"] is None:
         raise CheckpointError(f"the manifest lists no {STATE_FILE} or no iteration")
     contents = read_snapshot(os.path.join(directory, STATE_FILE), entry, man["checksum"])
-    bad = nonfinite_tensors(*flatten(contents["state"]))
+    weights = contents.get("weights")
+    bad = nonfinite_tensors(*flatten({"state": contents["state"], "weights": weights or {}}))
     if bad:
         raise CheckpointError(f"non-finite values in {', '.join(bad)}")
     return Survivor(man["iteration"], rank, man.get("stage", 0), man.get("world_size", 0), man["attempt"], contents["state"],
-                    contents["fragments"], contents["counters"], entry["size"], man.get("reason", ""))
+                    contents["fragments"], contents["counters"], entry["size"], man.get("reason", ""), weights)
 
 
 def remove_survivor(root: str, run: str, rank: int) -> None:
@@ -343,7 +348,8 @@ class Dumper:
                 log.info("cpsr: no survivor dump (%s): no optimizer step yet", reason)
                 return False
             state, fragments = local_state(engine)
-            contents = {"state": state, "fragments": fragments, "counters": counters(engine)}
+            contents = {"state": state, "fragments": fragments, "counters": counters(engine),
+                        "weights": replica_weights(engine)}
             manifest = {**self.manifest, "iteration": engine.global_steps, "reason": reason,
                         "written_ns": time.time_ns()}
             writer = _Writing(lambda: write_dump(self.directory, contents, manifest, self.checksum, self._may_commit))

@@ -165,20 +165,24 @@ def implausible_reach(progress: Progress, c: int, planned: int | None) -> str | 
 
 class Survived(NamedTuple):
     """This rank's survivor dump at f (None: none), which ranks of its data-parallel group hold one, whether a
-    replica's serves, and whether the stage is exact at f (every rank's dump, or a replica's)."""
+    replica's serves, whether the stage is exact at f (every rank's dump, or a replica's), and, under ZeRO,
+    which replica's dump gives the ranks without one their parameters (None: none does)."""
 
     dump: object
     holders: list[bool]
     from_replica: bool
     exact: bool
+    weights_from: int | None = None
 
 
 def survivors(engine, cfg: CPSRConfig, attempt: int, f: int | None, cut: Cut | None = None) -> Survived:
     """What the previous attempt's survivor dumps give this rank's stage at f (collective in its DP group)."""
     dump = dump_at(cfg.checkpoint, engine, attempt, f) if cut is None and f is not None else None
-    holders = gathered(dump is not None, data_parallel(engine).group)
+    held = gathered((dump is not None, dump is not None and dump.weights is not None), data_parallel(engine).group)
+    holders, with_weights = [h for h, _ in held], [w for _, w in held]
     from_replica = replica.covers(engine, holders)
-    return Survived(dump, holders, from_replica, all(holders) or from_replica)
+    weights_from = with_weights.index(True) if replica.covers_weights(engine, holders, with_weights) else None
+    return Survived(dump, holders, from_replica, all(holders) or from_replica, weights_from)
 
 
 def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int, curvature: StageCurvature | NoFit,
@@ -198,7 +202,9 @@ def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int, curv
 
     A stage whose every rank has its survivor dump at f from the job's previous attempt
     (``attempt`` is this one's) takes its exact state from the dumps instead; without ZeRO
-    one replica's dump serves every rank of the stage. Only the other stages are
+    one replica's dump serves every rank of the stage. Under ZeRO a replica's dump gives
+    the ranks without one their parameters, and only their moments are predicted
+    (:func:`replica.fill_partition`). Only the other stages are
     predicted; where any stage must recompute, every stage does. The report's ``sources``
     say where each rank's state came from.
     """
@@ -218,8 +224,11 @@ def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int, curv
     numbers = {"predictor": predictor.name}
     dp_group = data_parallel(engine).group
     # A stage is exact at f where every data-parallel rank of it has its dump, or, without ZeRO, some replica has.
-    dump, holders, from_replica, exact = survived or survivors(engine, cfg, attempt, f, cut)
-    share = predicted_share_of_job(engine, predicting=not exact and f != c)
+    dump, holders, from_replica, exact, weights_from = survived or survivors(engine, cfg, attempt, f, cut)
+    # Under ZeRO with a replica's weights, a rank with its own dump predicts nothing of its own; the others
+    # predict their moments. Every rank of the stage still predicts its share, to assemble the stage's state.
+    share = predicted_share_of_job(engine, predicting=not exact and f != c
+                                   and (weights_from is None or dump is None))
     ready = not exact and f != c and predictor.ready()
     held_out = predictor.validation_error() if ready else None
     r = None if exact else worst_error(gathered(None if held_out is None else held_out.relative, dp_group))
@@ -245,11 +254,14 @@ def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int, curv
         restore_dump(engine, dump)
     if from_replica:
         replica.copy_from_replica(engine, holders.index(True))
+    elif predicted is not None and weights_from is not None:
+        replica.fill_partition(engine, dump, weights_from, full_state(engine, predicted))
     elif predicted is not None:
         load_engine_state(engine, full_state(engine, predicted))
     advance_counters(engine, f - c)
-    source = (survivor.SOURCE if exact and dump is not None else replica.SOURCE if from_replica
-              else "checkpoint" if predicted is None else predictor.name)
+    source = (survivor.SOURCE if dump is not None and (exact or weights_from is not None)
+              else replica.SOURCE if from_replica else "checkpoint" if predicted is None
+              else replica.partial_source(predictor.name) if weights_from is not None else predictor.name)
     reason = ("recovery.mode is predict" if cfg.recovery.mode == "predict"
               else f"stage {engine.stage_id} {'dumped' if exact else 'checkpointed'} at {f}" if predicted is None
               else f"held-out error r = {r:.3f}, {choice.reason}")

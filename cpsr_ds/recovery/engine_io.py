@@ -100,6 +100,15 @@ def local_state(engine) -> tuple[dict[str, torch.Tensor], dict[str, tuple[int, i
     return state, fragments
 
 
+def replica_weights(engine) -> dict[str, torch.Tensor] | None:
+    """The module's whole weights by parameter name (live tensors), where a data-parallel peer that lost its state
+    needs them: under ZeRO-1/2 (and bf16) every replica holds the module's weights whole but only its own partition
+    of the fp32 masters and moments. None where the rank's own state already is whole, or it has no replica."""
+    if not partitioned(engine) or data_parallel(engine).size == 1:
+        return None
+    return {name: p.detach() for name, p in engine.module.named_parameters()}
+
+
 def load_local_state(engine, state: dict[str, torch.Tensor], fragments: dict[str, tuple[int, int]]) -> None:
     """Write ``state``, as :func:`local_state` read it on this rank, back into the engine; under ZeRO/bf16 a
     collective over the stage's data-parallel group (the module's weights are refreshed from the partitions)."""

@@ -29,7 +29,8 @@ class RecoveryReport:
     stage_checkpoints: list[int] | None = None
     # PB-R with survivor dumps: where each rank's state came from, by rank ("survivor": its own dump, "replica":
     # a data-parallel replica's, exact at f; "checkpoint": its stage's checkpoint at f; a predictor's name:
-    # predicted); None where no rank had a dump
+    # predicted; "replica+" a predictor's name: under ZeRO, parameters from a replica's dump, moments predicted);
+    # None where no rank had a dump
     sources: dict[str, str] | None = None
     # PB-R: what every rank read together (checkpoint files and predictor summaries), and c's checkpoint's size
     bytes_read: int | None = None
@@ -50,9 +51,15 @@ class RecoveryReport:
             by_source.setdefault(source, []).append(rank)
         how = {"survivor": "exact from {its} survivor dump{s}", "replica": "exact from a data-parallel replica's dump",
                "checkpoint": "from {its} checkpoint at f", "host snapshot": "from {its} host snapshot{s}"}
+
+        def predicted(source: str) -> str:
+            weights_from, _, predictor = source.rpartition("+")
+            return (f"predicted with {predictor}" if not weights_from
+                    else "parameters exact from a data-parallel replica's dump, {its} moments predicted with " + predictor)
+
         return "; ".join(
             f"rank{'s' * (len(ranks) > 1)} {', '.join(ranks)} "
-            + how.get(source, f"predicted with {source}").format(its="their" if len(ranks) > 1 else "its",
+            + how.get(source, predicted(source)).format(its="their" if len(ranks) > 1 else "its",
                                                                 s="s" * (len(ranks) > 1))
             for source, ranks in by_source.items())
 
