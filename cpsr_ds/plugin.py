@@ -74,6 +74,7 @@ from cpsr_ds.recovery import (
     own_share,
     recover,
 )
+from cpsr_ds.recovery.engine_io import weights_from_partitions
 from cpsr_ds.recovery.sources import summaries
 from cpsr_ds.rundir import RunDirLock, claim
 from cpsr_ds.runlog import CostRow, PlanRow, StateRow
@@ -520,10 +521,13 @@ class Runtime:
 class CPSRPipelineEngine(PipelineEngine):
     cpsr: Runtime
 
-    def load_checkpoint(self, *args, **kwargs):
-        # DeepSpeed's SDLoader reads each model-states file twice; the second read reuses the first.
-        with reading_each_file_once():
-            return super().load_checkpoint(*args, **kwargs)
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                        load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
+        # DeepSpeed's SDLoader reads each model-states file twice; the second read reuses the first. Under ZeRO
+        # the weights come from the optimizer's partitions rather than from the layer files.
+        with reading_each_file_once(), weights_from_partitions(self, load_optimizer_states, load_module_only):
+            return super().load_checkpoint(load_dir, tag, load_module_strict, load_optimizer_states,
+                                           load_lr_scheduler_states, load_module_only, custom_load_fn)
 
     def destroy(self):
         # The run directory is another job's to take only once pending checkpoints are done

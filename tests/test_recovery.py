@@ -193,8 +193,9 @@ def test_a_damaged_summary_means_the_full_history_and_the_same_prediction_within
     assert "is damaged" in output
     report = full["report"]
     assert (report.method, report.predictor, report.resume_iteration) == ("predict", "trend", F)
-    # Four checkpoints read: c and the three before it.
-    assert report.bytes_read >= 3.5 * report.checkpoint_bytes, report
+    # Four checkpoints read, c and the three before it, against c and its summary (2 bytes a parameter, under
+    # ZeRO a sixth of what a load reads: the partitions' 12) with the summary.
+    assert report.bytes_read >= 3 * short["report"].bytes_read, (report, short["report"])
     assert short["report"].relative_error == pytest.approx(report.relative_error, rel=1e-9)
     c = full["history"][report.checkpoint]
     for key, predicted in full["recovered"].items():

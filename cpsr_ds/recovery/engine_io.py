@@ -3,10 +3,13 @@ engine (plain, ZeRO-1/2 and bf16 partitions), this data-parallel rank's share of
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+from deepspeed.runtime.pipe.module import PipelineModule
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from deepspeed.runtime.lr_schedules import LRRangeTest, OneCycle, WarmupCosineLR, WarmupLR
 from deepspeed.utils import (
     safe_get_full_fp32_param,
@@ -134,6 +137,52 @@ def load_local_state(engine, state: dict[str, torch.Tensor], fragments: dict[str
                 fragment = mapping.get_hp_fragment() if kind == "param" else mapping.get_hp_fragment(kind)
                 fragment.copy_(state[f"{kind}/{name}"].reshape(fragment.shape))
     engine.optimizer.update_lp_params()
+
+
+def _weights_in_partitions(engine) -> bool:
+    """Whether the ZeRO-1/2 optimizer's fp32 partitions, loaded as DeepSpeed loads them by default
+    (``zero_optimization.load_from_fp32_weights``), hold every entry of the pipeline module's state dict (an
+    entry that is None, such as the ``_extra_state`` of megatron-core's linear layers without FP8, holds nothing)."""
+    if not (isinstance(engine.optimizer, DeepSpeedZeroOptimizer) and isinstance(engine.module, PipelineModule)
+            and engine.zero_load_from_fp32_weights()):
+        return False
+    trained = {name for name, p in engine.module.named_parameters() if p.requires_grad}
+    held = {name for name, value in engine.module.state_dict().items() if value is not None}
+    return held == trained
+
+
+@contextlib.contextmanager
+def weights_from_partitions(engine, load_optimizer_states: bool = True, load_module_only: bool = False):
+    """Around the engine's ``load_checkpoint``: under ZeRO-1/2 the module's weights are not read from the
+    checkpoint's layer files but gathered from the fp32 partitions just loaded (``update_lp_params``, what
+    every optimizer step does), so that a stage's data-parallel replicas do not each read its whole weights.
+
+    Only where the partitions hold the whole module state (no frozen parameters, buffers or
+    tied duplicates: :func:`_weights_in_partitions`) and are loaded; otherwise DeepSpeed reads
+    the layer files as usual.
+    """
+    if not load_optimizer_states or load_module_only or not _weights_in_partitions(engine):
+        yield
+        return
+    loaded = []
+    load_zero = engine._load_zero_checkpoint
+
+    def load_zero_noted(*args, **kwargs):
+        loaded.append(load_zero(*args, **kwargs))
+        return loaded[-1]
+
+    # Instance attributes shadow the methods for the one load.
+    engine.module.load_state_dir = lambda *args, **kwargs: None
+    engine._load_zero_checkpoint = load_zero_noted
+    try:
+        yield
+    finally:
+        del engine.module.load_state_dir, engine._load_zero_checkpoint
+    if loaded == [True]:
+        engine.optimizer.update_lp_params()
+    elif loaded:
+        raise RuntimeError(f"cpsr: rank {engine.global_rank} found no ZeRO partition files in the checkpoint it "
+                           "loaded, and did not read its layer files: the module's weights are not restored")
 
 
 class DataParallel(NamedTuple):
