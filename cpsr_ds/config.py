@@ -182,14 +182,15 @@ class RecoveryConfig(_Strict):
     mode: Literal["auto", "predict", "recompute"] = Field(
         "auto",
         description="auto: predict (PB-R) unless the predictor is not ready, its held-out error reaches "
-        "max_relative_error, the cost model (planner.cost_model) estimates a lag not below the d lost iterations, "
+        "max_relative_error (then skip, c's state at f, is weighed instead), the cost model (planner.cost_model) estimates a lag not below the d lost iterations, "
         "or a pessimistic lag would cost more than max_loss_excess, else recompute (RB-R); predict: PB-R whenever "
         "the predictor is ready; recompute: always RB-R.",
     )
     max_relative_error: float = Field(
         1.5, gt=0.0,
-        description="auto: PB-R only if the predictor's held-out error, relative to not predicting, is below this: "
-        "a guard against diverging predictions.",
+        description="auto: a stage whose predictor's held-out error, relative to not predicting, is not below "
+        "this (a guard against diverging predictions) takes skip (c's state at f) instead where the cost model "
+        "says it costs less than d, else RB-R.",
     )
     max_loss_excess: float = Field(
         0.005, ge=0.0,

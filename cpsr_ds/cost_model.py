@@ -62,10 +62,18 @@ DISTANCE_EXPONENT = 2.0  # the held-out error's growth with the distance predict
 # (GPT, 4000 iterations, 3 seeds, T_c 50 and 100, 36 failures each).
 MEASURED_REDUCTION = {"trend": 0.690, "linear": 0.484, "vitp": 0.407, "ridge": 0.274, "damped": 0.255, "skip": 0.191}
 PREDICT, RECOMPUTE = "predict", "recompute"
+# The predictor that does not predict: c's state taken as the state at f. Recovery falls back to it for a stage
+# whose own predictor diverges (its held-out error r, which is relative to exactly this, reaches the limit).
+SKIP = "skip"
 # The guard's lag over the estimate: measured lag / the empirical model's estimate was at most 1.63 in 90 % of
 # the 216 predicting cases of benchmarks/results/bench_recovery.json (all six predictors), 1.66 in 80 % of
 # trend's; and 1.6 * (1 - 0.69) d is the d / 2 the guard assumed before it was part of the model.
 PESSIMISM = 1.6
+
+
+def diverging(r: Optional[float], max_relative_error: float) -> bool:
+    """Whether the held-out error ``r`` (None: not measured) says the predictor diverges; a NaN does."""
+    return r is not None and not r < max_relative_error
 
 
 def _unusable(value) -> bool:

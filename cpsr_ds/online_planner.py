@@ -31,7 +31,9 @@ from cpsr_ds.cost_model import (
     MEASURED_REDUCTION,
     PESSIMISM,
     RECOMPUTE,
+    SKIP,
     EmpiricalModel,
+    diverging,
     paper_model,
     recovery_choice,
 )
@@ -384,24 +386,35 @@ def _paper_params(job: JobInputs, stages: Sequence[StageInputs]) -> tuple[list[P
     return params, missing
 
 
+def stage_predictor(job: JobInputs, s: StageInputs) -> str:
+    """The predictor recovery would predict stage ``s`` with: under recovery.mode auto and the empirical model,
+    ``skip`` where the stage's held-out error diverges (recovery's fallback, recovery/decision.py); the job's
+    otherwise. The paper models have no fit for ``skip`` (no held-out errors of it are measured), so there the
+    guard recomputes, as recovery does."""
+    if job.mode == "auto" and job.model == "empirical" and diverging(s.relative_error, job.max_relative_error):
+        return SKIP
+    return job.predictor
+
+
 def guard(job: JobInputs, stages: Sequence[StageInputs], T_c: int,
           excess_at: Callable[[float], Optional[float]]) -> Optional[str]:
     """Why recovery would recompute a failure T_c / 2 after a checkpoint at the plan's iteration (None: it
     would predict): the diverging-prediction guard on r, and cost_model.recovery_choice with the
-    configured model for every stage (one stage's recompute is the job's)."""
+    configured model for every stage with the predictor it would use (one stage's recompute is the job's)."""
     if job.mode != "auto":
         return None
     for s in stages:
-        if s.relative_error is not None and not s.relative_error < job.max_relative_error:
+        if diverging(s.relative_error, job.max_relative_error) and stage_predictor(job, s) != SKIP:
             return (f"stage {s.stage}: held-out error r = {s.relative_error:.3f}, not below max_relative_error "
                     f"{job.max_relative_error}")
     f, d = job.iteration, max(1, round(T_c / 2))
     if job.model == "empirical":
-        models = [(None, EmpiricalModel())]
+        models = [(None, EmpiricalModel(), predictor) for predictor in sorted({stage_predictor(job, s) for s in stages})]
     else:
-        models = [(s.stage, paper_model(job.loss, _accuracy(s), _curvature(s), exact=job.model == "paper")) for s in stages]
-    for stage, model in models:
-        choice = recovery_choice(model.estimate(f, f - d, job.predictor), d, excess_at, job.max_loss_excess, PESSIMISM,
+        models = [(s.stage, paper_model(job.loss, _accuracy(s), _curvature(s), exact=job.model == "paper"),
+                   job.predictor) for s in stages]
+    for stage, model, predictor in models:
+        choice = recovery_choice(model.estimate(f, f - d, predictor), d, excess_at, job.max_loss_excess, PESSIMISM,
                                  job.carried_lag)
         if choice.method == RECOMPUTE:
             where = "" if stage is None else f"stage {stage}: "
@@ -419,7 +432,8 @@ def plan(job: JobInputs, stages: Sequence[StageInputs],
     """The interval for the job from every stage's measured inputs (iterations, in [1, max_interval]).
 
     Predicting-based where recovery would predict: the empirical model minimises
-    planner.empirical_cost_rate with rho = MEASURED_REDUCTION[predictor], the paper models
+    planner.empirical_cost_rate with rho = MEASURED_REDUCTION of each stage's predictor
+    (:func:`stage_predictor`: ``skip`` for a stage whose predictor diverges), the paper models
     planner.plan_job with each stage's PbrParams (t from the plan's iteration; both "paper"
     and "paper-eq14" plan by Eq. 13, Theorem 1 being Eq. 14's optimum). Recompute-based
     (rho = 0, recovery "recompute") where recovery.mode is recompute, a paper-model input
@@ -460,13 +474,20 @@ def _plan(job: JobInputs, stages: Sequence[StageInputs], excess_at, lam: float, 
 
     if job.mode == "recompute":
         return recompute("recovery.mode is recompute")
+    note = ""
     if job.model == "empirical":
-        rho = MEASURED_REDUCTION.get(job.predictor)
-        if rho is None:
-            return recompute(f"no measured reduction for predictor {job.predictor!r}")
+        predictors = [stage_predictor(job, s) for s in stages]
+        unmeasured = sorted({p for p in predictors if p not in MEASURED_REDUCTION})
+        if unmeasured:
+            return recompute(f"no measured reduction for predictor {unmeasured[0]!r}")
+        rho = [MEASURED_REDUCTION[p] for p in predictors]
+        skipping = [s.stage for s, p in zip(stages, predictors) if p != job.predictor]
+        if skipping:
+            note = (f"stage{'s' * (len(skipping) > 1)} {', '.join(map(str, skipping))}: held-out error not below "
+                    f"max_relative_error {job.max_relative_error}, planned for {SKIP} (c's state at f)")
 
         def predicting(max_interval):
-            return planner.plan_job_empirical(lam, [(c, rho) for c in costs], max_interval)
+            return planner.plan_job_empirical(lam, list(zip(costs, rho)), max_interval)
     else:
         params, missing = _paper_params(job, stages)
         if missing:
@@ -476,7 +497,6 @@ def _plan(job: JobInputs, stages: Sequence[StageInputs], excess_at, lam: float, 
             return planner.plan_job(lam, list(zip(costs, params)), max_interval)
     job_plan = predicting(job.max_interval)
     why = guard(job, stages, job_plan.T_c, excess_at)
-    note = ""
     if why is not None:
         # The guard's lag grows with d, so a shorter interval may let recovery predict, and
         # predicting at that interval may cost less than recomputing at the recompute optimum.
@@ -488,8 +508,9 @@ def _plan(job: JobInputs, stages: Sequence[StageInputs], excess_at, lam: float, 
         recompute_cost = planner.plan_job_empirical(lam, [(c, 0.0) for c in costs], job.max_interval).cost_rate
         if not job_plan.cost_rate < recompute_cost:
             return fallback
-        note = (f"{why}; at most {bound} iterations apart a failure halfway would predict, and predicting there "
-                f"costs {job_plan.cost_rate:.4g} against recomputing's {recompute_cost:.4g} per iteration")
+        note = "; ".join(filter(None, [note, (
+            f"{why}; at most {bound} iterations apart a failure halfway would predict, and predicting there "
+            f"costs {job_plan.cost_rate:.4g} against recomputing's {recompute_cost:.4g} per iteration")]))
     stage_dicts = _stage_dicts(job_plan, stages, costs)
     if job.model != "empirical":
         for d, p in zip(stage_dicts, params):

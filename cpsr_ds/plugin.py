@@ -74,7 +74,7 @@ from cpsr_ds.recovery import (
     own_share,
     recover,
 )
-from cpsr_ds.recovery.engine_io import weights_from_partitions
+from cpsr_ds.recovery.engine_io import replicas_read_once, weights_from_partitions
 from cpsr_ds.recovery.sources import summaries
 from cpsr_ds.rundir import RunDirLock, claim
 from cpsr_ds.runlog import CostRow, PlanRow, StateRow
@@ -524,8 +524,10 @@ class CPSRPipelineEngine(PipelineEngine):
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
         # DeepSpeed's SDLoader reads each model-states file twice; the second read reuses the first. Under ZeRO
-        # the weights come from the optimizer's partitions rather than from the layer files.
-        with reading_each_file_once(), weights_from_partitions(self, load_optimizer_states, load_module_only):
+        # the weights come from the optimizer's partitions rather than from the layer files; without ZeRO one
+        # data-parallel replica reads the stage's files for all.
+        with reading_each_file_once(), weights_from_partitions(self, load_optimizer_states, load_module_only), \
+                replicas_read_once(self):
             return super().load_checkpoint(load_dir, tag, load_module_strict, load_optimizer_states,
                                            load_lr_scheduler_states, load_module_only, custom_load_fn)
 

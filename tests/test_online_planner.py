@@ -155,8 +155,14 @@ def test_where_recovery_would_recompute_the_phase_is_planned_for_recomputing():
     guarded = op.plan(job(), [stage()], excess_at=lambda lag: 0.01)
     assert guarded.recovery == "recompute" and "max_loss_excess" in guarded.fallback
     assert guarded.T_c == op.plan(job(mode="recompute"), [stage()]).T_c
-    diverging = op.plan(job(), [stage(relative_error=2.0)])
-    assert diverging.recovery == "recompute" and "max_relative_error" in diverging.fallback
+    # A diverging predictor: recovery takes c's state at f instead (skip), which the empirical model plans with,
+    # stage by stage; the paper models have no fit for skip and plan for recomputing.
+    diverging = op.plan(job(), [stage(), stage(stage=1, relative_error=2.0)])
+    assert diverging.recovery == "predict" and "stage 1: held-out error" in diverging.fallback, diverging
+    assert [s["rho"] for s in diverging.stages] == [MEASURED_REDUCTION["trend"], MEASURED_REDUCTION["skip"]]
+    assert diverging.T_c < op.plan(job(), [stage(), stage(stage=1)]).T_c
+    paper = op.plan(job(model="paper"), [stage(relative_error=2.0)])
+    assert paper.recovery == "recompute" and "max_relative_error" in paper.fallback, paper
     # Earlier predictions' lags leave a new one less room.
     excess = lambda lag: lag / 20_000  # noqa: E731
     assert op.plan(job(), [stage()], excess_at=excess).recovery == "predict"

@@ -152,17 +152,21 @@ def test_single_process_bf16_zero1_resumes_at_the_failure_point(single_bf16):
 
 @pytest.fixture(scope="module")
 def trend_restarts(tmp_path_factory):
-    """One process, trend forced, killed after iteration F; restarted by pbr_probe.py twice from copies of the
-    failed run: as it is (with the predictor's summaries) and with checkpoint c's summary damaged."""
+    """One process, trend forced, killed after iteration F; restarted by pbr_probe.py from copies of the failed
+    run: as it is (with the predictor's summaries), with checkpoint c's summary damaged, and under recovery.mode
+    auto with a held-out limit that trend's error reaches (the loss-excess guard out of the way)."""
     tmp = tmp_path_factory.mktemp("summaries")
     run_dir = tmp / "run"
     config = pbr_config(run_dir, stages=1, kill_rank=0)
     config["cpsr"]["predictor"] = {"name": "trend", "history": 4}
     config["cpsr"]["checkpoint"].update(keep_last=4, survivor=False)
+    # The predictor's work inline at each checkpoint: on the background thread of a loaded machine c's summary
+    # could still be pending when the job is killed three iterations later.
+    config["cpsr"]["coordinator"] = {"enabled": False}
     failed = single_process_job(tmp, config, os.path.join(ROOT, "launch", "train_gpt.py"))
     assert failed.returncode != 0, f"the injected failure did not stop the job:\n{failed.stdout[-3000:]}"
     probes = {}
-    for case in ("summary", "damaged"):
+    for case in ("summary", "damaged", "diverging"):
         case_dir = tmp / case
         shutil.copytree(run_dir, case_dir)
         if case == "damaged":
@@ -172,6 +176,8 @@ def trend_restarts(tmp_path_factory):
             newest.write_bytes(bytes(data))
         case_config = json.loads(json.dumps(config))
         case_config["cpsr"]["checkpoint"]["dir"] = str(case_dir)
+        if case == "diverging":
+            case_config["cpsr"]["recovery"] = {"mode": "auto", "max_relative_error": 1e-3, "max_loss_excess": 1.0}
         out = tmp / f"probe_{case}"
         out.mkdir()
         resumed = single_process_job(tmp, case_config, os.path.join(ROOT, "tests", "pbr_probe.py"),
@@ -186,6 +192,18 @@ def test_a_predicting_restart_reads_one_checkpoint_and_the_trend_summary(trend_r
     report = p["report"]
     assert (report.method, report.predictor, report.resume_iteration) == ("predict", "trend", F)
     assert report.checkpoint_bytes > 0 and report.bytes_read <= 1.25 * report.checkpoint_bytes, report
+
+
+def test_a_diverging_predictor_falls_back_to_the_checkpoints_state_at_f_where_the_cost_model_says_so(trend_restarts):
+    p, output = trend_restarts["diverging"]
+    report = p["report"]
+    assert (report.method, report.predictor, report.resume_iteration) == ("predict", "skip", F), report
+    # The report keeps trend's held-out error, and says why skip predicted.
+    assert report.relative_error >= 1e-3 and "trend's held-out error" in report.reason, report
+    assert "skip, c's state at f" in report.reason and report.estimated_cost < F - report.checkpoint, report
+    c = p["history"][report.checkpoint]
+    assert all(torch.equal(p["recovered"][k], c[k]) for k in c), "skip resumes at f with c's state"
+    assert p["global_steps"] == F
 
 
 def test_a_damaged_summary_means_the_full_history_and_the_same_prediction_within_bf16(trend_restarts):

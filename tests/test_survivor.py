@@ -293,6 +293,8 @@ def test_dp2_without_zero_one_rank_killed_resumes_at_f_from_a_replica_as_if_noth
         assert os.listdir(tmp_path / "reference" / "predictor_summaries" / f"rank{rank:05d}"), rank
     assert report.sources == {"0": "survivor", "1": "replica"} and report.predictor is None, report
     assert report.method == "predict" and report.resume_iteration == report.reached >= kill_at - 1, report
+    # One replica read checkpoint c's files for both.
+    assert report.bytes_read <= 1.25 * report.checkpoint_bytes, report
     for rank in (0, 1):
         reference = losses_after(tmp_path / "reference", rank, 0)
         resumed = losses_after(tmp_path / "run", rank, report.reached)
@@ -311,7 +313,9 @@ def test_zero1_dp2_one_rank_killed_takes_its_parameters_from_a_replica_and_predi
     assert report.method == "predict" and report.resume_iteration == report.reached >= kill_at - 1, report
     # Rank 1's half of the stage, its moments, is all that was predicted.
     assert report.predicted_share == 0.5, report
-    assert "rank 1 parameters exact from a data-parallel replica's dump, its moments predicted with trend" in result.stdout
+    # Each replica read its own partition of c and no layer file, and its share of trend's summary.
+    assert report.bytes_read <= 1.25 * report.checkpoint_bytes, report
+    assert "rank 1 parameters exact from a data-parallel replica's dump, its moments from trend" in result.stdout
     f = report.reached
     for rank in (0, 1):
         reference = losses_after(tmp_path / "reference", rank, 0)

@@ -20,7 +20,9 @@ training, where the loss falls fast, this means RB-R). The predictor's held-out 
 ``r`` (predicting the newest retained checkpoint from the older ones, relative to not
 predicting at all) did not predict the measured lag on the recovery benchmark
 (correlation -0.01 over 96 cases), so it serves as a guard against a diverging
-prediction: ``r >= max_relative_error`` means RB-R. An unready predictor means RB-R too.
+prediction: where ``r >= max_relative_error`` the stage's predictor gives way to ``skip`` (c's state taken as
+the state at f, what r is measured against), which the cost model weighs like any predictor. An unready
+predictor means RB-R.
 
 Modules: ``decision`` (the choice and its guards), ``sources`` (where recovered state
 comes from, one file each), ``engine_io`` (reading and writing a stage's state in

@@ -17,7 +17,17 @@ from cpsr_ds.checkpoint.journal import Progress, journal_path, plausible, read_j
 from cpsr_ds.checkpoint.layout import agreed_checkpoints, agreed_progress
 from cpsr_ds.checkpoint.store import bytes_loaded
 from cpsr_ds.config import CPSRConfig, RecoveryConfig
-from cpsr_ds.cost_model import PESSIMISM, RECOMPUTE, Choice, CostModel, EmpiricalModel, paper_model, recovery_choice
+from cpsr_ds.cost_model import (
+    PESSIMISM,
+    RECOMPUTE,
+    SKIP,
+    Choice,
+    CostModel,
+    EmpiricalModel,
+    diverging,
+    paper_model,
+    recovery_choice,
+)
 from cpsr_ds.fitter import (
     MIN_CHECKPOINTS,
     TOO_FEW,
@@ -34,7 +44,7 @@ from cpsr_ds.recovery.agree import gathered, on_any_rank
 from cpsr_ds.recovery.engine_io import advance_counters, data_parallel, full_state, load_engine_state, planned_iterations
 from cpsr_ds.recovery.report import RecoveryReport, carried_lag, earlier_reports
 from cpsr_ds.recovery.sources.checkpoint import load_history, restore, stage_history
-from cpsr_ds.recovery.sources.prediction import predicted_share, prepare
+from cpsr_ds.recovery.sources.prediction import checkpoint_as_prediction, predicted_share, prepare
 from cpsr_ds.recovery.sources import host_snapshot, replica, summaries, survivor
 from cpsr_ds.recovery.sources.host_snapshot import agreed_snapshot, resume_from
 from cpsr_ds.recovery.sources.survivor import dump_at, restore_dump
@@ -203,7 +213,7 @@ def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int, curv
     A stage whose every rank has its survivor dump at f from the job's previous attempt
     (``attempt`` is this one's) takes its exact state from the dumps instead; without ZeRO
     one replica's dump serves every rank of the stage. Under ZeRO a replica's dump gives
-    the ranks without one their parameters, and only their moments are predicted
+    the ranks without one their parameters, and only their moments come from the predictor
     (:func:`replica.fill_partition`). Only the other stages are
     predicted; where any stage must recompute, every stage does. The report's ``sources``
     say where each rank's state came from.
@@ -232,16 +242,32 @@ def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int, curv
     ready = not exact and f != c and predictor.ready()
     held_out = predictor.validation_error() if ready else None
     r = None if exact else worst_error(gathered(None if held_out is None else held_out.relative, dp_group))
+    fell_back = False  # from the predictor to skip
     if exact or f == c:  # survivors' dumps at f, or (per stage) this stage's own checkpoint at f
         why, predicted = None, None
     elif ready:
         losses = progress_losses(progress)
-        model = recovery_model(cfg.planner.cost_model, cfg.checkpoint.dir, losses, engine.stage_id, predictor.name,
-                               f, c, curvature, share)
-        choice = recovery_choice(model.estimate(f, c, predictor.name), d, excess_at(losses, f),
-                                 cfg.recovery.max_loss_excess, PESSIMISM, carried_lag(earlier_reports(cfg.checkpoint.dir), c))
-        numbers.update(relative_error=r, estimated_cost=choice.estimate.lag, cost_model=model.name,
-                       guard_lag=choice.guard_lag, loss_excess=choice.loss_excess, predicted_share=share)
+
+        def choose(name: str) -> tuple[str, Choice]:
+            model = recovery_model(cfg.planner.cost_model, cfg.checkpoint.dir, losses, engine.stage_id, name,
+                                   f, c, curvature, share)
+            return model.name, recovery_choice(model.estimate(f, c, name), d, excess_at(losses, f),
+                                               cfg.recovery.max_loss_excess, PESSIMISM,
+                                               carried_lag(earlier_reports(cfg.checkpoint.dir), c))
+
+        model_name, choice = choose(predictor.name)
+        fell_back = cfg.recovery.mode == "auto" and diverging(r, cfg.recovery.max_relative_error) \
+            and predictor.name != SKIP
+        if fell_back:
+            # The stage's predictor is worse than its checkpoint: c's state at f may still cost less than d.
+            diverged = (f"{predictor.name}'s held-out error r = {r:.3f}, not below max_relative_error "
+                        f"{cfg.recovery.max_relative_error}: {SKIP}, c's state at f")
+            predictor = checkpoint_as_prediction(predictor)
+            model_name, choice = choose(SKIP)
+            choice = dataclasses.replace(choice, reason=f"{diverged}; {choice.reason}")
+        numbers.update(predictor=predictor.name, relative_error=r, estimated_cost=choice.estimate.lag,
+                       cost_model=model_name, guard_lag=choice.guard_lag, loss_excess=choice.loss_excess,
+                       predicted_share=share)
         why, predicted = _prediction(cfg.recovery, predictor, f, r, choice)
     else:
         why, predicted = f"predictor {predictor.name} not ready", None
@@ -264,17 +290,16 @@ def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int, curv
               else replica.partial_source(predictor.name) if weights_from is not None else predictor.name)
     reason = ("recovery.mode is predict" if cfg.recovery.mode == "predict"
               else f"stage {engine.stage_id} {'dumped' if exact else 'checkpointed'} at {f}" if predicted is None
-              else f"held-out error r = {r:.3f}, {choice.reason}")
+              else choice.reason if fell_back else f"held-out error r = {r:.3f}, {choice.reason}")
     ranks = gathered((source, numbers, reason))
     sources = {str(rank): src for rank, (src, _, _) in enumerate(ranks)}
     # The report speaks for the job: its numbers are those of the first rank whose state was predicted.
     _, numbers, reason = next((r for r in ranks if r[0] not in EXACT), ranks[0])
     if all(src in EXACT for src in sources.values()):
         numbers = {**numbers, "predictor": None}
-    exact_somewhere = any(src in (survivor.SOURCE, replica.SOURCE) for src in sources.values())
+    mixed = len(set(sources.values())) > 1 or any(src in (survivor.SOURCE, replica.SOURCE) for src in sources.values())
     return RecoveryReport("predict", f, c if cut is None else cut.iteration, f, reason=reason,
-                          stage_checkpoints=cut and cut.stages,
-                          sources=sources if exact_somewhere else None, **numbers)
+                          stage_checkpoints=cut and cut.stages, sources=sources if mixed else None, **numbers)
 
 
 def snapshot_sources(memory) -> dict[str, str] | None:
@@ -297,7 +322,9 @@ def _prediction(rc: RecoveryConfig, predictor, f: int, r: float | None,
                 choice: Choice) -> tuple[str | None, dict | None]:
     """This rank's (reason to recompute, None) or (None, its share of the predicted state at f)."""
     if rc.mode == "auto":
-        why = fallback_reason(rc, r, choice)
+        # r measures a predictor against skip: skip cannot diverge, only the cost model's choice applies to it.
+        why = ((choice.reason if choice.method == RECOMPUTE else None) if predictor.name == SKIP
+               else fallback_reason(rc, r, choice))
         if why is not None:
             return why, None
     return predicted_share(predictor, f)
@@ -311,7 +338,7 @@ def fallback_reason(rc: RecoveryConfig, r: float | None, choice: Choice) -> str 
     """
     if r is None:
         return "the predictor has no held-out checkpoint to check it against"
-    if not r < rc.max_relative_error:
+    if diverging(r, rc.max_relative_error):
         return f"held-out error r = {r:.3f}, not below max_relative_error {rc.max_relative_error}: a diverging prediction"
     if choice.method == RECOMPUTE:
         return choice.reason

@@ -185,6 +185,39 @@ def weights_from_partitions(engine, load_optimizer_states: bool = True, load_mod
                            "loaded, and did not read its layer files: the module's weights are not restored")
 
 
+@contextlib.contextmanager
+def replicas_read_once(engine):
+    """Around the engine's ``load_checkpoint``: without ZeRO a stage's data-parallel replicas load the same files
+    in the same order (its layer files, and its model-states file with the whole optimizer state), so the first
+    replica reads each and broadcasts it to the others in the stage's data-parallel group, rather than every
+    replica reading the stage's whole state. A read that fails on the first replica fails on every one."""
+    dp = data_parallel(engine)
+    if dp.size == 1 or partitioned(engine):
+        yield
+        return
+    checkpoint_engine = engine.checkpoint_engine
+    load = checkpoint_engine.load
+    first = dist.get_global_rank(dp.group, 0)
+
+    def broadcast_load(path, *args, **kwargs):
+        loaded = [None]
+        if dp.rank == 0:
+            try:
+                loaded[0] = load(path, *args, **kwargs)
+            except Exception as err:  # the others wait for this file: they get the error instead
+                loaded[0] = err
+        dist.broadcast_object_list(loaded, src=first, group=dp.group)
+        if isinstance(loaded[0], Exception):
+            raise loaded[0]
+        return loaded[0]
+
+    checkpoint_engine.load = broadcast_load
+    try:
+        yield
+    finally:
+        del checkpoint_engine.load
+
+
 class DataParallel(NamedTuple):
     """This rank's place among its stage's data-parallel replicas (one replica: no process group)."""
 

@@ -55,7 +55,7 @@ class RecoveryReport:
         def predicted(source: str) -> str:
             weights_from, _, predictor = source.rpartition("+")
             return (f"predicted with {predictor}" if not weights_from
-                    else "parameters exact from a data-parallel replica's dump, {its} moments predicted with " + predictor)
+                    else "parameters exact from a data-parallel replica's dump, {its} moments from " + predictor)
 
         return "; ".join(
             f"rank{'s' * (len(ranks) > 1)} {', '.join(ranks)} "

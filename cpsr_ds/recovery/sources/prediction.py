@@ -4,6 +4,7 @@ and its share of the state predicted at the failure point."""
 from __future__ import annotations
 
 from cpsr_ds.config import CPSRConfig
+from cpsr_ds.cost_model import SKIP
 from cpsr_ds.predictor import NotReady, make_predictor
 from cpsr_ds.recovery.engine_io import nonfinite_tensor
 from cpsr_ds.recovery.sources.checkpoint import Retained
@@ -38,3 +39,11 @@ def predicted_share(predictor, f: int) -> tuple[str | None, dict | None]:
     if bad is not None:
         return f"the predicted state has non-finite values in {bad}", None
     return None, predicted
+
+
+def checkpoint_as_prediction(predictor):
+    """``skip`` over ``predictor``'s history: the state at c taken as the state at f, resumed at f. The cheapest
+    prediction left where ``predictor`` diverges, since its held-out error is measured against exactly this."""
+    skip = make_predictor(SKIP, history=1)
+    skip.history = predictor.history
+    return skip

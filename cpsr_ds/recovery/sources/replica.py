@@ -6,7 +6,7 @@ takes an exact copy of its parameters and Adam moments. Under ZeRO-1/2 (and bf16
 replica holds the module's whole weights but only its own partition of the fp32 masters
 and moments: the lost rank's masters come from the replica's weights (exact in fp32;
 rounded to the weights' precision in bf16), and only its moments are missing, which the
-next source, the predictor, supplies.
+next source, the predictor, supplies (by default, ``predictor.moments: keep``, c's).
 """
 
 from __future__ import annotations
