@@ -247,13 +247,13 @@ def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int, curv
         why, predicted = None, None
     elif ready:
         losses = progress_losses(progress)
+        excess, carried = excess_at(losses, f), carried_lag(earlier_reports(cfg.checkpoint.dir), c)
 
         def choose(name: str) -> tuple[str, Choice]:
             model = recovery_model(cfg.planner.cost_model, cfg.checkpoint.dir, losses, engine.stage_id, name,
                                    f, c, curvature, share)
-            return model.name, recovery_choice(model.estimate(f, c, name), d, excess_at(losses, f),
-                                               cfg.recovery.max_loss_excess, PESSIMISM,
-                                               carried_lag(earlier_reports(cfg.checkpoint.dir), c))
+            return model.name, recovery_choice(model.estimate(f, c, name), d, excess, cfg.recovery.max_loss_excess,
+                                               PESSIMISM, carried)
 
         model_name, choice = choose(predictor.name)
         fell_back = cfg.recovery.mode == "auto" and diverging(r, cfg.recovery.max_relative_error) \

@@ -55,11 +55,12 @@ def fill_partition(engine, dump, holder: int, predicted: dict[str, torch.Tensor]
     predicted state, :func:`engine_io.full_state`). A collective over the stage's data-parallel group."""
     group = data_parallel(engine).group
     src = dist.get_global_rank(group, holder)
-    weights = {}
-    for name, p in engine.module.named_parameters():
-        w = dump.weights[name].to(p.device) if dump is not None and dump.weights is not None else torch.empty_like(p)
-        dist.broadcast(w, src=src, group=group)
-        weights[name] = w
+    # Into the module's own weights, as copy_from_replica does: load_local_state refreshes them from the partitions.
+    with torch.no_grad():
+        for name, p in engine.module.named_parameters():
+            if dump is not None and dump.weights is not None:
+                p.copy_(dump.weights[name])
+            dist.broadcast(p.data, src=src, group=group)
     if dump is not None:
         load_local_state(engine, dump.state, dump.fragments)
         return
@@ -68,6 +69,6 @@ def fill_partition(engine, dump, holder: int, predicted: dict[str, torch.Tensor]
     for name, p in engine.module.named_parameters():
         start, numel = fragments.get(name, (0, p.numel()))
         for kind in ("param", *MOMENTS):
-            whole = weights[name] if kind == "param" else predicted[f"{kind}/{name}"]
-            state[f"{kind}/{name}"] = whole.reshape(-1)[start:start + numel].float()
+            whole = p.detach() if kind == "param" else predicted[f"{kind}/{name}"]
+            state[f"{kind}/{name}"] = whole.reshape(-1)[start:start + numel].float().clone()
     load_local_state(engine, state, fragments)
