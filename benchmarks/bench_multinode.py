@@ -252,7 +252,8 @@ class Run:
         with open(hostfile, "w") as f:
             f.write("".join(f"node{node} slots=1\n" for node in nodes))
         tag = uuid.uuid4().hex
-        path = f"{self.ssh_bin}:{BIN}:{os.environ['PATH']}"
+        # The interpreter's bin/ last, as in tests/test_launch.py: another ninja there would rebuild DeepSpeed's op.
+        path = f"{self.ssh_bin}:{os.environ['PATH']}:{BIN}"
         env_file = os.path.join(self.base, f"{name}-deepspeed_env")
         with open(env_file, "w") as f:
             f.write("".join(f"{k}={v}\n" for k, v in {**JOB_ENV, "PATH": path, "CPSR_LAUNCH_TEST": tag}.items()))

@@ -1,3 +1,4 @@
+import base64
 import contextlib
 import glob
 import importlib.util
@@ -15,6 +16,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+# Every job's processes share the machine's cores: one thread each (the ranks inherit it).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, ROOT)
 
 # What every process of a multi-process job started by hand needs.
@@ -57,15 +60,22 @@ def run_job(tmp_path, config: dict, *args, supervised: bool = False, nprocs: int
             script: str = os.path.join(ROOT, "launch", "train_gpt.py"), env: dict | None = None, check: bool = True):
     """Launch ``script`` (default launch/train_gpt.py) under DeepSpeed's launcher (and the supervisor).
 
-    With ``check`` a failed job fails the test; the result is returned either way.
+    A supervised job goes through DeepSpeed's runner, ``deepspeed --num_gpus N``, as the README's command does.
+    Others start the runner's per-node launcher, ``deepspeed.launcher.launch``, as the runner starts it on one node:
+    the runner adds nothing else there but an interpreter start, seconds per job over dozens of jobs. With
+    ``check`` a failed job fails the test; the result is returned either way.
     """
     config_path = tmp_path / f"ds_config_{free_port()}.json"
     config_path.write_text(json.dumps(config))
-    deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
     port = free_port()
-    command = [deepspeed, "--num_gpus", str(nprocs), "--master_port", str(port),
-               script, "--deepspeed_config", str(config_path),
-               "--valid-sequences", "16", *map(str, args)]  # fmt: skip
+    if supervised:
+        launcher = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", str(nprocs),
+                    "--master_port", str(port)]
+    else:
+        world_info = base64.urlsafe_b64encode(json.dumps({"localhost": list(range(nprocs))}).encode()).decode()
+        launcher = [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world_info}",
+                    "--master_addr=127.0.0.1", f"--master_port={port}"]
+    command = [*launcher, script, "--deepspeed_config", str(config_path), "--valid-sequences", "16", *map(str, args)]
     if supervised:
         command = [os.path.join(ROOT, "launch", "resilient.sh"), "--max-restarts", "2", "--", *command]
     env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1", **(env or {}))

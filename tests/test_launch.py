@@ -85,7 +85,9 @@ def test_deepspeed_hostfile_over_ssh_under_resilient_restarts_the_whole_job(tmp_
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
     tag = uuid.uuid4().hex
-    path = f"{loopback_ssh_dir / 'bin'}:{BIN}:{os.environ['PATH']}"
+    # The interpreter's bin/ last: a pip-installed ninja there is not the one the other jobs build DeepSpeed's shm op
+    # with, and its other hash of the build commands would rebuild the op (about 40 s) here and again after.
+    path = f"{loopback_ssh_dir / 'bin'}:{os.environ['PATH']}:{BIN}"
     # What the ranks on the other nodes need, as DeepSpeed's runner exports it to them over pdsh.
     env_file = tmp_path / "deepspeed_env"
     env_file.write_text("".join(f"{k}={v}\n" for k, v in {**JOB_ENV, "PATH": path, "CPSR_LAUNCH_TEST": tag}.items()))

@@ -43,24 +43,23 @@ def failed_run(tmp_path_factory):
     run_dir = tmp / "run"
     config = pbr_config(run_dir, stages=2, kill_rank=3)
     # Every stage predicted: no survivor dumps (with them, stage 0's ranks would resume from theirs: test_survivor.py).
-    config["cpsr"]["checkpoint"].update(survivor=False)
+    # The probe loads the checkpoints the predictor learned from after training on.
+    config["cpsr"]["checkpoint"].update(survivor=False, keep_last=8)
     result = run_job(tmp, config, "--train-iters", 45, "--eval-interval", 45, nprocs=4, check=False)
     assert result.returncode != 0, "the injected failure did not stop the job"
     return tmp, config, run_dir
 
 
 @pytest.fixture(scope="module")
-def probe(failed_run):
-    """What recovery wrote into a DeepSpeed engine, read back on every rank (on a copy of the run)."""
+def restarted(failed_run):
+    """The failed run restarted by pbr_probe.py, which records what recovery wrote into the DeepSpeed engine on
+    every rank and trains on to the end: (the restart's output, each rank's record)."""
     tmp, config, run_dir = failed_run
-    copy = tmp / "copy"
-    shutil.copytree(run_dir, copy)
-    config = {**config, "cpsr": {**config["cpsr"], "checkpoint": {**config["cpsr"]["checkpoint"], "dir": str(copy)}}}
     out = tmp / "probe"
     out.mkdir()
-    run_job(tmp, config, "--train-iters", 45, nprocs=4, script=os.path.join(ROOT, "tests", "pbr_probe.py"),
-            env={"PROBE_OUT": str(out)})
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(4)]
+    result = run_job(tmp, config, "--train-iters", 45, "--eval-interval", 45, nprocs=4,
+                     script=os.path.join(ROOT, "tests", "pbr_probe.py"), env={"PROBE_OUT": str(out), "PROBE_RESUME": "1"})
+    return result, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(4)]
 
 
 def assert_linear_prediction(rank: int, p: dict, module_rtol: float) -> None:
@@ -90,7 +89,8 @@ def assert_linear_prediction(rank: int, p: dict, module_rtol: float) -> None:
     assert p["optimizer_steps"] == [F]
 
 
-def test_pbr_writes_the_linear_prediction_into_every_stage_and_replica(probe):
+def test_pbr_writes_the_linear_prediction_into_every_stage_and_replica(restarted):
+    _, probe = restarted
     for rank, p in enumerate(probe):
         assert_linear_prediction(rank, p, module_rtol=1e-5)
     # Data-parallel replicas of a stage hold the same state; the two stages differ.
@@ -99,9 +99,9 @@ def test_pbr_writes_the_linear_prediction_into_every_stage_and_replica(probe):
     assert probe[0]["recovered"].keys() != probe[2]["recovered"].keys()
 
 
-def test_restarted_job_resumes_at_the_failure_point(failed_run):
-    tmp, config, run_dir = failed_run
-    result = run_job(tmp, config, "--train-iters", 45, "--eval-interval", 45, nprocs=4)
+def test_restarted_job_resumes_at_the_failure_point(failed_run, restarted):
+    _, _, run_dir = failed_run
+    result, _ = restarted
     assert f"predict (PB-R) with linear: resuming at iteration {F}" in result.stdout
     assert_journals_resume_at_f(run_dir, ranks=4)
 
