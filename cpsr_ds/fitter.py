@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from scipy import stats
 
 from cpsr_ds.lag import CurveFit, fit_curve
 
@@ -120,6 +119,8 @@ def _falling_exponential(x: np.ndarray, y: np.ndarray, what: str, minimum: int, 
     rmse = math.sqrt(float(residuals @ residuals) / len(x))
     # Standard error of the slope, n - 2 degrees of freedom.
     se = math.sqrt(float(residuals @ residuals) / (len(x) - 2) / sxx)
+    from scipy import stats  # a second to import: a job that never fits a curve does not pay it
+
     bound = float(stats.t.ppf(0.975, len(x) - 2)) * se
     span = float(x.max() - x.min())
     if -slope <= bound or -slope * span <= FLAT_LOG_CHANGE:

@@ -18,7 +18,6 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from scipy import stats
 
 # A change of the fit below this share of the loss is rounding, not a slope: an exactly
 # flat reference's fit varies by about 1e-16.
@@ -158,6 +157,8 @@ def mean_ci95(values) -> tuple[float, float, float]:
     mean = float(x.mean())
     if len(x) < 2:
         return mean, -math.inf, math.inf
+    from scipy import stats  # a second to import: only where a curve is fitted or summarised
+
     half = float(stats.t.ppf(0.975, len(x) - 1)) * float(x.std(ddof=1)) / math.sqrt(len(x))
     return mean, mean - half, mean + half
 
