@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cpsr_ds.lag import CurveFit, fit_curve
+from cpsr_ds.lag import CurveFit, fit_curve, t_975
 
 MIN_POINTS = 16  # losses needed for a loss-curve fit
 MIN_CHECKPOINTS = 3  # held-out errors needed for an accuracy-curve fit (a slope and its error)
@@ -119,9 +119,7 @@ def _falling_exponential(x: np.ndarray, y: np.ndarray, what: str, minimum: int, 
     rmse = math.sqrt(float(residuals @ residuals) / len(x))
     # Standard error of the slope, n - 2 degrees of freedom.
     se = math.sqrt(float(residuals @ residuals) / (len(x) - 2) / sxx)
-    from scipy import stats  # a second to import: a job that never fits a curve does not pay it
-
-    bound = float(stats.t.ppf(0.975, len(x) - 2)) * se
+    bound = t_975(len(x) - 2) * se
     span = float(x.max() - x.min())
     if -slope <= bound or -slope * span <= FLAT_LOG_CHANGE:
         cause = RISING if slope > bound and slope * span > FLAT_LOG_CHANGE else FLAT

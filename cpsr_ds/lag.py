@@ -151,15 +151,20 @@ def transient(fit: CurveFit, f: int, d: int, points: dict[int, float], late: flo
     return 4 * d if settled is None else settled
 
 
+def t_975(dof: int) -> float:
+    """Student's t distribution's 97.5 % quantile with ``dof`` degrees of freedom: a two-sided 95 % interval's."""
+    from scipy import stats  # a second to import: a job that never fits or summarises a curve does not pay it
+
+    return float(stats.t.ppf(0.975, dof))
+
+
 def mean_ci95(values) -> tuple[float, float, float]:
     """Mean and the Student-t 95 % interval of the mean."""
     x = np.asarray(values, dtype=float)
     mean = float(x.mean())
     if len(x) < 2:
         return mean, -math.inf, math.inf
-    from scipy import stats  # a second to import: only where a curve is fitted or summarised
-
-    half = float(stats.t.ppf(0.975, len(x) - 1)) * float(x.std(ddof=1)) / math.sqrt(len(x))
+    half = t_975(len(x) - 1) * float(x.std(ddof=1)) / math.sqrt(len(x))
     return mean, mean - half, mean + half
 
 

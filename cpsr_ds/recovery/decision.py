@@ -247,15 +247,6 @@ def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int, curv
         why, predicted = None, None
     elif ready:
         losses = progress_losses(progress)
-        excess, carried = excess_at(losses, f), carried_lag(earlier_reports(cfg.checkpoint.dir), c)
-
-        def choose(name: str) -> tuple[str, Choice]:
-            model = recovery_model(cfg.planner.cost_model, cfg.checkpoint.dir, losses, engine.stage_id, name,
-                                   f, c, curvature, share)
-            return model.name, recovery_choice(model.estimate(f, c, name), d, excess, cfg.recovery.max_loss_excess,
-                                               PESSIMISM, carried)
-
-        model_name, choice = choose(predictor.name)
         fell_back = cfg.recovery.mode == "auto" and diverging(r, cfg.recovery.max_relative_error) \
             and predictor.name != SKIP
         if fell_back:
@@ -263,10 +254,14 @@ def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int, curv
             diverged = (f"{predictor.name}'s held-out error r = {r:.3f}, not below max_relative_error "
                         f"{cfg.recovery.max_relative_error}: {SKIP}, c's state at f")
             predictor = checkpoint_as_prediction(predictor)
-            model_name, choice = choose(SKIP)
+        model = recovery_model(cfg.planner.cost_model, cfg.checkpoint.dir, losses, engine.stage_id, predictor.name,
+                               f, c, curvature, share)
+        choice = recovery_choice(model.estimate(f, c, predictor.name), d, excess_at(losses, f),
+                                 cfg.recovery.max_loss_excess, PESSIMISM, carried_lag(earlier_reports(cfg.checkpoint.dir), c))
+        if fell_back:
             choice = dataclasses.replace(choice, reason=f"{diverged}; {choice.reason}")
         numbers.update(predictor=predictor.name, relative_error=r, estimated_cost=choice.estimate.lag,
-                       cost_model=model_name, guard_lag=choice.guard_lag, loss_excess=choice.loss_excess,
+                       cost_model=model.name, guard_lag=choice.guard_lag, loss_excess=choice.loss_excess,
                        predicted_share=share)
         why, predicted = _prediction(cfg.recovery, predictor, f, r, choice)
     else:
