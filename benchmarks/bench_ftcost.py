@@ -285,8 +285,11 @@ def projected_components(measured: dict, storage_mbps: float) -> dict:
 
 
 def baseline_interval(c: dict, budget: float) -> float:
-    """The overhead-budget rule of torch, checkfreq (one checkpoint persisting) and pccheck (``in_flight``)."""
-    return planner.pccheck_interval(1.0, c["stall"], c["persist"], c["in_flight"], budget)
+    """The overhead-budget rule of torch, checkfreq (one checkpoint persisting) and pccheck (``in_flight``).
+
+    The persist time is the storage's (bytes at its bandwidth), which checkpoints in flight share.
+    """
+    return planner.pccheck_interval(1.0, c["stall"], c["persist"], c["in_flight"], budget, storage_s=c["persist"])
 
 
 def strategy_cost(strategy: str, c: dict, lam: float, rho: float):

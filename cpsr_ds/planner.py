@@ -336,25 +336,29 @@ def daly_interval(lam: float, T_s: float, max_interval: float = MAX_INTERVAL) ->
     return clamp_interval(math.sqrt(2 * delta * M) * (1 + math.sqrt(x) / 3 + x / 9) - delta, max_interval)
 
 
-def _profiled(iteration_time_s, stall_s, persist_s, budget, in_flight, max_interval) -> float:
+def _profiled(iteration_time_s, stall_s, persist_s, budget, in_flight, storage_s, max_interval) -> float:
     _positive("iteration_time_s", iteration_time_s)
     _non_negative("stall_s", stall_s)
     _non_negative("persist_s", persist_s)
+    _non_negative("storage_s", storage_s)
     if not 0 < _finite("budget", budget) <= 1:
         raise ValueError(f"budget must be in (0, 1], got {budget!r}")
-    return clamp_interval(profiled_interval(iteration_time_s, stall_s, persist_s, budget, in_flight), max_interval)
+    return clamp_interval(profiled_interval(iteration_time_s, stall_s, persist_s, budget, in_flight, storage_s),
+                          max_interval)
 
 
 def checkfreq_interval(iteration_time_s: float, stall_s: float, persist_s: float, budget: float = 0.02,
                        max_interval: float = MAX_INTERVAL) -> float:
     """CheckFreq's rule, iterations: the stall within ``budget`` of compute, one checkpoint persisting."""
-    return _profiled(iteration_time_s, stall_s, persist_s, budget, 1, max_interval)
+    return _profiled(iteration_time_s, stall_s, persist_s, budget, 1, 0.0, max_interval)
 
 
 def pccheck_interval(iteration_time_s: float, stall_s: float, persist_s: float, in_flight: int,
-                     budget: float = 0.02, max_interval: float = MAX_INTERVAL) -> float:
-    """PCcheck's rule, iterations: the stall within ``budget``, ``in_flight`` checkpoints persisting at once."""
-    return _profiled(iteration_time_s, stall_s, persist_s, budget, _count("in_flight", in_flight), max_interval)
+                     budget: float = 0.02, max_interval: float = MAX_INTERVAL, storage_s: float = 0.0) -> float:
+    """PCcheck's rule, iterations: the stall within ``budget``, ``in_flight`` checkpoints persisting at once,
+    none more often than storage's bandwidth writes one (``storage_s``, seconds; 0: not the limit)."""
+    return _profiled(iteration_time_s, stall_s, persist_s, budget, _count("in_flight", in_flight), storage_s,
+                     max_interval)
 
 
 @dataclass(frozen=True)

@@ -180,6 +180,8 @@ def test_profiled_interval_respects_budget_and_persist_rate():
     assert profiled_interval(0.1, stall_s=0.001, persist_s=5.0, budget=0.02, in_flight=1) == 50
     assert profiled_interval(0.1, stall_s=0.001, persist_s=5.0, budget=0.02, in_flight=2) == 25
     assert profiled_interval(10.0, stall_s=0.0, persist_s=0.0, budget=0.02, in_flight=1) == 1
+    # Storage writes one checkpoint in 5 s however many persist at once.
+    assert profiled_interval(0.1, stall_s=0.001, persist_s=5.0, budget=0.02, in_flight=2, storage_s=5.0) == 50
 
 
 # ---------------------------------------------------------------- directories of checkpoints

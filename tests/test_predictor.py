@@ -186,9 +186,14 @@ def test_trend_predicts_from_the_newest_checkpoint_and_its_summary_as_from_the_h
     # The slope is kept in bf16: the step is rounded to 8 bits.
     assert torch.all((got["param/w"] - expected["param/w"]).abs() <= step.abs() * 2**-8 + 1e-7)
     torch.testing.assert_close(got["exp_avg/w"], last["exp_avg/w"], rtol=0, atol=0)
-    # The next checkpoint makes a history of two: the summary no longer applies.
+    # The next checkpoint (a restarted job's first) is held out against the kept slope, as the full history's
+    # newest would be against its own: a failure before the second one may still predict.
     short.observe(TARGET, states(TARGET))
-    assert short.validation_error() is None
+    full.observe(TARGET, states(TARGET))
+    held_out, reference = short.validation_error(), full.validation_error()
+    assert held_out is not None and held_out.iteration == TARGET
+    assert held_out.relative == pytest.approx(reference.relative, rel=0.02)
+    assert short.summary(held_out)["held_out"]["relative"] == held_out.relative
 
 
 @pytest.mark.parametrize("change", ["iteration", "span", "size", "name"])

@@ -11,19 +11,29 @@ import math
 from typing import Optional
 
 from cpsr_ds.checkpoint.engine import AsyncCheckpointEngine, CheckpointStats, fixed_interval
+from cpsr_ds.checkpoint.throttle import MB
 from cpsr_ds.config import CheckpointConfig
 
 
 def profiled_interval(iteration_time_s: float, stall_s: float, persist_s: float, budget: float,
-                      in_flight: int) -> int:
+                      in_flight: int, storage_s: float = 0.0) -> int:
     """Iterations between checkpoints so that stall <= budget * compute and persists keep up.
 
     With ``in_flight`` checkpoints persisting at once, a new one may start every
-    ``persist_s / in_flight`` seconds without waiting for buffers.
+    ``persist_s / in_flight`` seconds without waiting for buffers, but no more often than
+    storage takes one checkpoint's bytes (``storage_s``, at a write limit the checkpoints in
+    flight share): concurrency hides the copy and the write latency, not the bandwidth.
+    Past that, the next snapshot waits for buffers, its stall breaks the budget and the
+    interval swings to hundreds of iterations (the paper ran its baselines within the bandwidth).
     """
     by_budget = stall_s / (budget * iteration_time_s)
-    by_persist = persist_s / (in_flight * iteration_time_s)
+    by_persist = max(persist_s / in_flight, storage_s) / iteration_time_s
     return max(1, math.ceil(by_budget), math.ceil(by_persist))
+
+
+def storage_time(cfg: CheckpointConfig, nbytes: int) -> float:
+    """Seconds ``nbytes`` take at ``checkpoint.write_mbps`` (0 where the rate is unlimited)."""
+    return nbytes / (cfg.write_mbps * MB) if cfg.write_mbps else 0.0
 
 
 def measured_interval(cfg: CheckpointConfig, stats: CheckpointStats, iteration_time_s: Optional[float],
@@ -34,7 +44,7 @@ def measured_interval(cfg: CheckpointConfig, stats: CheckpointStats, iteration_t
             or stats.last_stall_s is None or stats.last_persist_s is None):
         return fixed_interval(cfg)
     return profiled_interval(iteration_time_s, stats.last_stall_s, stats.last_persist_s, cfg.overhead_budget,
-                             in_flight)
+                             in_flight, storage_time(cfg, stats.last_bytes))
 
 
 class ProfiledIntervalEngine(AsyncCheckpointEngine):

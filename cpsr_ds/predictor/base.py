@@ -116,10 +116,13 @@ class Predictor(ABC):
     def _extrapolate(self, kind: str, iterations: list[int], series: list[torch.Tensor], target: int) -> torch.Tensor:
         """A new flat vector of ``kind`` at ``target`` from its history ``series`` (oldest first)."""
 
+    def can_hold_out(self) -> bool:
+        """Whether the checkpoints before the newest are enough to predict it."""
+        return len(self.history) >= self.min_history + 1
+
     def validation_error(self) -> ValidationResult | None:
         """Predict the newest checkpoint from the older ones; None without enough history."""
-        n = len(self.history)
-        if n < self.min_history + 1:
+        if not self.can_hold_out():
             return None
         iterations, flats = list(self.history.iterations), list(self.history.flats)
         pred = self._predict_flats(iterations[:-1], flats[:-1], iterations[-1])

@@ -176,6 +176,12 @@ class TrendPredictor(Predictor):
     def ready(self) -> bool:
         return super().ready() or self._from_summary()
 
+    def can_hold_out(self) -> bool:
+        # A restart read c alone with its slope: the first checkpoint after it is held out against that slope,
+        # so that a failure before the second one may still predict.
+        return super().can_hold_out() or (len(self.history) == 2 and self._summary is not None
+                                          and self._summary["iteration"] == self.history.iterations[0])
+
     def validation_error(self) -> ValidationResult | None:
         return self._summary["held_out"] if self._from_summary() else super().validation_error()
 
