@@ -7,8 +7,8 @@ names, asks :func:`plan` for the interval; it writes the result as a runlog.Plan
 - lambda: :func:`failure_rate_per_hour`, the configured rate updated by the job's own
   failures (a Gamma-Poisson posterior mean);
 - T_s, the persist time and the iteration time: the median of each stage's last
-  ``SMOOTHING`` measured checkpoints (:func:`smoothed_costs`), so that one noisy
-  checkpoint does not re-plan;
+  ``SMOOTHING`` measured checkpoints (:func:`smoothed_costs`; no plan before that many),
+  so that one noisy checkpoint does not set or re-plan the interval;
 - alpha1, alpha2 (Eq. 11) from the journal's losses; tau1, tau2 (Eq. 8) from each
   stage's held-out errors (:func:`accuracy_fit`); xi, N_p (Eq. 7) from its latest state.
 
@@ -206,9 +206,14 @@ class StageInputs:
 
 
 def smoothed_costs(costs: Sequence[Cost]) -> dict:
-    """iteration_time_s, slowdown_s and persist_s: the medians over the newest SMOOTHING costs (empty: none)."""
+    """iteration_time_s, slowdown_s and persist_s: the medians over the newest SMOOTHING costs (empty: fewer).
+
+    With fewer the median is their mean, and one outlier set the interval: the first plan's one-off
+    work (importing scipy for its fits, about 1 s) made a checkpoint cost 27 iterations against 2 for
+    the others, and the next plan, on two costs, chose 138 iterations where 50 were due.
+    """
     recent = list(costs)[-SMOOTHING:]
-    if not recent:
+    if len(recent) < SMOOTHING:
         return {}
     return {name: median(getattr(c, name) for c in recent) for name in ("iteration_time_s", "slowdown_s", "persist_s")}
 

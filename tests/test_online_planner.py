@@ -66,6 +66,17 @@ def test_the_meter_measures_against_the_baseline_of_iterations_without_a_checkpo
     assert meter.settle("global_step30", (0, None)) is None and not meter.pending  # wrote nothing: no cost
 
 
+def test_costs_are_smoothed_over_three_checkpoints_and_one_outlier_sets_nothing():
+    def cost(slowdown_s):
+        return op.Cost(0, 0.03, 0.001, slowdown_s, 0.6, 4096)
+
+    ordinary, outlier = 0.06, 0.93  # the first plan's one-off import of scipy landed in a checkpoint's window
+    assert op.smoothed_costs([]) == {} and op.smoothed_costs([cost(ordinary), cost(outlier)]) == {}
+    smoothed = op.smoothed_costs([cost(ordinary), cost(outlier), cost(ordinary)])
+    assert smoothed == {"iteration_time_s": 0.03, "slowdown_s": ordinary, "persist_s": 0.6}
+    assert op.smoothed_costs([cost(outlier)] + [cost(0.05)] * 3)["slowdown_s"] == 0.05  # the newest three
+
+
 def test_a_window_closes_when_the_next_checkpoint_begins():
     meter = op.CostMeter()
     meter.iteration(1.0)
