@@ -199,7 +199,8 @@ def test_projection_applies_each_strategys_rule_and_cost_rate_at_the_papers_scal
     assert slow["ft_cost_h"] == pytest.approx(rate * job_s / 3600)
     assert slow["checkpoints"] == pytest.approx(job_s / iteration_s / 19)
     assert slow["expected_failures"] == pytest.approx(0.08 * job_s / 3600)
-    assert at[("GPT2-0.35B", 250.0, "pccheck")]["T_c"] == 10  # two persisting at once
+    # Two persisting at once share the storage's bandwidth: one checkpoint per persist time, as CheckFreq's.
+    assert at[("GPT2-0.35B", 250.0, "pccheck")]["T_c"] == 19
     assert at[("GPT2-0.35B", 2000.0, "checkfreq")]["T_c"] == 5  # persist 19 / 8 iterations: the budget rules
     assert at[("GPT2-0.35B", 2000.0, "torch")]["T_c"] == math.ceil(19 / 8 / 0.02)  # its stall is the write
     fix, best = at[("GPT2-0.35B", 250.0, "cpsr_fix")], at[("GPT2-0.35B", 250.0, "cpsr")]
