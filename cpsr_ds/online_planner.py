@@ -401,10 +401,10 @@ def stage_predictor(job: JobInputs, s: StageInputs) -> str:
     return job.predictor
 
 
-def guard(job: JobInputs, stages: Sequence[StageInputs], T_c: int,
+def guard(job: JobInputs, stages: Sequence[StageInputs], d: int,
           excess_at: Callable[[float], Optional[float]]) -> Optional[str]:
-    """Why recovery would recompute a failure T_c / 2 after a checkpoint at the plan's iteration (None: it
-    would predict): the diverging-prediction guard on r, and cost_model.recovery_choice with the
+    """Why recovery would recompute a failure d iterations after a checkpoint at the plan's iteration (None:
+    it would predict): the diverging-prediction guard on r, and cost_model.recovery_choice with the
     configured model for every stage with the predictor it would use (one stage's recompute is the job's)."""
     if job.mode != "auto":
         return None
@@ -412,7 +412,7 @@ def guard(job: JobInputs, stages: Sequence[StageInputs], T_c: int,
         if diverging(s.relative_error, job.max_relative_error) and stage_predictor(job, s) != SKIP:
             return (f"stage {s.stage}: held-out error r = {s.relative_error:.3f}, not below max_relative_error "
                     f"{job.max_relative_error}")
-    f, d = job.iteration, max(1, round(T_c / 2))
+    f = job.iteration
     if job.model == "empirical":
         models = [(None, EmpiricalModel(), predictor) for predictor in sorted({stage_predictor(job, s) for s in stages})]
     else:
@@ -437,8 +437,10 @@ def plan(job: JobInputs, stages: Sequence[StageInputs],
     """The interval for the job from every stage's measured inputs (iterations, in [1, max_interval]).
 
     Predicting-based where recovery would predict: the empirical model minimises
-    planner.empirical_cost_rate with rho = MEASURED_REDUCTION of each stage's predictor
-    (:func:`stage_predictor`: ``skip`` for a stage whose predictor diverges), the paper models
+    planner.guarded_cost_rate with rho = MEASURED_REDUCTION of each stage's predictor
+    (:func:`stage_predictor`: ``skip`` for a stage whose predictor diverges) and the longest
+    distance from the durable checkpoint at which :func:`guard` lets a failure predict, d_max
+    (a failure beyond it recomputes, and it lies up to T_c plus one persist away), the paper models
     planner.plan_job with each stage's PbrParams (t from the plan's iteration; both "paper"
     and "paper-eq14" plan by Eq. 13, Theorem 1 being Eq. 14's optimum). Recompute-based
     (rho = 0, recovery "recompute") where recovery.mode is recompute, a paper-model input
@@ -479,34 +481,33 @@ def _plan(job: JobInputs, stages: Sequence[StageInputs], excess_at, lam: float, 
 
     if job.mode == "recompute":
         return recompute("recovery.mode is recompute")
-    note = ""
     if job.model == "empirical":
         predictors = [stage_predictor(job, s) for s in stages]
         unmeasured = sorted({p for p in predictors if p not in MEASURED_REDUCTION})
         if unmeasured:
             return recompute(f"no measured reduction for predictor {unmeasured[0]!r}")
-        rho = [MEASURED_REDUCTION[p] for p in predictors]
         skipping = [s.stage for s, p in zip(stages, predictors) if p != job.predictor]
-        if skipping:
-            note = (f"stage{'s' * (len(skipping) > 1)} {', '.join(map(str, skipping))}: held-out error not below "
-                    f"max_relative_error {job.max_relative_error}, planned for {SKIP} (c's state at f)")
+        note = "" if not skipping else (
+            f"stage{'s' * (len(skipping) > 1)} {', '.join(map(str, skipping))}: held-out error not below "
+            f"max_relative_error {job.max_relative_error}, planned for {SKIP} (c's state at f)")
+        return _plan_guarded(job, stages, costs, [MEASURED_REDUCTION[p] for p in predictors], excess_at, lam,
+                             recompute, inputs, note)
+    params, missing = _paper_params(job, stages)
+    if missing:
+        return recompute(f"{job.model} model: " + "; ".join(missing))
 
-        def predicting(max_interval):
-            return planner.plan_job_empirical(lam, list(zip(costs, rho)), max_interval)
-    else:
-        params, missing = _paper_params(job, stages)
-        if missing:
-            return recompute(f"{job.model} model: " + "; ".join(missing))
+    def predicting(max_interval):
+        return planner.plan_job(lam, list(zip(costs, params)), max_interval)
 
-        def predicting(max_interval):
-            return planner.plan_job(lam, list(zip(costs, params)), max_interval)
+    note = ""
     job_plan = predicting(job.max_interval)
-    why = guard(job, stages, job_plan.T_c, excess_at)
+    why = guard(job, stages, max(1, round(job_plan.T_c / 2)), excess_at)
     if why is not None:
         # The guard's lag grows with d, so a shorter interval may let recovery predict, and
         # predicting at that interval may cost less than recomputing at the recompute optimum.
         fallback = recompute(why)
-        bound = guard_bound(lambda T_c: guard(job, stages, T_c, excess_at) is None, job_plan.T_c - 1)
+        bound = guard_bound(lambda T_c: guard(job, stages, max(1, round(T_c / 2)), excess_at) is None,
+                            job_plan.T_c - 1)
         if bound is None:
             return fallback
         job_plan = predicting(bound)
@@ -517,10 +518,32 @@ def _plan(job: JobInputs, stages: Sequence[StageInputs], excess_at, lam: float, 
             f"{why}; at most {bound} iterations apart a failure halfway would predict, and predicting there "
             f"costs {job_plan.cost_rate:.4g} against recomputing's {recompute_cost:.4g} per iteration")]))
     stage_dicts = _stage_dicts(job_plan, stages, costs)
-    if job.model != "empirical":
-        for d, p in zip(stage_dicts, params):
-            d.update(tau1=p.tau1, tau2=p.tau2, alpha2_at_plan=p.alpha2)
+    for d, p in zip(stage_dicts, params):
+        d.update(tau1=p.tau1, tau2=p.tau2, alpha2_at_plan=p.alpha2)
     return Planned(job_plan.T_c, "predict", inputs, json_safe(stage_dicts), note)
+
+
+def _plan_guarded(job: JobInputs, stages: Sequence[StageInputs], costs: Sequence[StageCosts], rho: list[float],
+                  excess_at, lam: float, recompute: Callable[[str], Planned], inputs: dict, note: str) -> Planned:
+    """The empirical model's plan: planner.plan_job_guarded with the longest d at which :func:`guard` lets
+    recovery predict (d_max), recomputing where that costs less at every interval."""
+    longest = int(job.max_interval + max(c.persist for c in costs))
+    d_max = guard_bound(lambda d: guard(job, stages, d, excess_at) is None, longest)
+    if d_max is None:
+        return recompute(guard(job, stages, 1, excess_at))
+    job_plan = planner.plan_job_guarded(lam, list(zip(costs, rho)), d_max, job.max_interval)
+    recomputing = planner.plan_job_guarded(lam, [(c, 0.0) for c in costs], 0, job.max_interval)
+    if not job_plan.cost_rate < recomputing.cost_rate:
+        return recompute(f"{guard(job, stages, d_max + 1, excess_at)}; predicting only up to {d_max} iterations "
+                         f"behind a durable checkpoint costs no less than recomputing")
+    if d_max < longest:
+        note = "; ".join(filter(None, [note, (
+            f"recovery predicts a failure up to {d_max} iterations behind the newest durable checkpoint and "
+            f"recomputes beyond ({guard(job, stages, d_max + 1, excess_at)})")]))
+    stage_dicts = _stage_dicts(job_plan, stages, costs)
+    for d in stage_dicts:
+        d["d_max"] = d_max
+    return Planned(job_plan.T_c, "predict", {**inputs, "d_max": d_max}, json_safe(stage_dicts), note)
 
 
 def guard_bound(passes: Callable[[int], bool], longest: int) -> Optional[int]:

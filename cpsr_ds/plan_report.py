@@ -25,7 +25,7 @@ from cpsr_ds.runlog import CostRow, PlanRow, StateRow
 JOURNAL_RANK = 0  # whose journal losses the plot shows
 # The plan's inputs the table shows, by their PlanRow.inputs key.
 INPUT_COLUMNS = (("lambda_per_hour", "lambda/h"), ("T_s", "T_s it"), ("persist", "persist it"), ("alpha1", "alpha1"),
-                 ("tau1", "tau1"), ("xi", "xi"), ("N_p", "N_p"))
+                 ("tau1", "tau1"), ("xi", "xi"), ("N_p", "N_p"), ("d_max", "d_max it"))
 # Every field a checkpoint's StateRow and CostRow give, None where its row is missing.
 CHECKPOINT_FIELDS = tuple(dict.fromkeys(f.name for cls in (StateRow, CostRow) for f in dataclasses.fields(cls)
                                         if f.name != "kind"))

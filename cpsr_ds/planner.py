@@ -243,6 +243,29 @@ def empirical_cost_rate(T_c, lam: float, T_s: float, rho: float, persist: float 
     return checkpoints + (1.0 - rho) * lost
 
 
+def guarded_cost_rate(T_c, lam: float, T_s: float, rho: float, d_max: float, persist: float = 0.0,
+                      in_flight: int = 1) -> np.ndarray:
+    """The cost rate under the empirical model where recovery predicts only the failures at most ``d_max``
+    iterations behind the newest durable checkpoint (the loss-excess guard's bound) and recomputes the rest.
+
+    A checkpoint counts once it has persisted, P = ``persist`` iterations after it began, so a
+    failure lies d ~ U[P, P + T_c] behind the newest durable one, not U[0, T_c]: at P = 19 and
+    T_c = 60, d reaches 79, and a guard that passes at d = T_c / 2 refuses every failure beyond
+    its bound. A failure costs (1 - rho) d up to d_max and d beyond it. The checkpoints' term is
+    recompute_cost_rate's; the failures' is lambda E[cost(d)], first order in lambda as Young's.
+    d_max <= P recomputes every failure: lambda (T_c / 2 + P).
+    """
+    if not 0 <= _finite("rho", rho) < 1:
+        raise ValueError(f"rho must be in [0, 1), got {rho!r}")
+    T = _intervals(T_c)
+    lo = _non_negative("persist", persist)
+    hi = lo + T
+    bound = np.clip(_non_negative("d_max", d_max), lo, hi)
+    checkpoints, _ = _checkpoint_and_lost(T_c, lam, T_s, persist, in_flight)
+    failure = ((1.0 - rho) * (bound ** 2 - lo ** 2) + hi ** 2 - bound ** 2) / (2 * T)
+    return checkpoints + lam * failure
+
+
 def minimize_interval(cost: Callable, max_interval: float = MAX_INTERVAL) -> float:
     """The T_c in [1, max_interval] with the lowest cost(T_c): a log-spaced grid, then golden section.
 
@@ -473,13 +496,17 @@ def _empirical_rate(T_c, lam, c: StageCosts, rho: float):
     return empirical_cost_rate(T_c, lam, c.T_s, rho, c.persist, c.in_flight)
 
 
-def plan_stage_empirical(lam: float, costs: StageCosts, rho: float, max_interval: float = MAX_INTERVAL) -> EmpiricalPlan:
-    """One stage's numerical minimum of empirical_cost_rate, rounded to the better whole number."""
-    cost = partial(_empirical_rate, lam=lam, c=costs, rho=rho)
+def _minimum(cost: Callable, lam: float, costs: StageCosts, rho: float, predicts: bool,
+             max_interval: float) -> EmpiricalPlan:
     T_c = _whole(minimize_interval(cost, max_interval), cost, max_interval)
     young = young_interval((1.0 - rho) * _positive("lambda", lam), costs.T_s, max_interval)
-    return EmpiricalPlan(T_c=T_c, method="empirical" if rho else "recompute", rho=rho, T_c_young=young,
+    return EmpiricalPlan(T_c=T_c, method="empirical" if predicts else "recompute", rho=rho, T_c_young=young,
                          cost_rate=float(cost(np.array([T_c]))[0]))
+
+
+def plan_stage_empirical(lam: float, costs: StageCosts, rho: float, max_interval: float = MAX_INTERVAL) -> EmpiricalPlan:
+    """One stage's numerical minimum of empirical_cost_rate, rounded to the better whole number."""
+    return _minimum(partial(_empirical_rate, lam=lam, c=costs, rho=rho), lam, costs, rho, bool(rho), max_interval)
 
 
 def plan_job_empirical(lam: float, stages: Sequence[tuple[StageCosts, float]],
@@ -487,6 +514,20 @@ def plan_job_empirical(lam: float, stages: Sequence[tuple[StageCosts, float]],
     """plan_job under the empirical model: (costs, rho) per stage; rho = 0 plans for recomputing."""
     costs = [partial(_empirical_rate, lam=lam, c=c, rho=rho) for c, rho in stages]
     return _job(costs, tuple(plan_stage_empirical(lam, c, rho, max_interval) for c, rho in stages), max_interval)
+
+
+def _guarded_rate(T_c, lam, c: StageCosts, rho: float, d_max: float):
+    return guarded_cost_rate(T_c, lam, c.T_s, rho, d_max, c.persist, c.in_flight)
+
+
+def plan_job_guarded(lam: float, stages: Sequence[tuple[StageCosts, float]], d_max: float,
+                     max_interval: float = MAX_INTERVAL) -> JobPlan:
+    """plan_job_empirical where recovery predicts only up to ``d_max`` iterations behind the newest durable
+    checkpoint (guarded_cost_rate; one bound for the job: where any stage would recompute, every stage does)."""
+    costs = [partial(_guarded_rate, lam=lam, c=c, rho=rho, d_max=d_max) for c, rho in stages]
+    plans = tuple(_minimum(cost, lam, c, rho, bool(rho) and d_max > c.persist, max_interval)
+                  for cost, (c, rho) in zip(costs, stages))
+    return _job(costs, plans, max_interval)
 
 
 def what_if(lam: float, T_s: float, p: PbrParams, t: Optional[float] = None, persist: float = 0.0,

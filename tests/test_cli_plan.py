@@ -29,7 +29,7 @@ def inputs(**fitted):
 PLANS = [
     PlanRow(0, 0, 1.0, "warm-up", 0, "empirical", "recompute", 50, inputs=inputs()),
     PlanRow(100, 0, 2.0, "first", 0, "empirical", "predict", 80,
-            inputs=inputs(alpha1=ALPHA1, alpha2=ALPHA2, tau1=0.3, tau2=-12.0, xi=1e-6, N_p=1000),
+            inputs=inputs(alpha1=ALPHA1, alpha2=ALPHA2, tau1=0.3, tau2=-12.0, xi=1e-6, N_p=1000, d_max=45),
             stages=[stage_plan(0, 80, "theorem1"), stage_plan(1, 95, "numerical")]),
     PlanRow(180, 0, 3.0, "phase", 1, "paper", "predict", 120,
             inputs=inputs(alpha1=2 * ALPHA1, alpha2=ALPHA2 + 0.3, tau1=0.4, tau2=-12.5, xi=2e-6, N_p=1000),
@@ -99,7 +99,7 @@ def test_plan_run_dir_table_shows_each_plan_its_stages_and_the_measured_costs(ru
     lines = out.splitlines()
     first = next(line for line in lines if " first " in line)
     assert first.split()[:7] == ["100", "0", "first", "0", "empirical", "predict", "80"]
-    assert first.split()[7:] == ["0.08", "0.8", "3", "0.004", "0.3", "1e-06", "1000"]
+    assert first.split()[7:] == ["0.08", "0.8", "3", "0.004", "0.3", "1e-06", "1000", "45"]
     warm_up = next(line for line in lines if " warm-up " in line)
     assert warm_up.split()[-4:] == ["-"] * 4  # nothing fitted yet
     assert "stage 1: T_c 95 (numerical)" in out and "stage 1: T_c 130 (theorem1)" in out

@@ -151,7 +151,10 @@ def test_the_empirical_plan_predicts_and_checkpoints_less_often_than_recomputing
     lam = planner.failure_rate_per_iteration(36.0, 1.0)
     assert planned.recovery == "predict" and not planned.fallback
     rho = MEASURED_REDUCTION["trend"]
-    assert planned.T_c == planner.plan_stage_empirical(lam, StageCosts(0.5, 3.0), rho).T_c
+    # No loss-excess guard binds: every failure predicts, whatever its distance from the durable checkpoint.
+    assert planned.inputs["d_max"] >= planned.T_c + 3
+    assert planned.T_c == planner.plan_job_guarded(lam, [(StageCosts(0.5, 3.0), rho)], planned.inputs["d_max"]).T_c
+    assert planned.T_c == pytest.approx(planner.plan_stage_empirical(lam, StageCosts(0.5, 3.0), rho).T_c, abs=1)
     recompute = op.plan(job(mode="recompute"), [stage()])
     assert recompute.recovery == "recompute" and recompute.fallback == "recovery.mode is recompute"
     assert recompute.T_c < planned.T_c
@@ -185,19 +188,45 @@ def test_where_recovery_would_recompute_the_phase_is_planned_for_recomputing():
     assert op.plan(job(mode="predict"), [stage()], excess_at=lambda lag: 0.01).recovery == "predict"
 
 
-def test_a_shorter_interval_at_which_recovery_would_predict_is_planned_where_it_costs_less():
+def test_where_the_guard_binds_the_plan_counts_the_failures_it_would_recompute():
     lam = planner.failure_rate_per_iteration(3.6, 1.0)
+    costs, rho = StageCosts(0.5, 3.0), MEASURED_REDUCTION["trend"]
     recompute = op.plan(job(lambda_per_hour=3.6, mode="recompute"), [stage()])
-    # The guard's excess grows with the lag: a failure round(T_c / 2) after a checkpoint predicts only up to T_c = 21.
+    unguarded = op.plan(job(lambda_per_hour=3.6), [stage()])
+    # The guard's excess grows with the lag: a failure predicts up to 10 iterations behind the durable checkpoint.
     bounded = op.plan(job(lambda_per_hour=3.6), [stage()], excess_at=lambda lag: lag * 1e-3)
-    assert bounded.recovery == "predict" and bounded.T_c == 21 < recompute.T_c
-    assert "at most 21 iterations apart" in bounded.fallback and "max_loss_excess" in bounded.fallback
-    rho = MEASURED_REDUCTION["trend"]
-    assert (planner.empirical_cost_rate(21, lam, 0.5, rho, 3.0)
-            < planner.empirical_cost_rate(recompute.T_c, lam, 0.5, 0.0, 3.0))
-    # Where only a far shorter interval would predict, recomputing at its own optimum costs less.
+    assert bounded.recovery == "predict" and bounded.inputs["d_max"] == 10
+    assert "up to 10 iterations behind" in bounded.fallback and "max_loss_excess" in bounded.fallback
+    assert bounded.T_c < unguarded.T_c
+    assert bounded.T_c == planner.plan_job_guarded(lam, [(costs, rho)], 10).T_c
+    assert (planner.guarded_cost_rate(bounded.T_c, lam, 0.5, rho, 10, 3.0)
+            < planner.guarded_cost_rate(recompute.T_c, lam, 0.5, rho, 0, 3.0))
+    # Where recovery would predict only failures closer than a persist, nothing predicts: recomputing is planned.
     tight = op.plan(job(lambda_per_hour=3.6), [stage()], excess_at=lambda lag: lag * 1e-2)
     assert tight.recovery == "recompute" and tight.T_c == recompute.T_c
+    assert "costs no less than recomputing" in tight.fallback
+
+
+def test_the_guarded_cost_rate_charges_the_persist_and_the_failures_beyond_the_bound_in_full():
+    lam, T_s, rho, P = 1e-3, 0.5, 0.69, 19.0
+    T_c = np.array([20.0, 40.0, 60.0, 80.0])
+    checkpoints = planner.guarded_cost_rate(T_c, lam, T_s, rho, 0, P) - lam * (T_c / 2 + P)
+    assert np.all(checkpoints > 0)
+    # Every failure predicted: (1 - rho) of the mean distance T_c / 2 + P.
+    everything = planner.guarded_cost_rate(T_c, lam, T_s, rho, 1e6, P)
+    assert np.allclose(everything, checkpoints + lam * (1 - rho) * (T_c / 2 + P))
+    # Between: a failure at d ~ U[P, P + T_c] predicts up to d_max, recomputes beyond.
+    half = planner.guarded_cost_rate(60.0, lam, T_s, rho, P + 30, P)
+    lost = ((1 - rho) * ((P + 30) ** 2 - P ** 2) + (P + 60) ** 2 - (P + 30) ** 2) / (2 * 60)
+    assert half == pytest.approx(float(checkpoints[2]) + lam * lost)
+    bounds = [0, P, P + 10, P + 40, P + 80, 1e6]
+    rates = [float(planner.guarded_cost_rate(60.0, lam, T_s, rho, b, P)) for b in bounds]
+    assert rates == sorted(rates, reverse=True) and rates[0] == rates[1] > rates[2]
+    # The optimum shortens as the bound tightens, since a shorter interval keeps failures within it.
+    plans = [planner.plan_job_guarded(lam, [(StageCosts(T_s, P), rho)], b).T_c for b in (1e6, P + 40, P + 20)]
+    assert plans[0] > plans[1] > plans[2]
+    with pytest.raises(ValueError, match="d_max"):
+        planner.guarded_cost_rate(60.0, lam, T_s, rho, -1, P)
 
 
 def test_guard_bound_finds_the_longest_passing_interval():
