@@ -533,13 +533,14 @@ def _plan_guarded(job: JobInputs, stages: Sequence[StageInputs], costs: Sequence
         return recompute(guard(job, stages, 1, excess_at))
     job_plan = planner.plan_job_guarded(lam, list(zip(costs, rho)), d_max, job.max_interval)
     recomputing = planner.plan_job_guarded(lam, [(c, 0.0) for c in costs], 0, job.max_interval)
+    beyond = guard(job, stages, d_max + 1, excess_at) if d_max < longest else None
     if not job_plan.cost_rate < recomputing.cost_rate:
-        return recompute(f"{guard(job, stages, d_max + 1, excess_at)}; predicting only up to {d_max} iterations "
-                         f"behind a durable checkpoint costs no less than recomputing")
-    if d_max < longest:
+        return recompute("; ".join(filter(None, [beyond, f"predicting only up to {d_max} iterations behind a "
+                                                         f"durable checkpoint costs no less than recomputing"])))
+    if beyond is not None:
         note = "; ".join(filter(None, [note, (
             f"recovery predicts a failure up to {d_max} iterations behind the newest durable checkpoint and "
-            f"recomputes beyond ({guard(job, stages, d_max + 1, excess_at)})")]))
+            f"recomputes beyond ({beyond})")]))
     stage_dicts = _stage_dicts(job_plan, stages, costs)
     for d in stage_dicts:
         d["d_max"] = d_max
@@ -547,10 +548,11 @@ def _plan_guarded(job: JobInputs, stages: Sequence[StageInputs], costs: Sequence
 
 
 def guard_bound(passes: Callable[[int], bool], longest: int) -> Optional[int]:
-    """The longest interval in [1, longest] at which ``passes`` (the guard lets recovery predict), or None.
+    """The longest interval, or failure distance d, in [1, longest] at which ``passes`` (the guard lets
+    recovery predict), or None.
 
-    The guard's lag grows with the interval, so ``passes`` holds up to some interval and
-    not beyond: a bisection finds it.
+    The guard's lag grows with either, so ``passes`` holds up to some value and not beyond:
+    a bisection finds it.
     """
     if longest < 1 or not passes(1):
         return None
