@@ -256,8 +256,9 @@ def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int, curv
             predictor = checkpoint_as_prediction(predictor)
         model = recovery_model(cfg.planner.cost_model, cfg.checkpoint.dir, losses, engine.stage_id, predictor.name,
                                f, c, curvature, share)
+        carried = carried_lag(earlier_reports(cfg.checkpoint.dir), c)
         choice = recovery_choice(model.estimate(f, c, predictor.name), d, excess_at(losses, f),
-                                 cfg.recovery.max_loss_excess, PESSIMISM, carried_lag(earlier_reports(cfg.checkpoint.dir), c))
+                                 cfg.recovery.max_loss_excess, PESSIMISM, carried)
         if fell_back:
             choice = dataclasses.replace(choice, reason=f"{diverged}; {choice.reason}")
         numbers.update(predictor=predictor.name, relative_error=r, estimated_cost=choice.estimate.lag,
