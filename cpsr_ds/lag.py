@@ -18,6 +18,10 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+# scipy.special, not scipy.stats: a third of the import time. At import, because the planner's first fit
+# ran inside a checkpoint's measured time, where scipy.stats' second-long import made that checkpoint cost 27
+# iterations.
+from scipy.special import stdtrit
 
 # A change of the fit below this share of the loss is rounding, not a slope: an exactly
 # flat reference's fit varies by about 1e-16.
@@ -153,9 +157,7 @@ def transient(fit: CurveFit, f: int, d: int, points: dict[int, float], late: flo
 
 def t_975(dof: int) -> float:
     """Student's t distribution's 97.5 % quantile with ``dof`` degrees of freedom: a two-sided 95 % interval's."""
-    from scipy import stats  # a second to import: a job that never fits or summarises a curve does not pay it
-
-    return float(stats.t.ppf(0.975, dof))
+    return float(stdtrit(dof, 0.975))
 
 
 def mean_ci95(values) -> tuple[float, float, float]:
