@@ -7,7 +7,7 @@ names, asks :func:`plan` for the interval; it writes the result as a runlog.Plan
 - lambda: :func:`failure_rate_per_hour`, the configured rate updated by the job's own
   failures (a Gamma-Poisson posterior mean);
 - T_s, the persist time and the iteration time: the median of each stage's last
-  ``SMOOTHING`` measured checkpoints (:func:`smoothed_costs`; no plan before that many),
+  ``SMOOTHING`` measured checkpoints (:func:`smoothed_costs`; no plan before ``MIN_COSTS``),
   so that one noisy checkpoint does not set or re-plan the interval;
 - alpha1, alpha2 (Eq. 11) from the journal's losses; tau1, tau2 (Eq. 8) from each
   stage's held-out errors (:func:`accuracy_fit`); xi, N_p (Eq. 7) from its latest state.
@@ -41,7 +41,8 @@ from cpsr_ds.fitter import AccuracyFit, LossFit, NoFit, StageCurvature, fit_loss
 from cpsr_ds.planner import PbrParams, StageCosts
 
 BASELINE_WINDOW = 32  # iterations whose median is the baseline iteration time
-SMOOTHING = 3  # measured checkpoints whose median is a stage's current cost
+SMOOTHING = 9  # the newest measured checkpoints whose median is a stage's current cost ...
+MIN_COSTS = 3  # ... and how many are measured before the first plan
 ACCURACY_WINDOW = 16  # newest held-out errors the accuracy curve is fitted on
 MIN_T_S = 1e-3  # iterations: a measured slowdown at or below 0 (noise around a free checkpoint)
 # A pause between two journal lines longer than this many median iterations is a restart, not running time.
@@ -206,14 +207,17 @@ class StageInputs:
 
 
 def smoothed_costs(costs: Sequence[Cost]) -> dict:
-    """iteration_time_s, slowdown_s and persist_s: the medians over the newest SMOOTHING costs (empty: fewer).
+    """iteration_time_s, slowdown_s and persist_s: the medians over the newest SMOOTHING costs (empty: fewer
+    than MIN_COSTS).
 
-    With fewer the median is their mean, and one outlier set the interval: the first plan's one-off
-    work (importing scipy for its fits, about 1 s) made a checkpoint cost 27 iterations against 2 for
-    the others, and the next plan, on two costs, chose 138 iterations where 50 were due.
+    With two the median is their mean, and one outlier set the interval: a one-off import in the
+    first plan made a checkpoint cost 27 iterations against 2 for the others, and the next plan, on
+    two costs, chose 138 iterations where 50 were due. One checkpoint's slowdown is noisy on a shared
+    machine (2 to 170 ms around a median of 45 ms in bench_ftcost): over three, T_s swung between 0.5
+    and 5 iterations from one plan to the next, and the interval with it (17 to 84 iterations).
     """
     recent = list(costs)[-SMOOTHING:]
-    if len(recent) < SMOOTHING:
+    if len(recent) < MIN_COSTS:
         return {}
     return {name: median(getattr(c, name) for c in recent) for name in ("iteration_time_s", "slowdown_s", "persist_s")}
 
@@ -294,7 +298,7 @@ class JobInputs:
     fit of the journal (absolute iterations); model: planner.cost_model; mode:
     recovery.mode; current: the interval kept where no plan can be made; carried_lag: the
     lag (iterations) the run carries from earlier predictions (recovery.carried_lag), which
-    the guard adds to a new one's.
+    the guard adds to a new one's before taking both pessimistically.
     """
 
     iteration: int

@@ -7,7 +7,7 @@ import pytest
 
 from cpsr_ds import online_planner as op
 from cpsr_ds import planner
-from cpsr_ds.cost_model import MEASURED_REDUCTION
+from cpsr_ds.cost_model import MEASURED_REDUCTION, PESSIMISM
 from cpsr_ds.fitter import AccuracyFit, LossFit, NoFit
 from cpsr_ds.planner import StageCosts
 
@@ -66,7 +66,7 @@ def test_the_meter_measures_against_the_baseline_of_iterations_without_a_checkpo
     assert meter.settle("global_step30", (0, None)) is None and not meter.pending  # wrote nothing: no cost
 
 
-def test_costs_are_smoothed_over_three_checkpoints_and_one_outlier_sets_nothing():
+def test_costs_are_smoothed_over_the_newest_nine_checkpoints_and_one_outlier_sets_nothing():
     def cost(slowdown_s):
         return op.Cost(0, 0.03, 0.001, slowdown_s, 0.6, 4096)
 
@@ -74,7 +74,11 @@ def test_costs_are_smoothed_over_three_checkpoints_and_one_outlier_sets_nothing(
     assert op.smoothed_costs([]) == {} and op.smoothed_costs([cost(ordinary), cost(outlier)]) == {}
     smoothed = op.smoothed_costs([cost(ordinary), cost(outlier), cost(ordinary)])
     assert smoothed == {"iteration_time_s": 0.03, "slowdown_s": ordinary, "persist_s": 0.6}
-    assert op.smoothed_costs([cost(outlier)] + [cost(0.05)] * 3)["slowdown_s"] == 0.05  # the newest three
+    assert op.smoothed_costs([cost(outlier)] + [cost(0.05)] * 3)["slowdown_s"] == 0.05
+    # Nine: four outliers among them leave the median, and older costs are forgotten.
+    noisy = [cost(outlier)] * 4 + [cost(0.05)] * 5
+    assert op.smoothed_costs(noisy)["slowdown_s"] == 0.05
+    assert op.smoothed_costs([cost(0.05)] * 5 + [cost(outlier)] * 9)["slowdown_s"] == outlier
 
 
 def test_a_window_closes_when_the_next_checkpoint_begins():
@@ -180,10 +184,11 @@ def test_where_recovery_would_recompute_the_phase_is_planned_for_recomputing():
     # Earlier predictions' lags leave a new one less room.
     excess = lambda lag: lag / 20_000  # noqa: E731
     assert op.plan(job(), [stage()], excess_at=excess).recovery == "predict"
-    carrying = op.plan(job(carried_lag=97.0), [stage()], excess_at=excess)
-    assert carrying.inputs["carried_lag"] == 97.0
+    # The guard's lag is PESSIMISM * (carried + the new estimate), and excess allows at most 100.
+    carrying = op.plan(job(carried_lag=97.0 / PESSIMISM), [stage()], excess_at=excess)
+    assert carrying.inputs["carried_lag"] == 97.0 / PESSIMISM
     assert carrying.recovery == "predict" and carrying.T_c < op.plan(job(), [stage()], excess_at=excess).T_c
-    assert op.plan(job(carried_lag=100.0), [stage()], excess_at=excess).recovery == "recompute"
+    assert op.plan(job(carried_lag=100.0 / PESSIMISM), [stage()], excess_at=excess).recovery == "recompute"
     # recovery.mode predict has no guard.
     assert op.plan(job(mode="predict"), [stage()], excess_at=lambda lag: 0.01).recovery == "predict"
 
