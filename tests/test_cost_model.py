@@ -142,9 +142,11 @@ def test_choice_asks_the_curve_about_the_pessimistic_lag():
 def test_the_lag_a_run_carries_adds_to_the_guards():
     asked = []
     choice = recovery_choice(Estimate("m", 20.0), 100, lambda lag: asked.append(lag) or 0.001, 0.005, 2.5, 30.0)
-    assert asked == [80.0] and choice.method == PREDICT and choice.guard_lag == 80.0
-    choice = recovery_choice(Estimate("m", 20.0), 100, lambda lag: lag / 10_000, 0.005, 2.5, 30.0)
-    assert choice.method == RECOMPUTE and "30.0 of them carried" in choice.reason
+    # The carried estimates are taken as pessimistically as the new one: 2.5 * (30 + 20).
+    assert asked == [125.0] and choice.method == PREDICT and choice.guard_lag == 125.0
+    choice = recovery_choice(Estimate("m", 20.0), 100, lambda lag: lag / 20_000, 0.005, 2.5, 30.0)
+    assert choice.method == RECOMPUTE and "75.0 of them carried" in choice.reason
+    assert recovery_choice(Estimate("m", 20.0), 100, lambda lag: lag / 20_000, 0.005, 2.5).method == PREDICT
 
 
 def test_choice_predicts_where_the_journal_is_too_short_to_fit():
