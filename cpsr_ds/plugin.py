@@ -74,7 +74,7 @@ from cpsr_ds.recovery import (
     own_share,
     recover,
 )
-from cpsr_ds.recovery.engine_io import replicas_read_once, weights_from_partitions
+from cpsr_ds.recovery.engine_io import data_parallel, replicas_read_once, weights_from_partitions
 from cpsr_ds.recovery.sources import summaries
 from cpsr_ds.rundir import RunDirLock, claim
 from cpsr_ds.runlog import CostRow, PlanRow, StateRow
@@ -121,8 +121,9 @@ class Runtime:
     memory ``predictor.history`` copies of their share of the stage's fp32 parameters and
     both Adam moments, 12 bytes per parameter each (e.g. 4 x 12 x 350M = 17 GB for all of
     GPT2-0.35B in one stage without data parallelism); vitp keeps the same on every rank,
-    as it did to learn. The StateRow's held-out error is thus the first data-parallel
-    rank's share's.
+    as it did to learn, each rank training on its share with 1/DP of the stage's samples
+    per step (VITPPredictor.split_work). The StateRow's held-out error is thus the first
+    data-parallel rank's share's.
 
     With ``coordinator.enabled`` and more than one pipeline stage, the predictor's work
     after a checkpoint (vitp's training, the held-out check of the StateRow) is queued to
@@ -143,7 +144,7 @@ class Runtime:
         self.attempt = lock.attempt if lock is not None else 0
         self.journal = ProgressJournal(self.directory, rank)
         self.faults = FaultInjector(cfg.faults, self.directory, rank, world)
-        self.predictor = new_predictor(cfg)
+        self.predictor = new_predictor(cfg, data_parallel(engine).size)
         self.recovery = recover(engine, cfg, self.predictor, attempt=self.attempt)
         self.learning = hasattr(self.predictor, "step")
         # With a pipeline the work goes in its bubbles; without one, on a low-priority thread.

@@ -18,10 +18,10 @@ from cpsr_ds.predictor import VITPPredictor  # noqa: E402
 FORWARD_S = 0.06
 
 
-def small_vitp(cfg):
+def small_vitp(cfg, shards=1):
     p = cfg.predictor
     return VITPPredictor(token_size=256, batch_chunks=16, d_model=16, heads=2, layers=1, history=p.history,
-                         params=p.params, moments=p.moments)
+                         params=p.params, moments=p.moments, shards=shards)
 
 
 def slow(forward):

@@ -13,7 +13,9 @@ import torch
 
 from cpsr_ds.predictor import NotReady, kind_of, make_predictor
 from cpsr_ds.predictor import fdd, samples
+from cpsr_ds.predictor import trainer as trainer_module
 from cpsr_ds.predictor.simple import damping_gain, fit_damping, increment_gram, intervals
+from cpsr_ds.shard import assemble, shapes_of, share
 
 # Checkpoints at variable intervals (30..70 iterations), the failure between two.
 ITERATIONS = [0, 40, 75, 140, 180, 230, 300, 335, 390, 450, 490, 540]
@@ -294,6 +296,38 @@ def test_vitp_training_loss_decreases_and_its_prediction_beats_skip():
     truth, last = states(TARGET), states(ITERATIONS[-1])
     assert rel_error(p.predict(TARGET), truth, last) < 0.5
     assert p.validation_error().relative < 0.5
+
+
+def test_vitp_split_across_two_replicas_samples_half_the_chunks_each_and_still_beats_skip(monkeypatch):
+    """Each data-parallel replica trains on its own share of the stage's state (shard.share) with half the
+    stage's chunks per step: together they sample what one predictor of the whole stage does."""
+    states = lambda t: decay(t, noise=1e-3)  # noqa: E731
+    stage = fed("vitp", states, **VITP_SMALL)
+    replicas = [fed("vitp", lambda t, r=r: share(states(t), r, 2), shards=2, **VITP_SMALL) for r in range(2)]
+    sampled = []
+    real = trainer_module.descend
+    monkeypatch.setattr(trainer_module, "descend",
+                        lambda model, opt, kind, batches, values: sampled.append(values) or real(model, opt, kind,
+                                                                                                 batches, values))
+    stage.step(n_steps=1)
+    for p in replicas:
+        p.step(n_steps=1)
+    token = VITP_SMALL["token_size"]
+    assert sampled == [16 * token, 8 * token, 8 * token]
+    assert (replicas[0].trainer.val_chunks, stage.trainer.val_chunks) == (128, 256)
+    assert replicas[0].options["shards"] == 2 and stage.options["shards"] == 1
+    for p in replicas:
+        p.step(n_steps=159)
+        assert p.ready()
+    truth, last = states(TARGET), states(ITERATIONS[-1])
+    predicted = assemble([p.predict(TARGET) for p in replicas], shapes_of(truth))
+    assert rel_error(predicted, truth, last) < 0.5
+
+
+@pytest.mark.parametrize("shards", [0, -1, 1.5])
+def test_vitp_refuses_a_split_into_no_whole_number_of_replicas(shards):
+    with pytest.raises(ValueError, match="whole number of replicas"):
+        make_predictor("vitp", **VITP_SMALL).split_work(shards)
 
 
 def test_vitp_step_respects_a_time_budget():

@@ -24,7 +24,8 @@ class VITPPredictor(Predictor):
     ``d_model``/``heads``/``layers``; trainer options ``batch_chunks``, ``lr``,
     ``max_stride``, ``holdout_every``; ``ready()`` after ``min_train_steps`` steps;
     ``predict`` runs ``predict_batch`` chunks at a time on ``device``; ``memory_mb`` caps the footprint there
-    (:mod:`cpsr_ds.predictor.memory`), by smaller batches where needed."""
+    (:mod:`cpsr_ds.predictor.memory`), by smaller batches where needed; ``val_chunks`` held-out chunks
+    measure its validation error; ``shards``: see :meth:`split_work`."""
 
     name = "vitp"
 
@@ -32,14 +33,15 @@ class VITPPredictor(Predictor):
                  d_model: int = 64, heads: int = 4, layers: int = 2, batch_chunks: int = 256, lr: float = 1e-3,
                  max_stride: int = 2, holdout_every: int = 10, min_train_steps: int = 100,
                  predict_batch: int = 256, seed: int = 0, device: str = "cpu", memory_mb: float = 200.0,
-                 history: int = 16, **options):
+                 val_chunks: int = 256, shards: int = 1, history: int = 16, **options):
         self.min_history = window + 1
         self.align = token_size
         super().__init__(history=history, **options)
         self._options = dict(token_size=token_size, window=window, low_bins=low_bins, mid_bins=mid_bins,
                              d_model=d_model, heads=heads, layers=layers, batch_chunks=batch_chunks, lr=lr,
                              max_stride=max_stride, holdout_every=holdout_every, min_train_steps=min_train_steps,
-                             predict_batch=predict_batch, seed=seed, device=device, memory_mb=memory_mb)
+                             predict_batch=predict_batch, seed=seed, device=device, memory_mb=memory_mb,
+                             val_chunks=val_chunks, shards=1)
         self.bands = fdd.Bands(window, low_bins, mid_bins)
         # Seeded initialisation without touching the training job's global RNG stream.
         with torch.random.fork_rng(devices=[]):
@@ -47,8 +49,9 @@ class VITPPredictor(Predictor):
             model = VITP(token_size, self.bands, d_model=d_model, heads=heads, layers=layers, d_ff=2 * d_model)
         kinds = tuple(k for k in KINDS if self.predicts(k))
         self.trainer = VITPTrainer(model, self.history, kinds, token_size, batch_chunks=batch_chunks, lr=lr,
-                                   max_stride=max_stride, holdout_every=holdout_every, seed=seed, device=device,
-                                   memory_mb=memory_mb)
+                                   max_stride=max_stride, holdout_every=holdout_every, val_chunks=val_chunks,
+                                   seed=seed, device=device, memory_mb=memory_mb)
+        self.split_work(shards)
 
     @property
     def options(self) -> dict:
@@ -58,6 +61,21 @@ class VITPPredictor(Predictor):
         """Cap the footprint on the device at ``memory_mb`` MiB (``predictor.memory_mb``)."""
         self.trainer.cap(memory_mb)
         self._options["memory_mb"] = memory_mb
+
+    def split_work(self, shards: int) -> None:
+        """Split the stage's predictor work across its ``shards`` data-parallel replicas (Sec. III-B).
+
+        Each replica observes only its share of the stage's state (recovery.own_share), so it
+        trains on ``batch_chunks / shards`` chunks of it per step and validates on
+        ``val_chunks / shards``: the replicas together sample as many chunks per step as one
+        predictor of the whole stage, and each spends about 1 / shards of its time.
+        """
+        if not (isinstance(shards, int) and shards >= 1):
+            raise ValueError(f"vitp: the work splits across a whole number of replicas >= 1, got {shards!r}")
+        o = self._options
+        self.trainer.batch_chunks = -(-o["batch_chunks"] // shards)
+        self.trainer.val_chunks = -(-o["val_chunks"] // shards)
+        o["shards"] = shards
 
     def step(self, budget_s: float | None = None, n_steps: int | None = None) -> StepReport:
         """Train in a budget of seconds or steps (see :meth:`VITPTrainer.step`)."""

@@ -12,11 +12,14 @@ from cpsr_ds.recovery.sources.checkpoint import Retained
 PREDICTOR_STATE = "cpsr_predictor"  # key of the predictor's weights in DeepSpeed's client state
 
 
-def new_predictor(cfg: CPSRConfig):
+def new_predictor(cfg: CPSRConfig, shards: int = 1):
+    """The configured predictor of one rank; ``shards``: the data-parallel replicas of its stage, each predicting
+    its own share of the stage's state."""
     p = cfg.predictor
     predictor = make_predictor(p.name, history=p.history, params=p.params, moments=p.moments)
-    if hasattr(predictor, "cap_memory"):  # a learning predictor: its memory on its device is capped
+    if hasattr(predictor, "cap_memory"):  # a learning predictor: its memory on its device is capped ...
         predictor.cap_memory(p.memory_mb)
+        predictor.split_work(shards)  # ... and its training split across the replicas
     return predictor
 
 
