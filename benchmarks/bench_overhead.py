@@ -35,7 +35,8 @@ config's 8 sequences per micro-batch none does, and all the work runs inline.
   time placed in them (``predictor_s``), run on the background thread (``background_s``, PP = 1) and run inline (``inline_s``, on the training
   loop's path), and the share of the bubbles filled, predictor_s / bubble_s. A rank's
   predictor work (placed and inline) at PP = 4, DP = 2 over DP = 1, per stage: wall
-  seconds, so with 8 processes on 2 cores it holds the oversubscription too.
+  seconds, so with 8 processes on 2 cores it holds the oversubscription too; and its
+  CPU time (``predictor_cpu_s``, each thread's own), which does not.
 - Accuracy: the held-out error (runlog StateRow ``held_out_error``, Eq. 9) per stage of
   each on and off run at the newest checkpoint both recorded (the on run's last
   checkpoint's check may be left queued at the end of the job), paired as above.
@@ -114,18 +115,18 @@ def per_stage(rows: list[dict], warm_up: int) -> dict[int, dict]:
     inline seconds per iteration (summed over the stage's ranks, divided by their iterations) and the bubble share
     the predictor filled."""
     sums: dict[int, dict] = defaultdict(lambda: {"iterations": 0, "bubble_s": 0.0, "predictor_s": 0.0,
-                                                 "background_s": 0.0, "inline_s": 0.0})
+                                                 "background_s": 0.0, "inline_s": 0.0, "predictor_cpu_s": 0.0})
     slices: dict[int, list] = defaultdict(list)
     for r in rows:
         if r["iteration"] - r["iterations"] < warm_up:
             continue
         total = sums[r["stage"]]
         for key in total:
-            total[key] += r.get(key, 0.0)  # lines written before background_s have none
+            total[key] += r.get(key, 0.0)  # lines written before background_s or predictor_cpu_s have none
         slices[r["stage"]] += r["slices"]
     return {stage: {"iterations": s["iterations"],
                     **{f"{k}_per_iter": s[k] / s["iterations"]
-                       for k in ("bubble_s", "predictor_s", "background_s", "inline_s")},
+                       for k in ("bubble_s", "predictor_s", "background_s", "inline_s", "predictor_cpu_s")},
                     "filled_fraction": filled(s["predictor_s"], s["bubble_s"]), "slices": len(slices[stage]),
                     "overruns": sum(spent > budget for _, budget, spent in slices[stage])}
             for stage, s in sorted(sums.items()) if s["iterations"]}
@@ -161,6 +162,11 @@ def median_ratios(by_dp: dict[int, dict]) -> dict[int, float]:
 def work_per_iter(stages: dict[int, dict]) -> dict[int, float]:
     """Per stage, a rank's predictor seconds per iteration, in the bubbles and inline."""
     return {stage: f["predictor_s_per_iter"] + f["inline_s_per_iter"] for stage, f in stages.items()}
+
+
+def cpu_per_iter(stages: dict[int, dict]) -> dict[int, float]:
+    """Per stage, a rank's predictor CPU seconds per iteration, wherever the work ran."""
+    return {stage: f["predictor_cpu_s_per_iter"] for stage, f in stages.items()}
 
 
 def per_iteration(rows: list[dict], stage: int) -> tuple[list[int], list[float], list[float]]:
@@ -339,6 +345,9 @@ def summarize_all(args, layouts: dict, footprints: dict, memory: list[dict]) -> 
         # A rank's predictor work (in the bubbles and inline) at DP = 2 over DP = 1, per stage of PP = 4.
         "predictor_work_dp2_over_dp1": (dp_ratio(work_per_iter(pp4[1]["stages"]), work_per_iter(pp4[2]["stages"]))
                                         if {1, 2} <= set(pp4) else None),
+        # The same in CPU time: 8 processes on 2 cores wait for a core, which the wall seconds above hold.
+        "predictor_cpu_dp2_over_dp1": (dp_ratio(cpu_per_iter(pp4[1]["stages"]), cpu_per_iter(pp4[2]["stages"]))
+                                       if {1, 2} <= set(pp4) else None),
         "layouts": {f"pp{pp}_dp{dp}": r for (pp, dp), r in layouts.items()},
         "settings": {k: v for k, v in vars(args).items() if k not in ("json", "plot")},
     }
@@ -386,6 +395,7 @@ def print_result(result: dict) -> None:
     print(f"recovery_peak_host_mb (stage 0, by DP degree): {result['recovery_peak_host_mb']}; DP = 2 over DP = 1: "
           f"{num(result['recovery_peak_dp2_over_dp1'], '.2f', 4)}")
     print(f"a rank's predictor work at PP = 4, DP = 2 over DP = 1, per stage: {result['predictor_work_dp2_over_dp1']}")
+    print(f"  the same in CPU time: {result['predictor_cpu_dp2_over_dp1']}")
     print(f"no pipeline (PP = 1), work on a background thread: throughput ratio on/off by DP degree "
           f"{result['throughput_ratio_pp1']}")
 

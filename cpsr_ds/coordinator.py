@@ -44,8 +44,10 @@ Record: ``coordinator/rankNNNNN.jsonl`` in the run directory, one JSON line per
 last one covered), ``iterations`` (how many), ``bubble_s`` (the slots' measured spans,
 summed), ``predictor_s`` (predictor work placed in slots), ``background_s`` (predictor
 work run on :class:`Background`'s thread), ``inline_s`` (predictor work run inline, or
-waited for, on the training loop's path) and ``slices``, ``[slot, budget_s, spent_s]``
-for every slot that ran work. Per iteration: ``bubble_s / iterations`` and
+waited for, on the training loop's path), ``predictor_cpu_s`` (the CPU time of all of
+that work, each thread's own: with more processes than cores the wall seconds hold the
+wait for a core too; on CUDA it is the time to issue the work) and ``slices``,
+``[slot, budget_s, spent_s]`` for every slot that ran work. Per iteration: ``bubble_s / iterations`` and
 ``predictor_s / iterations``; the bubble filled: ``predictor_s / bubble_s``.
 """
 
@@ -225,7 +227,12 @@ class Coordinator:
 
     def _reset(self) -> None:
         self.iterations, self.bubble_s, self.predictor_s, self.inline_s, self.slices = 0, 0.0, 0.0, 0.0, []
-        self.background_s = 0.0
+        self.background_s, self.predictor_cpu_s = 0.0, 0.0
+
+    def _count_cpu(self, since: float) -> None:
+        """Add this thread's CPU time since ``since`` (time.thread_time) to the record's predictor CPU time."""
+        with self.lock:
+            self.predictor_cpu_s += time.thread_time() - since
 
     def piece(self, kind: str) -> PieceCost:
         """The cost record of the jobs of ``kind``, kept across checkpoints."""
@@ -238,19 +245,21 @@ class Coordinator:
         """Queue ``job``. A job with no measured piece runs one piece now, inline, to measure it; behind other
         work (which it must follow) it waits for the next :meth:`flush`, which measures it."""
         if job.cost() is None and not self.queue:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             done = job.run(0.0)
             self.inline_s += time.perf_counter() - t0
+            self._count_cpu(c0)
             if done:
                 return
         self.queue.append(job)
 
     def flush(self) -> None:
         """Run everything queued to its end, inline."""
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         while self.queue:
             self.queue.popleft().run(None)
         self.inline_s += time.perf_counter() - t0
+        self._count_cpu(c0)
 
     def drop(self) -> None:
         """Give up what is queued (the job ends), saying so."""
@@ -261,7 +270,7 @@ class Coordinator:
 
     def slot(self, slot: str) -> None:
         """At bubble ``slot``: run queued work within its budget."""
-        start = time.perf_counter()
+        start, c0 = time.perf_counter(), time.thread_time()
         limit, ran = self.budget(slot), False
         with _side_stream(self.side):
             while self.queue:
@@ -273,6 +282,8 @@ class Coordinator:
                 if self.queue[0].run(left):
                     self.queue.popleft()
         self.open = (slot, start, limit, time.perf_counter() - start if ran else 0.0)
+        if ran:
+            self._count_cpu(c0)
 
     def waited(self) -> None:
         """The receive after the open slot has ended: its span is measured."""
@@ -296,7 +307,7 @@ class Coordinator:
             row = {"rank": self.rank, "stage": self.stage, "iteration": iteration, "iterations": self.iterations,
                    "bubble_s": round(self.bubble_s, 6), "predictor_s": round(self.predictor_s, 6),
                    "background_s": round(self.background_s, 6), "inline_s": round(self.inline_s, 6),
-                   "slices": self.slices}
+                   "predictor_cpu_s": round(self.predictor_cpu_s, 6), "slices": self.slices}
             self._reset()
         try:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
@@ -334,7 +345,7 @@ class Background(Coordinator):
                 if self.stopped:
                     return
                 job, self.running = self.queue.popleft(), True
-            t0, error = time.perf_counter(), None
+            t0, c0, error = time.perf_counter(), time.thread_time(), None
             try:
                 with _side_stream(self.side):  # CUDA: not exercised by the test suite
                     job.run(None)
@@ -342,6 +353,7 @@ class Background(Coordinator):
                 error = err
             with self.lock:
                 self.background_s += time.perf_counter() - t0
+                self.predictor_cpu_s += time.thread_time() - c0
                 self.running, self.error = False, self.error or error
                 self.lock.notify_all()
 
@@ -356,10 +368,12 @@ class Background(Coordinator):
         if error is not None:
             raise RuntimeError(f"cpsr: rank {self.rank}: the predictor's work on the background thread failed: "
                                f"{error}") from error
+        c0 = time.thread_time()
         for job in pending:
             job.run(None)
         with self.lock:
             self.inline_s += time.perf_counter() - t0
+            self.predictor_cpu_s += time.thread_time() - c0
 
     def drop(self) -> None:
         """Give up what has not started and end the thread, waiting at most DROP_WAIT_S for its running job."""

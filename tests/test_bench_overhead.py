@@ -17,9 +17,10 @@ def bench():
     return load_benchmark("bench_overhead")
 
 
-def line(rank, stage, iteration, bubble_s, predictor_s, inline_s=0.0, iterations=1, slices=()):
-    return {"rank": rank, "stage": stage, "iteration": iteration, "iterations": iterations, "bubble_s": bubble_s,
-            "predictor_s": predictor_s, "inline_s": inline_s, "slices": [list(s) for s in slices]}
+def line(rank, stage, iteration, bubble_s, predictor_s, inline_s=0.0, iterations=1, slices=(), cpu_s=None):
+    row = {"rank": rank, "stage": stage, "iteration": iteration, "iterations": iterations, "bubble_s": bubble_s,
+           "predictor_s": predictor_s, "inline_s": inline_s, "slices": [list(s) for s in slices]}
+    return row if cpu_s is None else {**row, "predictor_cpu_s": cpu_s}
 
 
 # ---------------------------------------------------------------- throughput and ratios
@@ -63,10 +64,10 @@ def test_per_stage_sums_the_stages_ranks_after_the_warm_up(bench):
         line(0, 0, 10, 50.0, 50.0, iterations=10),
         line(0, 0, 12, 99.0, 99.0, iterations=3),
         # Stage 0 has two data-parallel ranks.
-        line(0, 0, 11, 0.4, 0.2, inline_s=0.1, slices=[("RecvGrad@3", 0.25, 0.2)]),
-        line(0, 0, 12, 0.4, 0.3, slices=[("RecvGrad@3", 0.25, 0.3)]),
-        line(2, 0, 11, 0.6, 0.1),
-        line(2, 0, 12, 0.6, 0.0, inline_s=0.3),
+        line(0, 0, 11, 0.4, 0.2, inline_s=0.1, slices=[("RecvGrad@3", 0.25, 0.2)], cpu_s=0.15),
+        line(0, 0, 12, 0.4, 0.3, slices=[("RecvGrad@3", 0.25, 0.3)], cpu_s=0.2),
+        line(2, 0, 11, 0.6, 0.1, cpu_s=0.05),
+        line(2, 0, 12, 0.6, 0.0, inline_s=0.3),  # written before predictor_cpu_s was recorded
         line(1, 1, 12, 0.2, 0.0, iterations=2),
     ]
     stages = bench.per_stage(rows, warm_up=10)
@@ -84,6 +85,7 @@ def test_per_stage_sums_the_stages_ranks_after_the_warm_up(bench):
     assert bench.filled_fraction(stages) == pytest.approx(0.6 / 2.2)
     assert bench.filled(0.1, 0.0) is None
     assert bench.work_per_iter(stages) == pytest.approx({0: 0.25, 1: 0.0})
+    assert bench.cpu_per_iter(stages) == pytest.approx({0: 0.4 / 4, 1: 0.0})
     assert bench.per_stage(rows, warm_up=12) == {}
 
 

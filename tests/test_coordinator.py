@@ -12,8 +12,8 @@ from conftest import ROOT, run_job, tiny_config
 from cpsr_ds.checkpoint.fileformat import read_snapshot
 from cpsr_ds.checkpoint.journal import journal_path, read_journal
 from cpsr_ds.config import ConfigError, CoordinatorConfig, CPSRConfig
-from cpsr_ds.coordinator import (MIN_PIECE_S, BubbleSchedule, CallJob, Coordinator, PredictorWork, TrainJob,
-                                 bubble_slots, read_records)
+from cpsr_ds.coordinator import (MIN_PIECE_S, Background, BubbleSchedule, CallJob, Coordinator, PredictorWork,
+                                 TrainJob, bubble_slots, read_records)
 from cpsr_ds.predictor import StepReport
 from cpsr_ds.recovery import PREDICTOR_STATE
 
@@ -110,6 +110,28 @@ def bubble(coordinator, slot, wait_s):
     coordinator.slot(slot)
     time.sleep(max(0.0, wait_s - (time.perf_counter() - start)))
     coordinator.waited()
+
+
+def burn(cpu_s):
+    """Spin this thread for ``cpu_s`` seconds of its own CPU time."""
+    start = time.thread_time()
+    while time.thread_time() - start < cpu_s:
+        pass
+
+
+@pytest.mark.parametrize("place", [Coordinator, Background])
+def test_the_record_holds_the_predictor_works_cpu_time_apart_from_its_wall_time(tmp_path, place):
+    c = place(CoordinatorConfig(log_every=1), str(tmp_path), rank=0, stage=0)
+    piece = c.piece("work")
+    c.submit(CallJob(lambda: burn(0.05), piece))  # a Coordinator runs it at once, to measure it
+    c.submit(CallJob(lambda: time.sleep(0.1), piece))  # waiting costs no CPU time
+    c.flush()
+    c.end_iteration(1)
+    if place is Background:
+        c.drop()
+    (row,) = read_records(str(tmp_path))
+    wall = row["inline_s"] + row["background_s"] + row["predictor_s"]
+    assert wall >= 0.15 and 0.05 <= row["predictor_cpu_s"] < 0.1
 
 
 def test_queued_work_runs_in_slots_within_their_budgets_and_keeps_its_step_count(tmp_path):
