@@ -23,9 +23,9 @@ RECORD_DIR = "recovery_memory"
 
 
 def measured(recover):
-    def recover_measured(engine, cfg, predictor):
+    def recover_measured(engine, cfg, predictor, **options):
         baseline_kib = _reset_peak()
-        report = recover(engine, cfg, predictor)
+        report = recover(engine, cfg, predictor, **options)
         row = {"rank": engine.global_rank, "stage": engine.stage_id, "dp_rank": engine.grid.get_data_parallel_rank(),
                "dp": engine.grid.get_data_parallel_world_size(), "method": report.method,
                "baseline_kib": baseline_kib, "peak_kib": _status_kib("VmHWM")}
