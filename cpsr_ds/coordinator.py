@@ -47,8 +47,9 @@ work run on :class:`Background`'s thread), ``inline_s`` (predictor work run inli
 waited for, on the training loop's path), ``predictor_cpu_s`` (the CPU time of all of
 that work, each thread's own: with more processes than cores the wall seconds hold the
 wait for a core too; on CUDA it is the time to issue the work) and ``slices``,
-``[slot, budget_s, spent_s]`` for every slot that ran work. Per iteration: ``bubble_s / iterations`` and
-``predictor_s / iterations``; the bubble filled: ``predictor_s / bubble_s``.
+``[slot, budget_s, spent_s]`` for every slot that ran work. Per iteration:
+``bubble_s / iterations`` and ``predictor_s / iterations``; the bubble filled:
+``predictor_s / bubble_s``.
 """
 
 from __future__ import annotations

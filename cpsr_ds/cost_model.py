@@ -202,11 +202,11 @@ def recovery_choice(estimate: Estimate, d: int, excess_at: Callable[[float], Opt
 
     ``excess_at(lag)``: the relative loss excess a lag of ``lag`` iterations leaves at f
     (fitter.loss_excess on the job's curve; None where the journal is too short to fit,
-    which does not stop a prediction). The guard's lag is ``pessimism`` times the estimate
-    plus ``carried`` (the estimated lag, in iterations, the run already carries from its
-    earlier predictions: lags add up, and under a decaying learning rate they stay to the
-    end of training): one recovery's lag varies far more than the mean, and the carried
-    estimates are no surer than the new one. In bench_ftcost the lag measured at the end of
+    which does not stop a prediction). The guard's lag is ``pessimism`` times the sum of
+    the estimate and ``carried`` (the estimated lag, in iterations, the run already carries
+    from its earlier predictions: lags add up, and under a decaying learning rate they stay
+    to the end of training): one recovery's lag varies far more than the mean, and the
+    carried estimates are no surer than the new one. In bench_ftcost the lag measured at the end of
     training was 1.4 to 3.3 times the sum of the estimates in 5 of 6 runs that predicted,
     and one run, whose guard took the carried estimates as they were, ended 0.83 % above
     the failure-free run's loss. No estimate,

@@ -68,7 +68,7 @@ class VITPPredictor(Predictor):
         Each replica observes only its share of the stage's state (recovery.own_share), so it
         trains on ``batch_chunks / shards`` chunks of it per step and validates on
         ``val_chunks / shards``: the replicas together sample as many chunks per step as one
-        predictor of the whole stage, and each spends about 1 / shards of its time.
+        predictor of the whole stage, and each spends about 1 / shards of that predictor's time.
         """
         if not (isinstance(shards, int) and shards >= 1):
             raise ValueError(f"vitp: the work splits across a whole number of replicas >= 1, got {shards!r}")
