@@ -230,10 +230,18 @@ class Coordinator:
         self.iterations, self.bubble_s, self.predictor_s, self.inline_s, self.slices = 0, 0.0, 0.0, 0.0, []
         self.background_s, self.predictor_cpu_s = 0.0, 0.0
 
-    def _count_cpu(self, since: float) -> None:
-        """Add this thread's CPU time since ``since`` (time.thread_time) to the record's predictor CPU time."""
-        with self.lock:
-            self.predictor_cpu_s += time.thread_time() - since
+    @contextlib.contextmanager
+    def _spent(self, wall: Optional[str]):
+        """Add the block's wall seconds to the record's field ``wall`` (None: to none) and this thread's CPU
+        seconds in it to ``predictor_cpu_s``."""
+        t0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            yield
+        finally:
+            with self.lock:
+                if wall is not None:
+                    setattr(self, wall, getattr(self, wall) + time.perf_counter() - t0)
+                self.predictor_cpu_s += time.thread_time() - c0
 
     def piece(self, kind: str) -> PieceCost:
         """The cost record of the jobs of ``kind``, kept across checkpoints."""
@@ -246,21 +254,17 @@ class Coordinator:
         """Queue ``job``. A job with no measured piece runs one piece now, inline, to measure it; behind other
         work (which it must follow) it waits for the next :meth:`flush`, which measures it."""
         if job.cost() is None and not self.queue:
-            t0, c0 = time.perf_counter(), time.thread_time()
-            done = job.run(0.0)
-            self.inline_s += time.perf_counter() - t0
-            self._count_cpu(c0)
+            with self._spent("inline_s"):
+                done = job.run(0.0)
             if done:
                 return
         self.queue.append(job)
 
     def flush(self) -> None:
         """Run everything queued to its end, inline."""
-        t0, c0 = time.perf_counter(), time.thread_time()
-        while self.queue:
-            self.queue.popleft().run(None)
-        self.inline_s += time.perf_counter() - t0
-        self._count_cpu(c0)
+        with self._spent("inline_s"):
+            while self.queue:
+                self.queue.popleft().run(None)
 
     def drop(self) -> None:
         """Give up what is queued (the job ends), saying so."""
@@ -271,9 +275,10 @@ class Coordinator:
 
     def slot(self, slot: str) -> None:
         """At bubble ``slot``: run queued work within its budget."""
-        start, c0 = time.perf_counter(), time.thread_time()
+        start = time.perf_counter()
         limit, ran = self.budget(slot), False
-        with _side_stream(self.side):
+        # The slot's wall time is its span's, counted once the receive after it ends (waited).
+        with self._spent(None), _side_stream(self.side):
             while self.queue:
                 left = limit - (time.perf_counter() - start)
                 cost = self.queue[0].cost()
@@ -283,8 +288,6 @@ class Coordinator:
                 if self.queue[0].run(left):
                     self.queue.popleft()
         self.open = (slot, start, limit, time.perf_counter() - start if ran else 0.0)
-        if ran:
-            self._count_cpu(c0)
 
     def waited(self) -> None:
         """The receive after the open slot has ended: its span is measured."""
@@ -346,35 +349,29 @@ class Background(Coordinator):
                 if self.stopped:
                     return
                 job, self.running = self.queue.popleft(), True
-            t0, c0, error = time.perf_counter(), time.thread_time(), None
+            error = None
             try:
-                with _side_stream(self.side):  # CUDA: not exercised by the test suite
+                with self._spent("background_s"), _side_stream(self.side):  # CUDA: not exercised by the tests
                     job.run(None)
             except BaseException as err:  # raised on the training loop's thread at the next flush
                 error = err
             with self.lock:
-                self.background_s += time.perf_counter() - t0
-                self.predictor_cpu_s += time.thread_time() - c0
                 self.running, self.error = False, self.error or error
                 self.lock.notify_all()
 
     def flush(self) -> None:
         """Wait for the job running on the thread, then run what has not started, inline."""
-        t0 = time.perf_counter()
-        with self.lock:
-            pending = list(self.queue)
-            self.queue.clear()
-            self.lock.wait_for(lambda: not self.running)
-            error, self.error = self.error, None
-        if error is not None:
-            raise RuntimeError(f"cpsr: rank {self.rank}: the predictor's work on the background thread failed: "
-                               f"{error}") from error
-        c0 = time.thread_time()
-        for job in pending:
-            job.run(None)
-        with self.lock:
-            self.inline_s += time.perf_counter() - t0
-            self.predictor_cpu_s += time.thread_time() - c0
+        with self._spent("inline_s"):  # waiting costs no CPU time
+            with self.lock:
+                pending = list(self.queue)
+                self.queue.clear()
+                self.lock.wait_for(lambda: not self.running)
+                error, self.error = self.error, None
+            if error is not None:
+                raise RuntimeError(f"cpsr: rank {self.rank}: the predictor's work on the background thread "
+                                   f"failed: {error}") from error
+            for job in pending:
+                job.run(None)
 
     def drop(self) -> None:
         """Give up what has not started and end the thread, waiting at most DROP_WAIT_S for its running job."""
