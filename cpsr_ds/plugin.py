@@ -20,6 +20,7 @@ import sys
 import time
 from contextlib import contextmanager
 from dataclasses import replace
+from functools import partial
 from typing import NamedTuple
 
 import deepspeed
@@ -126,10 +127,13 @@ class Runtime:
     data-parallel rank's share's.
 
     With ``coordinator.enabled`` and more than one pipeline stage, the predictor's work
-    after a checkpoint (vitp's training, the held-out check of the StateRow) is queued to
+    after a checkpoint (observing the checkpoint, vitp's training, xi and the held-out
+    check of the StateRow, the summary) is queued to
     :class:`~cpsr_ds.coordinator.Coordinator`, which runs it in the pipeline's bubbles;
     with one stage to :class:`~cpsr_ds.coordinator.Background`, which runs it on a
-    low-priority thread; with the coordinator disabled it runs at the checkpoint.
+    low-priority thread. Then the checkpoint costs the training loop only the copy of
+    the state the work reads (engine_state). With the coordinator disabled it all runs
+    at the checkpoint.
     """
 
     def __init__(self, engine: PipelineEngine, cfg: CPSRConfig, lock: RunDirLock | None = None):
@@ -250,8 +254,8 @@ class Runtime:
         return tuple(range(self.stages)) if due else ()
 
     def _checkpoint(self, engine: PipelineEngine, iteration: int, due: tuple[int, ...]) -> None:
-        """Save, feed the predictor, record the state: the checkpoint's own time, but for the predictor's
-        work where the coordinator takes it.
+        """Save, and feed the predictor this checkpoint's state: the checkpoint's own time, but for the
+        predictor's work where the coordinator takes it (then only the copy of the state stays here).
 
         Every rank saves (DeepSpeed's save is collective); the ranks of stages not ``due`` write nothing.
         """
@@ -261,25 +265,23 @@ class Runtime:
         if self.coordinator is not None:
             # The last checkpoint's work is done before the predictor sees this one.
             self.coordinator.flush()
-        if self.predictor is not None and state is not None:
-            self.predictor.observe(iteration, own_share(engine, state))
-            if self.learning:
-                # A learning predictor trains a little; its weights go with the checkpoint: a copy, taken
-                # before the coordinator's queue trains on while the checkpoint persists.
-                p = self.cfg.predictor
-                job = TrainJob(self.predictor, p.train_steps, p.train_budget_s, self._piece("train"))
-                if self.coordinator is None:
-                    job.run(None)
-                client_state = {PREDICTOR_STATE: copy.deepcopy(self.predictor.state_dict(include_history=False))}
-                if self.coordinator is not None:
-                    self.coordinator.submit(job)
+        feed, record = self._feed(iteration, own_share(engine, state), state) if state is not None else ([], [])
+        if self.coordinator is None:
+            # At the checkpoint: the predictor observes and trains before its weights go with the checkpoint.
+            for job in feed:
+                job.run(None)
+            feed = []
+        if self.learning and state is not None:
+            # A learning predictor's weights go with the checkpoint: a copy, taken before the coordinator's
+            # queue trains on while the checkpoint persists.
+            client_state = {PREDICTOR_STATE: copy.deepcopy(self.predictor.state_dict(include_history=False))}
         if self.per_stage:
             full = len(due) == self.stages
             engine.checkpoint_engine.select(None if full else [r for r, s in enumerate(self.rank_stages) if s in due],
                                             due)
         engine.save_checkpoint(self.directory, client_state=client_state)
-        if self.observing and state is not None:
-            self._record_state(iteration, state)
+        for job in feed + record:
+            self._run(job)
 
     @staticmethod
     def _state(engine: PipelineEngine, iteration: int) -> dict | None:
@@ -291,32 +293,42 @@ class Runtime:
                            iteration, err)
             return None
 
-    def _record_state(self, iteration: int, state: dict) -> None:
-        curvature = stage_xi(state)
+    def _feed(self, iteration: int, share: dict, state: dict) -> tuple[list, list]:
+        """(feed, record): the predictor's work for the checkpoint of ``state`` at ``iteration``, as jobs in
+        their order: observe its share and train (a learning predictor), then the record (:meth:`_record`)."""
+        feed = []
+        if self.predictor is not None:
+            feed.append(CallJob(partial(self.predictor.observe, iteration, share), self._piece("observe")))
+            if self.learning:
+                p = self.cfg.predictor
+                feed.append(TrainJob(self.predictor, p.train_steps, p.train_budget_s, self._piece("train")))
+        # The held-out check comes after the predictor's training, wherever that runs.
+        record = [CallJob(partial(self._record, iteration, state), self._piece("held_out"))] if self.observing else []
+        return feed, record
+
+    def _record(self, iteration: int, state: dict) -> None:
+        """The StateRow of the checkpoint of ``state`` (xi, the predictor's held-out error) on a measuring rank,
+        and beside the checkpoint the summary a restart predicts from where the predictor keeps one."""
         # A restart of a per-stage job predicts from each stage's history (recover's _recover_stages).
         summarize = self.predictor is not None and self.predictor.summarizes and not self.per_stage
         if not (self.measuring or summarize):
             return
+        held_out = self.predictor.validation_error() if self.predictor is not None else None
+        if summarize:
+            summary = self.predictor.summary(held_out)
+            if summary is not None:
+                summaries.write(self.directory, self.rank, iteration, self.attempt, summary,
+                                 self.cfg.checkpoint.keep_last)
+        if not self.measuring:
+            return
+        curvature = stage_xi(state)
         n_p = curvature.n_p if curvature else sum(t.numel() for k, t in state.items() if k.startswith("param/"))
-        xi = curvature.xi if curvature else None
-
-        def record() -> None:
-            held_out = self.predictor.validation_error() if self.predictor is not None else None
-            if summarize:
-                summary = self.predictor.summary(held_out)
-                if summary is not None:
-                    summaries.write(self.directory, self.rank, iteration, self.attempt, summary,
-                                     self.cfg.checkpoint.keep_last)
-            if not self.measuring:
-                return
-            row = StateRow(iteration, self.stage, self.rank, self.attempt, self.cfg.predictor.name, n_p, xi=xi,
-                           held_out_error=None if held_out is None else held_out.mse.get("param"),
-                           relative_error=None if held_out is None else held_out.relative)
-            self._add_state(row)
-            runlog.append(runlog.measurements_path(self.directory, self.rank), row)
-
-        # The held-out check comes after the predictor's training, wherever that runs.
-        self._run(CallJob(record, self._piece("held_out")))
+        row = StateRow(iteration, self.stage, self.rank, self.attempt, self.cfg.predictor.name, n_p,
+                       xi=curvature.xi if curvature else None,
+                       held_out_error=None if held_out is None else held_out.mse.get("param"),
+                       relative_error=None if held_out is None else held_out.relative)
+        self._add_state(row)
+        runlog.append(runlog.measurements_path(self.directory, self.rank), row)
 
     def _piece(self, kind: str) -> PieceCost:
         return self.coordinator.piece(kind) if self.coordinator is not None else PieceCost()

@@ -85,6 +85,9 @@ def runs(tmp_path_factory):
         config["cpsr"]["checkpoint"].update(interval=2, keep_last=6)
         model = gpt_pipeline(GPTConfig(**TEST_MODEL), num_stages=1, seed=1)
         engine, *_ = cpsr_ds.initialize(model=model, model_parameters=model.parameters(), config=config)
+        observers = []  # the thread of each of the predictor's observe calls
+        predictor, observe = engine.cpsr.predictor, engine.cpsr.predictor.observe
+        predictor.observe = lambda *args: (observers.append(threading.get_native_id()), observe(*args))
         gen = torch.Generator().manual_seed(0)
         gpt = GPTConfig(**TEST_MODEL)
         shape = (engine.train_micro_batch_size_per_gpu(), gpt.seq_length)
@@ -93,8 +96,12 @@ def runs(tmp_path_factory):
                        for _ in range(engine.gradient_accumulation_steps())]
             engine.train_batch(iter(batches))
         if enabled:
-            engine.cpsr.coordinator.flush()
-        out[enabled] = (run_dir, engine.cpsr.predictor.trainer.steps)
+            c = engine.cpsr.coordinator
+            deadline = time.monotonic() + 60
+            while (c.queue or c.running) and time.monotonic() < deadline:  # the thread ends the last job itself
+                time.sleep(0.01)
+            c.flush()
+        out[enabled] = (run_dir, engine.cpsr.predictor.trainer.steps, observers)
         assert engine.checkpoint_engine.flush(timeout_s=60)
         engine.cpsr.close()
     yield out
@@ -107,6 +114,13 @@ def test_training_is_the_same_with_the_work_on_a_background_thread(runs):
     assert on == off
     # Checkpoints 6, 7 and 8 have the window vitp learns from: the same training on and off.
     assert runs[True][1] == runs[False][1] == 3 * STEPS
+
+
+def test_the_predictor_observes_each_checkpoint_off_the_training_loops_thread_with_the_coordinator(runs):
+    loop = threading.get_native_id()
+    on, off = runs[True][2], runs[False][2]
+    assert len(on) == len(off) == ITERS // 2
+    assert loop not in on and set(off) == {loop}
 
 
 def test_the_record_says_what_ran_in_the_background_and_inline(runs):
