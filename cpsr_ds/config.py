@@ -233,10 +233,12 @@ class PlannerConfig(_Strict):
 class CoordinatorConfig(_Strict):
     enabled: bool = Field(
         True,
-        description="The predictor's work after a checkpoint (a learning predictor's training, the held-out check) "
-        "runs off the training loop's path (cpsr_ds/coordinator.py): with pipeline parallelism in the pipeline's "
-        "bubbles, with one pipeline stage on a low-priority background thread; what is left at the next "
-        "checkpoint runs there. false: at the checkpoint, on the training loop's path.",
+        description="The predictor's work after a checkpoint (observing it, a learning predictor's training, the "
+        "held-out check) runs off the training loop's path (cpsr_ds/coordinator.py): with pipeline parallelism in "
+        "the pipeline's bubbles, with one pipeline stage and a learning predictor (vitp) on a low-priority "
+        "background thread; what is left at the next checkpoint runs there. With one stage and a simple "
+        "predictor it runs at the checkpoint, where it costs the training loop less. false: at the checkpoint, "
+        "on the training loop's path.",
     )
     percentile: float = Field(
         10.0, gt=0.0, le=100.0,

@@ -37,7 +37,10 @@ needs. The contract is the bubbles': what has not started by the next checkpoint
 runs inline there (after the job running on the thread has ended), before the
 predictor sees the new checkpoint. On CUDA that thread would issue its work on the
 side stream, started where the compute stream is when the job begins; that path is
-not exercised by the test suite.
+not exercised by the test suite. The plugin gives it a learning predictor's work only:
+a simple predictor's few milliseconds per checkpoint cost the training loop more on
+that thread, which shares the interpreter's lock and the cores with it, than at the
+checkpoint.
 
 Record: ``coordinator/rankNNNNN.jsonl`` in the run directory, one JSON line per
 ``coordinator.log_every`` iterations per rank: ``rank``, ``stage``, ``iteration`` (the

@@ -130,10 +130,10 @@ class Runtime:
     after a checkpoint (observing the checkpoint, vitp's training, xi and the held-out
     check of the StateRow, the summary) is queued to
     :class:`~cpsr_ds.coordinator.Coordinator`, which runs it in the pipeline's bubbles;
-    with one stage to :class:`~cpsr_ds.coordinator.Background`, which runs it on a
-    low-priority thread. Then the checkpoint costs the training loop only the copy of
-    the state the work reads (engine_state). With the coordinator disabled it all runs
-    at the checkpoint.
+    with one stage and a learning predictor to :class:`~cpsr_ds.coordinator.Background`,
+    which runs it on a low-priority thread. Then the checkpoint costs the training loop
+    only the copy of the state the work reads (engine_state). With one stage and a
+    simple predictor, or the coordinator disabled, it all runs at the checkpoint.
     """
 
     def __init__(self, engine: PipelineEngine, cfg: CPSRConfig, lock: RunDirLock | None = None):
@@ -151,9 +151,12 @@ class Runtime:
         self.predictor = new_predictor(cfg, data_parallel(engine).size)
         self.recovery = recover(engine, cfg, self.predictor, attempt=self.attempt)
         self.learning = hasattr(self.predictor, "step")
-        # With a pipeline the work goes in its bubbles; without one, on a low-priority thread.
-        place = Coordinator if engine.num_stages > 1 else Background
-        self.coordinator = place(cfg.coordinator, self.directory, rank, self.stage) if cfg.coordinator.enabled else None
+        # With a pipeline the work goes in its bubbles. Without one a learning predictor's goes to a low-priority
+        # thread; a simple predictor's (copies and reductions, milliseconds per checkpoint) costs the training loop
+        # less at the checkpoint than on that thread, which shares the interpreter's lock and the cores with it.
+        place = Coordinator if engine.num_stages > 1 else Background if self.learning else None
+        self.coordinator = (place(cfg.coordinator, self.directory, rank, self.stage)
+                            if cfg.coordinator.enabled and place is not None else None)
         self.observing = cfg.recovery.mode != "recompute"
         if not self.learning and not (self.observing and (self.measuring or self.predictor.summarizes)):
             # Simple predictors fit at recovery time; a measuring rank's keeps observing for the held-out error,

@@ -123,6 +123,26 @@ def test_the_predictor_observes_each_checkpoint_off_the_training_loops_thread_wi
     assert loop not in on and set(off) == {loop}
 
 
+def test_a_simple_predictor_without_a_pipeline_works_at_the_checkpoint_on_the_training_loops_thread(runs, tmp_path):
+    """trend's work per checkpoint (copies and reductions) runs inline: no background thread, no coordinator."""
+    config = tiny_config(tmp_path / "run", stages=1, coordinator={"enabled": True})
+    config["cpsr"]["checkpoint"].update(interval=2)
+    model = gpt_pipeline(GPTConfig(**TEST_MODEL), num_stages=1, seed=1)
+    engine, *_ = cpsr_ds.initialize(model=model, model_parameters=model.parameters(), config=config)
+    observers = []
+    predictor, observe = engine.cpsr.predictor, engine.cpsr.predictor.observe
+    predictor.observe = lambda *args: (observers.append(threading.get_native_id()), observe(*args))
+    gpt = GPTConfig(**TEST_MODEL)
+    batch = (torch.randint(0, gpt.vocab_size, (engine.train_micro_batch_size_per_gpu(), gpt.seq_length)),) * 2
+    for _ in range(4):
+        engine.train_batch(iter([batch] * engine.gradient_accumulation_steps()))
+    assert engine.cpsr.coordinator is None and predictor.name == "trend"
+    assert not [t for t in threading.enumerate() if t.name.startswith("cpsr-predictor")]
+    assert observers == [threading.get_native_id()] * 2
+    assert engine.checkpoint_engine.flush(timeout_s=60)
+    engine.cpsr.close()
+
+
 def test_the_record_says_what_ran_in_the_background_and_inline(runs):
     rows = read_records(str(runs[True][0]))
     assert [r["iteration"] for r in rows] == list(range(1, ITERS + 1))
