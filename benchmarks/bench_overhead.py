@@ -370,8 +370,8 @@ def print_result(result: dict) -> None:
         print(f"{name:10s} {r['processes']:5d} | {sum(r['throughput_on']) / len(r['throughput_on']):8.3f} "
               f"{sum(r['throughput_off']) / len(r['throughput_off']):8.3f} | {t['median']:.4f}, {t['mean']:.4f} "
               f"[{lo:.4f}, {hi:.4f}] over {t['measured']}{over}")
-    print(f"\nper stage and iteration, coordinator on (ms): bubble measured, predictor placed in it, predictor on the "
-          f"background thread (PP = 1), predictor inline; filled share")
+    print("\nper stage and iteration, coordinator on (ms): bubble measured, predictor placed in it, predictor on the "
+          "background thread (PP = 1), predictor inline; filled share")
     for name, r in result["layouts"].items():
         for stage, f in r["stages"].items():
             print(f"{name:10s} stage {stage} | bubble {f['bubble_s_per_iter'] * 1e3:8.2f} | placed "
