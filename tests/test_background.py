@@ -71,6 +71,13 @@ def test_a_failure_on_the_background_thread_is_raised_at_the_next_flush_naming_t
 ITERS, STEPS = 16, 4
 
 
+def observing_threads(predictor) -> list:
+    """The thread of each of ``predictor``'s observe calls from now on, in call order."""
+    threads, observe = [], predictor.observe
+    predictor.observe = lambda *args: (threads.append(threading.get_native_id()), observe(*args))
+    return threads
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The same fp32 job (same seed), PP = 1, vitp learning after each checkpoint, with the coordinator on and off."""
@@ -85,9 +92,7 @@ def runs(tmp_path_factory):
         config["cpsr"]["checkpoint"].update(interval=2, keep_last=6)
         model = gpt_pipeline(GPTConfig(**TEST_MODEL), num_stages=1, seed=1)
         engine, *_ = cpsr_ds.initialize(model=model, model_parameters=model.parameters(), config=config)
-        observers = []  # the thread of each of the predictor's observe calls
-        predictor, observe = engine.cpsr.predictor, engine.cpsr.predictor.observe
-        predictor.observe = lambda *args: (observers.append(threading.get_native_id()), observe(*args))
+        observers = observing_threads(engine.cpsr.predictor)
         gen = torch.Generator().manual_seed(0)
         gpt = GPTConfig(**TEST_MODEL)
         shape = (engine.train_micro_batch_size_per_gpu(), gpt.seq_length)
@@ -129,9 +134,8 @@ def test_a_simple_predictor_without_a_pipeline_works_at_the_checkpoint_on_the_tr
     config["cpsr"]["checkpoint"].update(interval=2)
     model = gpt_pipeline(GPTConfig(**TEST_MODEL), num_stages=1, seed=1)
     engine, *_ = cpsr_ds.initialize(model=model, model_parameters=model.parameters(), config=config)
-    observers = []
-    predictor, observe = engine.cpsr.predictor, engine.cpsr.predictor.observe
-    predictor.observe = lambda *args: (observers.append(threading.get_native_id()), observe(*args))
+    predictor = engine.cpsr.predictor
+    observers = observing_threads(predictor)
     gpt = GPTConfig(**TEST_MODEL)
     batch = (torch.randint(0, gpt.vocab_size, (engine.train_micro_batch_size_per_gpu(), gpt.seq_length)),) * 2
     for _ in range(4):
