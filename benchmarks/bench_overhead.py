@@ -44,11 +44,16 @@ config's 8 sequences per micro-batch none does, and all the work runs inline.
   memory above its baseline of vitp's training steps and of a prediction, one thread)
   for a shard the size of the benchmark's pipeline stage (``n_p`` of its StateRows), and
   without ``--quick`` for footprint's default shard (8192 chunks of 1024 parameters).
-- Recovery host memory: PP = 2 with DP = 1 and DP = 2 (the base config's batch),
-  ``recovery.mode`` predict with the default predictor, rank 1 killed RECOVERY_KILL_AT iterations in and the job restarted;
-  every rank of the restart measures its peak resident memory while ``recover`` runs
-  (VmHWM reset before it; ``benchmarks/overhead_job.py``). Per DP degree: the largest
-  peak above the rank's memory before recovery among stage 0's ranks.
+- Recovery host memory: PP = 2 with DP = 1 and DP = 2 of a larger model (RECOVERY_MODEL,
+  about 50 M parameters: 300 MB of fp32 parameters and Adam moments per stage; at the base
+  config's size a stage's state is 6 MB, below recovery's fixed costs, so the DP degrees
+  would differ in nothing but noise) at a small batch (RECOVERY_BATCH: recovery's memory
+  does not depend on it), ``recovery.mode`` predict with the default predictor, rank 1
+  killed RECOVERY_KILL_AT iterations in and the job restarted; every rank of the restart
+  measures its peak resident memory while ``recover`` runs (VmHWM reset before it;
+  ``benchmarks/overhead_job.py``). Per DP degree: the largest peak above the rank's memory
+  before recovery among stage 0's ranks, and per rank that peak over the rank's own share
+  of the stage's state (the acceptance bound is the predictor's history + 2).
 """
 
 from __future__ import annotations
@@ -87,6 +92,8 @@ RECOVERY_DP = (1, 2)
 RECOVERY_INTERVAL = 3
 RECOVERY_KILL_AT = 14  # two iterations after the checkpoint of 12: PB-R predicts
 RECOVERY_ITERS = 16
+RECOVERY_MODEL = {"num_layers": 4, "hidden_size": 1024, "num_attention_heads": 8}
+RECOVERY_BATCH = (1, 2)  # sequences per micro-batch, micro-batches
 JOB_TIMEOUT_S = 600
 PAPER_CHUNKS = 8192  # footprint's default shard: 8.4 M parameters
 
@@ -202,6 +209,15 @@ def recovery_peaks(rows: list[dict], stage: int = 0) -> dict:
     return dict(sorted(out.items()))
 
 
+def recovery_over_share(rows: list[dict]) -> dict:
+    """Per DP degree, from the restarts' memory lines: the largest ratio among the ranks of a rank's recovery peak
+    (above its memory before recovery) to its own share of its stage's state."""
+    out: dict[int, float] = {}
+    for r in rows:
+        out[r["dp"]] = max(out.get(r["dp"], 0.0), (r["peak_kib"] - r["baseline_kib"]) / r["share_kib"])
+    return dict(sorted(out.items()))
+
+
 # ---------------------------------------------------------------- running jobs
 
 
@@ -297,7 +313,8 @@ def recovery_memory(args, dp: int) -> list[dict]:
     run_dir = os.path.join(args.out_dir, name)
     block = {"checkpoint": {"interval": RECOVERY_INTERVAL}, "recovery": {"mode": "predict"},
              "faults": {"kill_rank": 1, "kill_at_iteration": RECOVERY_KILL_AT}}
-    config = ds_config(run_dir, 2, block)  # recovery's memory does not depend on the batch
+    config = ds_config(run_dir, 2, block, RECOVERY_BATCH)
+    config["gpt"].update(RECOVERY_MODEL)
     first = launch(args.out_dir, f"{name}-first", config, 2 * dp, RECOVERY_ITERS, JOB)
     if first == 0:
         raise RuntimeError(f"{name}: the job finished although rank 1 was to be killed at {RECOVERY_KILL_AT}")
@@ -330,6 +347,7 @@ def summarize_all(args, layouts: dict, footprints: dict, memory: list[dict]) -> 
         "predictor_footprint": footprints,
         "recovery_peak_host_mb": peaks,
         "recovery_peak_dp2_over_dp1": peaks[2] / peaks[1] if {1, 2} <= set(peaks) and peaks[1] > 0 else None,
+        "recovery_peak_over_share": recovery_over_share(memory),
         "recovery_memory": memory,
         "throughput_ratio_pp4": median_ratios(pp4),
         "throughput_ratio_pp1": median_ratios(pp1),
@@ -391,7 +409,9 @@ def print_result(result: dict) -> None:
     print("\nrecovery peak host memory (MiB above the rank's memory before recovery; absolute VmHWM)")
     for r in result["recovery_memory"]:
         print(f"  dp {r['dp']} rank {r['rank']} stage {r['stage']} | {r['method']:9s} | "
-              f"{(r['peak_kib'] - r['baseline_kib']) / 1024:8.1f} | {r['peak_kib'] / 1024:8.1f}")
+              f"{(r['peak_kib'] - r['baseline_kib']) / 1024:8.1f} | {r['peak_kib'] / 1024:8.1f} | own share "
+              f"{r['share_kib'] / 1024:7.1f} | peak / share {(r['peak_kib'] - r['baseline_kib']) / r['share_kib']:5.2f}"
+              f" (history + 2 = {r['history'] + 2})")
     print(f"recovery_peak_host_mb (stage 0, by DP degree): {result['recovery_peak_host_mb']}; DP = 2 over DP = 1: "
           f"{num(result['recovery_peak_dp2_over_dp1'], '.2f', 4)}")
     print(f"a rank's predictor work at PP = 4, DP = 2 over DP = 1, per stage: {result['predictor_work_dp2_over_dp1']}")

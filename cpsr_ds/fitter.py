@@ -9,7 +9,8 @@ held-out errors, Adam's second moment at checkpoints); reading them is the calle
   loss-excess guard of recovery uses (see :func:`fit_recent` for why it stays);
 - :func:`held_out_error` (Eq. 9) and :func:`fit_loss_p`: the predictor's accuracy curve
   loss_p(t) = exp(-tau1 t / T_c + tau2), Eq. 8;
-- :func:`stage_xi` (Eq. 7) and :func:`next_phase`: the curvature xi of a pipeline stage
+- :func:`stage_xi` (Eq. 7; :func:`xi_sums` and :func:`curvature_of` where the stage's state is
+  split among data-parallel ranks) and :func:`next_phase`: the curvature xi of a pipeline stage
   and the training phases it divides the run into (Section V-C).
 
 Inputs a fit cannot describe (too few points, a non-finite or non-positive value, a
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -226,6 +228,33 @@ class StageCurvature:
     n_p: int
 
 
+class XiSums(NamedTuple):
+    """The sums xi (Eq. 7) is made of, over part of a stage's state: added up over the parts (data-parallel
+    shares), they give the whole stage's (:func:`curvature_of`)."""
+
+    v_sum: float  # sum of exp_avg_sq
+    count: int  # values of exp_avg_sq
+    n_p: int  # parameters (elements), optimised or not
+
+
+def xi_sums(state: dict[str, torch.Tensor]) -> XiSums:
+    """The sums of ``state`` (keys ``param/``, ``exp_avg_sq/`` as recovery's ``engine_state`` gives them, or a
+    share of them): :func:`curvature_of` of them is :func:`stage_xi`."""
+    moments = [t.detach().double().flatten() for key, t in state.items() if key.startswith("exp_avg_sq/")]
+    return XiSums(sum(float(m.sum()) for m in moments), sum(m.numel() for m in moments),
+                  sum(t.numel() for key, t in state.items() if key.startswith("param/")))
+
+
+def curvature_of(sums: XiSums) -> StageCurvature | NoFit:
+    """xi = sum_j v_j / N_p (Eq. 7) from a stage's :class:`XiSums`; see :func:`stage_xi`."""
+    if sums.count == 0:
+        return NoFit(TOO_FEW, "no exp_avg_sq in the state: the optimizer keeps no second moment")
+    xi = sums.v_sum / sums.count
+    if not (math.isfinite(xi) and xi > 0):
+        return NoFit(NOT_POSITIVE, f"mean exp_avg_sq over {sums.count} parameters is {xi}")
+    return StageCurvature(xi, sums.n_p)
+
+
 def stage_xi(state: dict[str, torch.Tensor]) -> StageCurvature | NoFit:
     """xi = sum_j v_j / N_p over the stage's parameters (Eq. 7), from a checkpoint's state.
 
@@ -236,15 +265,7 @@ def stage_xi(state: dict[str, torch.Tensor]) -> StageCurvature | NoFit:
     without a second moment (not optimised) count in N_p but not in the mean. No second
     moment at all, or a non-finite or zero one (before the first step), is a NoFit.
     """
-    n_p = sum(t.numel() for key, t in state.items() if key.startswith("param/"))
-    moments = [t.detach().double().flatten() for key, t in state.items() if key.startswith("exp_avg_sq/")]
-    count = sum(m.numel() for m in moments)
-    if count == 0:
-        return NoFit(TOO_FEW, "no exp_avg_sq in the state: the optimizer keeps no second moment")
-    xi = sum(float(m.sum()) for m in moments) / count
-    if not (math.isfinite(xi) and xi > 0):
-        return NoFit(NOT_POSITIVE, f"mean exp_avg_sq over {count} parameters is {xi}")
-    return StageCurvature(xi, n_p)
+    return curvature_of(xi_sums(state))
 
 
 @dataclass(frozen=True)

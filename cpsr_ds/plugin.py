@@ -44,7 +44,7 @@ from cpsr_ds.config import CPSRConfig
 from cpsr_ds.coordinator import Background, BubbleSchedule, CallJob, Coordinator, PieceCost, PredictorWork, TrainJob
 from cpsr_ds.elastic import check_restartable
 from cpsr_ds.faults import FaultInjector, check_kill_rank
-from cpsr_ds.fitter import fit_loss_o, next_phase, stage_xi
+from cpsr_ds.fitter import XiSums, curvature_of, fit_loss_o, next_phase
 from cpsr_ds.online_planner import (
     Cost,
     CostMeter,
@@ -68,14 +68,13 @@ from cpsr_ds.recovery import (
     append_report,
     carried_lag,
     earlier_reports,
-    engine_state,
     excess_at,
     journal_losses,
     new_predictor,
     own_share,
     recover,
 )
-from cpsr_ds.recovery.engine_io import data_parallel, replicas_read_once, weights_from_partitions
+from cpsr_ds.recovery.engine_io import data_parallel, replicas_read_once, stage_sums, weights_from_partitions
 from cpsr_ds.recovery.sources import summaries
 from cpsr_ds.rundir import RunDirLock, claim
 from cpsr_ds.runlog import CostRow, PlanRow, StateRow
@@ -117,8 +116,8 @@ class Runtime:
     data-parallel rank of each stage) and, unless recovery.mode is recompute, its state
     (runlog.StateRow: xi of the stage's state, and the held-out error of the configured
     predictor). The predictor sees only this rank's data-parallel share of the stage's
-    state (recovery.own_share: 1/DP of it with DP replicas), the share it predicts at
-    recovery. The measuring ranks keep that predictor observing every checkpoint: in host
+    state (recovery.own_share: under ZeRO the rank's own partition, else 1/DP of it), the
+    share it predicts at recovery; xi is summed over the shares (one small all-reduce). The measuring ranks keep that predictor observing every checkpoint: in host
     memory ``predictor.history`` copies of their share of the stage's fp32 parameters and
     both Adam moments, 12 bytes per parameter each (e.g. 4 x 12 x 350M = 17 GB for all of
     GPT2-0.35B in one stage without data parallelism); vitp keeps the same on every rank,
@@ -132,7 +131,7 @@ class Runtime:
     :class:`~cpsr_ds.coordinator.Coordinator`, which runs it in the pipeline's bubbles;
     with one stage and a learning predictor to :class:`~cpsr_ds.coordinator.Background`,
     which runs it on a low-priority thread. Then the checkpoint costs the training loop
-    only the copy of the state the work reads (engine_state). With one stage and a
+    only the copy of the share the work reads and xi's sums. With one stage and a
     simple predictor, or the coordinator disabled, it all runs at the checkpoint.
     """
 
@@ -263,18 +262,19 @@ class Runtime:
         Every rank saves (DeepSpeed's save is collective); the ranks of stages not ``due`` write nothing.
         """
         part = self.stage in due
-        state = self._state(engine, iteration) if part and (self.observing or self.learning) else None
+        share = self._share(engine, iteration) if part and (self.observing or self.learning) else None
         client_state = {}
         if self.coordinator is not None:
             # The last checkpoint's work is done before the predictor sees this one.
             self.coordinator.flush()
-        feed, record = self._feed(iteration, own_share(engine, state), state) if state is not None else ([], [])
+        feed, record = ([], []) if share is None else \
+            self._feed(iteration, share, stage_sums(engine, share) if self.observing else None)
         if self.coordinator is None:
             # At the checkpoint: the predictor observes and trains before its weights go with the checkpoint.
             for job in feed:
                 job.run(None)
             feed = []
-        if self.learning and state is not None:
+        if self.learning and share is not None:
             # A learning predictor's weights go with the checkpoint: a copy, taken before the coordinator's
             # queue trains on while the checkpoint persists.
             client_state = {PREDICTOR_STATE: copy.deepcopy(self.predictor.state_dict(include_history=False))}
@@ -287,18 +287,20 @@ class Runtime:
             self._run(job)
 
     @staticmethod
-    def _state(engine: PipelineEngine, iteration: int) -> dict | None:
-        """The stage's state for the predictor and the StateRow; None before the optimizer's first step."""
+    def _share(engine: PipelineEngine, iteration: int) -> dict | None:
+        """This rank's share of the stage's state (own_share), the predictor's; None before the optimizer's
+        first step."""
         try:
-            return engine_state(engine)
+            return own_share(engine)
         except KeyError as err:  # the same on every rank: no step has made Adam's moments yet
             logger.warning("cpsr: no state recorded at the checkpoint of iteration %d: the optimizer has no %s yet",
                            iteration, err)
             return None
 
-    def _feed(self, iteration: int, share: dict, state: dict) -> tuple[list, list]:
-        """(feed, record): the predictor's work for the checkpoint of ``state`` at ``iteration``, as jobs in
-        their order: observe its share and train (a learning predictor), then the record (:meth:`_record`)."""
+    def _feed(self, iteration: int, share: dict, sums: XiSums | None) -> tuple[list, list]:
+        """(feed, record): the predictor's work for the checkpoint at ``iteration``, as jobs in their order:
+        observe this rank's ``share`` and train (a learning predictor), then the record (:meth:`_record`) of the
+        stage's ``sums``."""
         feed = []
         if self.predictor is not None:
             feed.append(CallJob(partial(self.predictor.observe, iteration, share), self._piece("observe")))
@@ -306,11 +308,11 @@ class Runtime:
                 p = self.cfg.predictor
                 feed.append(TrainJob(self.predictor, p.train_steps, p.train_budget_s, self._piece("train")))
         # The held-out check comes after the predictor's training, wherever that runs.
-        record = [CallJob(partial(self._record, iteration, state), self._piece("held_out"))] if self.observing else []
+        record = [CallJob(partial(self._record, iteration, sums), self._piece("held_out"))] if self.observing else []
         return feed, record
 
-    def _record(self, iteration: int, state: dict) -> None:
-        """The StateRow of the checkpoint of ``state`` (xi, the predictor's held-out error) on a measuring rank,
+    def _record(self, iteration: int, sums: XiSums) -> None:
+        """The StateRow of the checkpoint (xi of the stage's ``sums``, the predictor's held-out error) on a measuring rank,
         and beside the checkpoint the summary a restart predicts from where the predictor keeps one."""
         # A restart of a per-stage job predicts from each stage's history (recover's _recover_stages).
         summarize = self.predictor is not None and self.predictor.summarizes and not self.per_stage
@@ -324,9 +326,8 @@ class Runtime:
                                  self.cfg.checkpoint.keep_last)
         if not self.measuring:
             return
-        curvature = stage_xi(state)
-        n_p = curvature.n_p if curvature else sum(t.numel() for k, t in state.items() if k.startswith("param/"))
-        row = StateRow(iteration, self.stage, self.rank, self.attempt, self.cfg.predictor.name, n_p,
+        curvature = curvature_of(sums)
+        row = StateRow(iteration, self.stage, self.rank, self.attempt, self.cfg.predictor.name, sums.n_p,
                        xi=curvature.xi if curvature else None,
                        held_out_error=None if held_out is None else held_out.mse.get("param"),
                        relative_error=None if held_out is None else held_out.relative)

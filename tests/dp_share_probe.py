@@ -62,8 +62,8 @@ def main(directory: str, out: str) -> None:
     states = checkpoints(engine)
     predictor = make_predictor("trend", history=len(HISTORY))
     for iteration in HISTORY:
-        predictor.observe(iteration, own_share(engine, states[iteration]))
-    load_engine_state(engine, states[C])
+        load_engine_state(engine, states[iteration])
+        predictor.observe(iteration, own_share(engine))
     cfg = CPSRConfig.parse_block({"checkpoint": {"dir": directory}, "recovery": {"mode": "predict"}})
     report = _decide(engine, cfg, predictor, read_progress(directory), C, stage_xi(states[C]))
     torch.save({"report": report, "state": engine_state(engine), "own_error": predictor.validation_error().relative,

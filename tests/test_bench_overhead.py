@@ -143,6 +143,13 @@ def test_recovery_peaks_are_stage_zeros_largest_by_dp_degree(bench):
     assert bench.dp_ratio({0: 2.0, 1: 0.0, 2: 1.0}, {0: 1.0, 1: 1.0}) == {0: 0.5, 1: None, 2: None}
 
 
+def test_recovery_over_share_is_each_dp_degrees_largest_peak_over_the_ranks_own_share(bench):
+    rows = [{"dp": 1, "baseline_kib": 100, "peak_kib": 400, "share_kib": 100},
+            {"dp": 2, "baseline_kib": 100, "peak_kib": 250, "share_kib": 50},
+            {"dp": 2, "baseline_kib": 100, "peak_kib": 300, "share_kib": 100}]
+    assert bench.recovery_over_share(rows) == {1: 3.0, 2: 3.0}
+
+
 # ---------------------------------------------------------------- no pipeline: the background thread
 
 def test_pp1_figures_are_by_dp_degree_with_the_background_time_per_iteration(bench):

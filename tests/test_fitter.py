@@ -19,9 +19,13 @@ from cpsr_ds.fitter import (
     fit_loss_p,
     held_out_error,
     next_phase,
+    XiSums,
+    curvature_of,
     phases,
     stage_xi,
+    xi_sums,
 )
+from cpsr_ds.shard import share
 
 
 def exponential(rate, intercept, ts, noise, seed=0):
@@ -152,6 +156,20 @@ def test_xi_is_the_mean_second_moment_over_the_stages_parameters_after_an_adam_s
         v = [beta2 * vi + (1 - beta2) * g.double() ** 2 for vi, g in zip(v, grads)]
     assert curvature.xi == pytest.approx(float(sum(vi.sum() for vi in v)) / 16, rel=1e-5)
     assert curvature.n_p == 12 + 4 + 5
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_the_shares_sums_give_the_whole_stages_xi(size):
+    """Data-parallel ranks each sum their share (shard.share: a 1-element bias leaves some shares without it);
+    the stage's xi and N_p come from the sums added up, as the ranks' all-reduce adds them."""
+    g = torch.Generator().manual_seed(0)
+    whole = state({"w": torch.randn(5, 7, generator=g), "b": torch.randn(1, generator=g)},
+                  exp_avg_sq={"w": torch.rand(5, 7, generator=g), "b": torch.rand(1, generator=g)})
+    parts = [xi_sums(share(whole, r, size)) for r in range(size)]
+    added = XiSums(*(sum(column) for column in zip(*parts)))
+    assert added.count == 36 and added.n_p == 36
+    assert curvature_of(added).xi == pytest.approx(stage_xi(whole).xi, rel=1e-12)
+    assert curvature_of(parts[0]).xi != pytest.approx(stage_xi(whole).xi, rel=1e-3)
 
 
 @pytest.mark.parametrize("moments, cause", [

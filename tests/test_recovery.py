@@ -99,6 +99,19 @@ def test_pbr_writes_the_linear_prediction_into_every_stage_and_replica(restarted
     assert probe[0]["recovered"].keys() != probe[2]["recovered"].keys()
 
 
+def test_under_zero_each_replica_keeps_its_own_partition_and_nothing_gathers_a_stage(restarted):
+    """Recovery keeps, of each checkpoint, exactly the rank's ZeRO partition for the predictor, and writes the
+    prediction back into it; neither recovery nor the checkpoints after it gather a full tensor."""
+    _, probe = restarted
+    for rank, p in enumerate(probe):
+        assert p["kept_shares"] and set(p["kept_shares"]) == {p["partition"]}, rank
+        assert p["gathered_in_recovery"] == 0 and p["gathered_in_training"] == 0, rank
+    for stage in (0, 1):
+        replicas = probe[2 * stage:2 * stage + 2]
+        assert sum(p["partition"] for p in replicas) == replicas[0]["stage_values"]
+        assert replicas[0]["partition"] < replicas[0]["stage_values"]
+
+
 def test_restarted_job_resumes_at_the_failure_point(failed_run, restarted):
     _, _, run_dir = failed_run
     result, _ = restarted

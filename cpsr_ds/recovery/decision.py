@@ -41,7 +41,7 @@ from cpsr_ds.fitter import (
     recent_losses,
 )
 from cpsr_ds.recovery.agree import gathered, on_any_rank
-from cpsr_ds.recovery.engine_io import advance_counters, data_parallel, full_state, load_engine_state, planned_iterations
+from cpsr_ds.recovery.engine_io import advance_counters, data_parallel, load_own_share, planned_iterations
 from cpsr_ds.recovery.report import RecoveryReport, carried_lag, earlier_reports
 from cpsr_ds.recovery.sources.checkpoint import load_history, restore, stage_history
 from cpsr_ds.recovery.sources.prediction import checkpoint_as_prediction, predicted_share, prepare
@@ -201,8 +201,8 @@ def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int, curv
 
     ``predictor`` holds this data-parallel rank's share of the stage: each rank predicts
     its share and checks its own held-out error; the stage's error is the worst of them,
-    so that the stage's ranks decide alike, and the predicted shares are assembled
-    (:func:`full_state`) into the state written into the engine.
+    so that the stage's ranks decide alike, and each rank writes its predicted share into the
+    engine (:func:`load_own_share`: under ZeRO into its own partition, else assembled with the others').
 
     ``memory`` (:func:`agreed_snapshot`): every rank's host snapshot at one iteration m > c; recomputing
     resumes there, so PB-R is weighed against d = f - m.
@@ -277,9 +277,9 @@ def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int, curv
     if from_replica:
         replica.copy_from_replica(engine, holders.index(True))
     elif predicted is not None and weights_from is not None:
-        replica.fill_partition(engine, dump, weights_from, full_state(engine, predicted))
+        replica.fill_partition(engine, dump, weights_from, predicted)
     elif predicted is not None:
-        load_engine_state(engine, full_state(engine, predicted))
+        load_own_share(engine, predicted)
     advance_counters(engine, f - c)
     source = (survivor.SOURCE if dump is not None and (exact or weights_from is not None)
               else replica.SOURCE if from_replica else "checkpoint" if predicted is None

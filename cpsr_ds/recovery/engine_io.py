@@ -19,6 +19,7 @@ from deepspeed.utils import (
 )
 
 from cpsr_ds.checkpoint.fileformat import is_finite
+from cpsr_ds.fitter import XiSums, xi_sums
 from cpsr_ds.shard import assemble, pack, packed_length, share, unpack
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -76,7 +77,8 @@ def local_state(engine) -> tuple[dict[str, torch.Tensor], dict[str, tuple[int, i
     Unpartitioned, each is the whole tensor (the live one, not a copy). Under ZeRO/bf16
     each is this rank's fragment of the fp32 master or moment, flat, at ``fragments[name]``
     = (start, numel) of the flattened tensor; a fragment covering the whole tensor is
-    given in its shape and not listed.
+    given in its shape and not listed. Before the optimizer's first step there are no moments:
+    a KeyError, as without partitions.
     """
     state, fragments = {}, {}
     if not partitioned(engine):
@@ -94,7 +96,10 @@ def local_state(engine) -> tuple[dict[str, torch.Tensor], dict[str, tuple[int, i
             start, numel, parts = 0, 0, {k: torch.empty(0) for k in ("param", *MOMENTS)}
         else:
             start, numel = mapping.lp_fragment_address.start, mapping.lp_fragment_address.numel
-            parts = {"param": mapping.get_hp_fragment(), **{k: mapping.get_hp_fragment(k) for k in MOMENTS}}
+            try:
+                parts = {"param": mapping.get_hp_fragment(), **{k: mapping.get_hp_fragment(k) for k in MOMENTS}}
+            except ValueError as err:  # DeepSpeed's words for a moment no optimizer step has made yet
+                raise KeyError(str(err)) from err
         whole = start == 0 and numel == p.numel()
         for kind, t in parts.items():
             state[f"{kind}/{name}"] = t.detach().view(p.shape) if whole else t.detach()
@@ -234,15 +239,49 @@ def data_parallel(engine) -> DataParallel:
                         grid.get_data_parallel_group())
 
 
-def own_share(engine, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """This data-parallel rank's share of its stage's ``state`` (:mod:`cpsr_ds.shard`), the predictor's part.
+def own_share(engine) -> dict[str, torch.Tensor]:
+    """This data-parallel rank's share of its stage's fp32 parameters and Adam moments (:mod:`cpsr_ds.shard`), the
+    predictor's part, copied to host memory and keyed as :func:`engine_state` keys them; no collective.
 
-    An even slice of each flattened tensor, whatever the optimizer partitions: under
-    ZeRO, owning exactly the rank's own partition (and reading it without the gather
-    engine_state makes) is left for later.
+    Under ZeRO/bf16 the share is the rank's own partition, as :func:`local_state` reads it (a
+    parameter outside it is left out), so that nothing gathers the stage's state and a
+    prediction goes back into the partition it came from (:func:`load_own_share`). Otherwise
+    every replica holds the whole state and the share is an even slice of each flattened tensor.
     """
+    state, _ = local_state(engine)
     dp = data_parallel(engine)
-    return share(state, dp.rank, dp.size)
+    if not partitioned(engine) and dp.size > 1:
+        # share() copies the slices already.
+        return {k: t.to("cpu", torch.float32) for k, t in share(state, dp.rank, dp.size).items() if t.numel()}
+    return {k: t.to("cpu", torch.float32, copy=True) for k, t in state.items() if t.numel()}
+
+
+def stage_sums(engine, own: dict[str, torch.Tensor]) -> XiSums:
+    """The :class:`~cpsr_ds.fitter.XiSums` of the stage's whole state from every data-parallel rank's ``own`` share
+    (:func:`own_share`): a collective over the stage's data-parallel group, three numbers all-reduced."""
+    sums = xi_sums(own)
+    dp = data_parallel(engine)
+    if dp.size == 1:
+        return sums
+    total = torch.tensor(sums, dtype=torch.float64, device=engine.device)
+    dist.all_reduce(total, group=dp.group)
+    v_sum, count, n_p = total.tolist()
+    return XiSums(v_sum, round(count), round(n_p))
+
+
+def load_own_share(engine, own: dict[str, torch.Tensor]) -> None:
+    """Write this rank's ``own`` share (as :func:`own_share` reads it: a predicted one) into the engine.
+
+    Under ZeRO/bf16 into the rank's own partition, no gather; DeepSpeed refreshes the module's
+    weights from the partitions (its all-gather, what every optimizer step does). Otherwise each
+    replica holds the whole state, so it is assembled from every replica's share
+    (:func:`full_state`, a collective over the stage's data-parallel group).
+    """
+    if partitioned(engine):
+        _, fragments = local_state(engine)
+        load_local_state(engine, own, fragments)
+    else:
+        load_local_state(engine, full_state(engine, own), {})
 
 
 def state_shapes(engine) -> dict[str, tuple[int, ...]]:
@@ -275,25 +314,20 @@ def full_state(engine, own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def load_engine_state(engine, state: dict[str, torch.Tensor]) -> None:
-    """Write ``state`` (as from :func:`engine_state`) into the engine: masters, moments, model weights."""
-    zero = partitioned(engine)
-    if zero:
-        _link_partitions(engine)
-    opt_state = base_optimizer(engine).state
+    """Write the stage's whole ``state`` (as from :func:`engine_state`) into the engine: masters, moments, model
+    weights. Under ZeRO each rank keeps its partition of it."""
+    if not partitioned(engine):
+        load_local_state(engine, state, {})
+        return
+    _link_partitions(engine)
     with torch.no_grad():
         for name, p in engine.module.named_parameters():
-            if zero:
-                safe_set_full_fp32_param(p, state[f"param/{name}"].to(p.device))
-                for kind in MOMENTS:
-                    safe_set_full_optimizer_state(p, state[f"{kind}/{name}"].to(p.device), kind)
-            else:
-                p.copy_(state[f"param/{name}"])
-                for kind in MOMENTS:
-                    opt_state[p][kind].copy_(state[f"{kind}/{name}"])
-    if zero:
-        # The low-precision (or, for fp32 ZeRO, the module's own) weights the forward
-        # pass uses are refreshed from the fp32 partitions.
-        engine.optimizer.update_lp_params()
+            safe_set_full_fp32_param(p, state[f"param/{name}"].to(p.device))
+            for kind in MOMENTS:
+                safe_set_full_optimizer_state(p, state[f"{kind}/{name}"].to(p.device), kind)
+    # The low-precision (or, for fp32 ZeRO, the module's own) weights the forward
+    # pass uses are refreshed from the fp32 partitions.
+    engine.optimizer.update_lp_params()
 
 
 def advance_counters(engine, iterations: int) -> None:

@@ -10,9 +10,9 @@ from typing import NamedTuple
 
 import torch
 
-from cpsr_ds.fitter import NoFit, StageCurvature, stage_xi
+from cpsr_ds.fitter import NoFit, StageCurvature, curvature_of
 from cpsr_ds.recovery.agree import gathered, on_any_rank
-from cpsr_ds.recovery.engine_io import MOMENTS, base_optimizer, engine_state, load_engine_state, nonfinite_tensor, own_share
+from cpsr_ds.recovery.engine_io import MOMENTS, base_optimizer, load_engine_state, nonfinite_tensor, own_share, stage_sums
 
 log = logging.getLogger(__name__)
 
@@ -21,8 +21,8 @@ class Retained(NamedTuple):
     """A loaded checkpoint as recovery keeps it: this rank's share of the stage's state, and the stage's xi."""
 
     iteration: int
-    share: dict[str, torch.Tensor]  # own_share of its engine_state
-    curvature: StageCurvature | NoFit  # stage_xi of the stage's whole state, for the paper's cost model
+    share: dict[str, torch.Tensor]  # own_share of the engine holding it
+    curvature: StageCurvature | NoFit  # xi of the stage's whole state (stage_sums), for the paper's cost model
 
 
 def load(engine, directory: str, tag: str) -> dict:
@@ -45,10 +45,10 @@ def zero_resharded(engine, directory: str, tag: str) -> tuple[dict[str, torch.Te
     DeepSpeed refuses to load ZeRO partitions into another degree. Its universal
     checkpoint would convert every checkpoint to a new folder first (ds_to_universal, a
     separate pass writing as much again); instead this reads the old ranks' partitions
-    (every rank reads them all: the stage's full state in host memory, as engine_state
-    needs anyway) and reassembles the full fp32 parameters and moments, which
-    load_engine_state writes into the new partitions, the way a predicted state is
-    written. Model weights, counters and the LR schedule load through DeepSpeed as usual.
+    (every rank reads them all: the stage's full state in host memory, for the one load of
+    a changed degree) and reassembles the full fp32 parameters and moments, which
+    load_engine_state writes into the new partitions. Model weights, counters and the LR
+    schedule load through DeepSpeed as usual.
     """
     if not engine.zero_optimization() or _same_zero_degree(engine, directory, tag):
         return None
@@ -110,16 +110,15 @@ def _load_checked(engine, directory: str, tag: str | None, among=None) -> tuple[
     """Load ``tag``; (client state, what recovery keeps of it), None where a rank (of those ``among`` names, see
     :func:`on_any_rank`) holds a non-finite value. ``tag`` None: load nothing, only join the others' check.
 
-    Each rank keeps its share only: the full state goes as soon as it is sliced, and the
-    shares, together the whole state, are checked for finiteness each by its rank.
+    Each rank copies its share only (under ZeRO its own partition: nothing is gathered), and
+    the shares, together the whole state, are checked for finiteness each by its rank.
     """
     if tag is None:
         on_any_rank(None, among)
         return {}, None
     client_state = load(engine, directory, tag)
-    state = engine_state(engine)
-    kept = Retained(engine.global_steps, own_share(engine, state), stage_xi(state))
-    del state
+    share = own_share(engine)
+    kept = Retained(engine.global_steps, share, curvature_of(stage_sums(engine, share)))
     bad = on_any_rank(nonfinite_tensor(kept.share), among)
     if bad is None:
         return client_state, kept

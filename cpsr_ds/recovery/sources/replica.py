@@ -51,8 +51,8 @@ def copy_from_replica(engine, holder: int) -> None:
 
 def fill_partition(engine, dump, holder: int, predicted: dict[str, torch.Tensor]) -> None:
     """Under ZeRO: a rank with its ``dump`` restores it; a rank without takes its partition's fp32 masters from
-    the weights in data-parallel rank ``holder``'s dump and its moments from ``predicted`` (the stage's full
-    predicted state, :func:`engine_io.full_state`). A collective over the stage's data-parallel group."""
+    the weights in data-parallel rank ``holder``'s dump and its moments from ``predicted`` (its own partition's
+    predicted state, :func:`engine_io.own_share`). A collective over the stage's data-parallel group."""
     group = data_parallel(engine).group
     src = dist.get_global_rank(group, holder)
     # Into the module's own weights, as copy_from_replica does: load_local_state refreshes them from the partitions.
@@ -65,10 +65,9 @@ def fill_partition(engine, dump, holder: int, predicted: dict[str, torch.Tensor]
         load_local_state(engine, dump.state, dump.fragments)
         return
     _, fragments = local_state(engine)
-    state = {}
+    state = dict(predicted)
     for name, p in engine.module.named_parameters():
-        start, numel = fragments.get(name, (0, p.numel()))
-        for kind in ("param", *MOMENTS):
-            whole = p.detach() if kind == "param" else predicted[f"{kind}/{name}"]
-            state[f"{kind}/{name}"] = whole.reshape(-1)[start:start + numel].float().clone()
+        if f"param/{name}" in predicted:  # the partition holds some of p
+            start, numel = fragments.get(name, (0, p.numel()))
+            state[f"param/{name}"] = p.detach().reshape(-1)[start:start + numel].float().clone()
     load_local_state(engine, state, fragments)
