@@ -37,6 +37,8 @@ PHASE_THRESHOLD = 0.05  # accumulated relative change of xi that starts a new ph
 # A slope within this many log units over the whole window is no slope (rounding of a constant).
 FLAT_LOG_CHANGE = 1e-9
 
+XI_CHUNK = 1 << 20  # values of a moment summed at a time by xi_sums
+
 # NoFit causes
 TOO_FEW = "too few"
 NOT_POSITIVE = "not finite and positive"
@@ -240,9 +242,10 @@ class XiSums(NamedTuple):
 def xi_sums(state: dict[str, torch.Tensor]) -> XiSums:
     """The sums of ``state`` (keys ``param/``, ``exp_avg_sq/`` as recovery's ``engine_state`` gives them, or a
     share of them): :func:`curvature_of` of them is :func:`stage_xi`."""
-    moments = [t.detach().double().flatten() for key, t in state.items() if key.startswith("exp_avg_sq/")]
-    return XiSums(sum(float(m.sum()) for m in moments), sum(m.numel() for m in moments),
-                  sum(t.numel() for key, t in state.items() if key.startswith("param/")))
+    moments = [t.detach().reshape(-1) for key, t in state.items() if key.startswith("exp_avg_sq/")]
+    # Summed in float64 a chunk at a time: at once, torch would first copy the whole moment into float64.
+    return XiSums(sum(float(c.sum(dtype=torch.float64)) for m in moments for c in m.split(XI_CHUNK)),
+                  sum(m.numel() for m in moments), sum(t.numel() for key, t in state.items() if key.startswith("param/")))
 
 
 def curvature_of(sums: XiSums) -> StageCurvature | NoFit:

@@ -154,6 +154,15 @@ class Predictor(ABC):
         self.history.load_state_dict(sd["history"])
 
 
+CHUNK = 1 << 20  # values compared at a time by squared_distance
+
+
+def squared_distance(a: torch.Tensor, b: torch.Tensor) -> float:
+    """sum((a - b)^2) of two flat tensors, in float64 a chunk at a time: at once, the float64 copies and their
+    difference would each take twice a float32 vector's memory, which at recovery is a share of a stage."""
+    return sum(float((x.double() - y.double()).square_().sum()) for x, y in zip(a.split(CHUNK), b.split(CHUNK)))
+
+
 def holdout_error(iteration: int, horizon: int, pred: dict[str, torch.Tensor], truth: dict[str, torch.Tensor],
                   prev: dict[str, torch.Tensor], kinds: tuple[str, ...]) -> ValidationResult:
     err = base = 0.0
@@ -161,10 +170,10 @@ def holdout_error(iteration: int, horizon: int, pred: dict[str, torch.Tensor], t
     for kind in KINDS:
         if kind not in truth:
             continue
-        e = float((pred[kind].double() - truth[kind]).square().sum())
+        e = squared_distance(pred[kind], truth[kind])
         mse[kind] = e / max(truth[kind].numel(), 1)
         if kind in kinds:
             err += e
-            base += float((prev[kind].double() - truth[kind]).square().sum())
+            base += squared_distance(prev[kind], truth[kind])
     relative = 1.0 if not kinds else (math.sqrt(err / base) if base > 0 else (0.0 if err == 0 else math.inf))
     return ValidationResult(iteration, horizon, relative, mse)

@@ -25,11 +25,15 @@ def new_predictor(cfg: CPSRConfig, shards: int = 1):
 
 def prepare(predictor, history: list[Retained], client_state: dict) -> None:
     """Give ``predictor`` its history (this rank's shares) and, where the checkpoint carries a predictor of its
-    kind, its weights (the first data-parallel rank's, which wrote the checkpoint's client state)."""
+    kind, its weights (the first data-parallel rank's, which wrote the checkpoint's client state).
+
+    The shares are handed over: each is emptied once the predictor holds its own copy, so that
+    recovery does not hold the history twice."""
     if client_state.get(PREDICTOR_STATE, {}).get("name") == predictor.name:
         predictor.load_state_dict(client_state[PREDICTOR_STATE])
     for kept in history:
         predictor.observe(kept.iteration, kept.share)
+        kept.share.clear()
 
 
 def predicted_share(predictor, f: int) -> tuple[str | None, dict | None]:
