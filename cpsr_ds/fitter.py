@@ -245,7 +245,8 @@ def xi_sums(state: dict[str, torch.Tensor]) -> XiSums:
     moments = [t.detach().reshape(-1) for key, t in state.items() if key.startswith("exp_avg_sq/")]
     # Summed in float64 a chunk at a time: at once, torch would first copy the whole moment into float64.
     return XiSums(sum(float(c.sum(dtype=torch.float64)) for m in moments for c in m.split(XI_CHUNK)),
-                  sum(m.numel() for m in moments), sum(t.numel() for key, t in state.items() if key.startswith("param/")))
+                  sum(m.numel() for m in moments),
+                  sum(t.numel() for key, t in state.items() if key.startswith("param/")))
 
 
 def curvature_of(sums: XiSums) -> StageCurvature | NoFit:

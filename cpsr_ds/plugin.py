@@ -117,8 +117,8 @@ class Runtime:
     (runlog.StateRow: xi of the stage's state, and the held-out error of the configured
     predictor). The predictor sees only this rank's data-parallel share of the stage's
     state (recovery.own_share: under ZeRO the rank's own partition, else 1/DP of it), the
-    share it predicts at recovery; xi is summed over the shares (one small all-reduce). The measuring ranks keep that predictor observing every checkpoint: in host
-    memory ``predictor.history`` copies of their share of the stage's fp32 parameters and
+    share it predicts at recovery; xi is summed over the shares (one small all-reduce).
+    The measuring ranks keep that predictor observing every checkpoint: in host memory ``predictor.history`` copies of their share of the stage's fp32 parameters and
     both Adam moments, 12 bytes per parameter each (e.g. 4 x 12 x 350M = 17 GB for all of
     GPT2-0.35B in one stage without data parallelism); vitp keeps the same on every rank,
     as it did to learn, each rank training on its share with 1/DP of the stage's samples
@@ -312,8 +312,9 @@ class Runtime:
         return feed, record
 
     def _record(self, iteration: int, sums: XiSums) -> None:
-        """The StateRow of the checkpoint (xi of the stage's ``sums``, the predictor's held-out error) on a measuring rank,
-        and beside the checkpoint the summary a restart predicts from where the predictor keeps one."""
+        """The StateRow of the checkpoint (xi of the stage's ``sums``, the predictor's held-out error) on a
+        measuring rank, and beside the checkpoint the summary a restart predicts from where the predictor keeps
+        one."""
         # A restart of a per-stage job predicts from each stage's history (recover's _recover_stages).
         summarize = self.predictor is not None and self.predictor.summarizes and not self.per_stage
         if not (self.measuring or summarize):

@@ -12,7 +12,14 @@ import torch
 
 from cpsr_ds.fitter import NoFit, StageCurvature, curvature_of
 from cpsr_ds.recovery.agree import gathered, on_any_rank
-from cpsr_ds.recovery.engine_io import MOMENTS, base_optimizer, load_engine_state, nonfinite_tensor, own_share, stage_sums
+from cpsr_ds.recovery.engine_io import (
+    MOMENTS,
+    base_optimizer,
+    load_engine_state,
+    nonfinite_tensor,
+    own_share,
+    stage_sums,
+)
 
 log = logging.getLogger(__name__)
 
