@@ -124,7 +124,7 @@ def job() -> None:
     totals: dict[str, float] = {}
     deepspeed.initialize = _timed(deepspeed.initialize, totals, "deepspeed_init_s")
     for module, name, part in ((checkpoint, "_load_checked", "reading_s"), (decision, "prepare", "prediction_s"),
-                               (decision, "_prediction", "prediction_s"), (decision, "load_engine_state", "writing_s"),
+                               (decision, "_prediction", "prediction_s"), (decision, "load_own_share", "writing_s"),
                                (decision, "restore_dump", "writing_s"), (train_gpt, "load_corpus", "corpus_s"),
                                (train_gpt, "gpt_pipeline", "model_build_s")):
         setattr(module, name, _timed(getattr(module, name), totals, part))
@@ -135,7 +135,7 @@ def job() -> None:
     engine = run.engine
     if engine.cpsr.recovery.reached is None:
         runtime = engine.cpsr
-        runtime._state = _gpu_measured(runtime._state, "state", engine, out)
+        runtime._share = _gpu_measured(runtime._share, "share", engine, out)
         if runtime.predictor is not None:
             for what in PREDICTOR_WORK:
                 if hasattr(runtime.predictor, what):
