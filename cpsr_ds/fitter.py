@@ -37,7 +37,7 @@ PHASE_THRESHOLD = 0.05  # accumulated relative change of xi that starts a new ph
 # A slope within this many log units over the whole window is no slope (rounding of a constant).
 FLAT_LOG_CHANGE = 1e-9
 
-XI_CHUNK = 1 << 20  # values of a moment summed at a time by xi_sums
+CHUNK = 1 << 20  # values summed at a time in float64 (sum64, squared_distance)
 
 # NoFit causes
 TOO_FEW = "too few"
@@ -182,6 +182,17 @@ def loss_excess(curve: CurveFit, f: int, lag: float) -> float:
     return (float(curve(max(1.0, f - lag))) - at) / at
 
 
+def sum64(a: torch.Tensor) -> float:
+    """sum(a) of a flat tensor in float64, a chunk at a time: at once, torch would first copy all of it into
+    float64, twice a float32 vector's memory, which at a checkpoint or recovery is a share of a stage."""
+    return sum(float(c.sum(dtype=torch.float64)) for c in a.split(CHUNK))
+
+
+def squared_distance(a: torch.Tensor, b: torch.Tensor) -> float:
+    """sum((a - b)^2) of two flat tensors, in float64 a chunk at a time (see :func:`sum64`)."""
+    return sum(float((x.double() - y.double()).square_().sum()) for x, y in zip(a.split(CHUNK), b.split(CHUNK)))
+
+
 def held_out_error(predictor_output: dict[str, torch.Tensor], truth: dict[str, torch.Tensor]) -> float:
     """Eq. 9: sum over the N_p parameters of (x - y)^2 / N_p, squared parameter units.
 
@@ -198,8 +209,7 @@ def held_out_error(predictor_output: dict[str, torch.Tensor], truth: dict[str, t
         if x is None or x.shape != y.shape:
             raise ValueError(f"the prediction of {key} is {'missing' if x is None else tuple(x.shape)}, "
                              f"the true state's is {tuple(y.shape)}")
-        diff = x.detach().double() - y.detach().double()
-        total += float(diff.flatten() @ diff.flatten())
+        total += squared_distance(x.detach().reshape(-1), y.detach().reshape(-1))
         n_p += y.numel()
     if n_p == 0:
         raise ValueError(f"no param/ entry in the true state (keys: {sorted(truth)[:5]})")
@@ -243,8 +253,7 @@ def xi_sums(state: dict[str, torch.Tensor]) -> XiSums:
     """The sums of ``state`` (keys ``param/``, ``exp_avg_sq/`` as recovery's ``engine_state`` gives them, or a
     share of them): :func:`curvature_of` of them is :func:`stage_xi`."""
     moments = [t.detach().reshape(-1) for key, t in state.items() if key.startswith("exp_avg_sq/")]
-    # Summed in float64 a chunk at a time: at once, torch would first copy the whole moment into float64.
-    return XiSums(sum(float(c.sum(dtype=torch.float64)) for m in moments for c in m.split(XI_CHUNK)),
+    return XiSums(sum(sum64(m) for m in moments),
                   sum(m.numel() for m in moments),
                   sum(t.numel() for key, t in state.items() if key.startswith("param/")))
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from cpsr_ds import fitter
 from cpsr_ds.fitter import (
     FLAT,
     NOT_POSITIVE,
@@ -202,3 +203,12 @@ def test_a_xi_that_is_not_finite_and_positive_leaves_the_phase_as_it_was():
         assert next_phase(phase, 10, bad) is phase
         assert next_phase(None, 10, bad) is None
     assert [p and p.index for p in phases([(0, math.nan), (10, 2.0), (20, math.nan), (30, 2.2)])] == [None, 0, 0, 1]
+
+
+@pytest.mark.parametrize("chunk", [7, 1 << 20])
+def test_squared_distance_in_chunks_is_the_float64_sum_of_squares(monkeypatch, chunk):
+    monkeypatch.setattr(fitter, "CHUNK", chunk)
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(100, generator=g), torch.randn(100, generator=g) * 1e-4
+    assert fitter.squared_distance(a, b) == pytest.approx(float((a.double() - b.double()).square().sum()), rel=1e-12)
+    assert fitter.squared_distance(a, a) == 0.0

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cpsr_ds.predictor import NotReady, kind_of, make_predictor
-from cpsr_ds.predictor import base, fdd, samples
+from cpsr_ds.predictor import fdd, samples
 from cpsr_ds.predictor import trainer as trainer_module
 from cpsr_ds.predictor.simple import damping_gain, fit_damping, increment_gram, intervals
 from cpsr_ds.shard import assemble, shapes_of, share
@@ -425,11 +425,3 @@ def test_vitp_peak_memory_stays_under_a_small_cap():
     assert 0 < figures["train_peak_mib"] <= 40
     assert figures["predict_working_peak_mib"] <= 40
 
-
-@pytest.mark.parametrize("chunk", [7, 1 << 20])
-def test_squared_distance_in_chunks_is_the_float64_sum_of_squares(monkeypatch, chunk):
-    monkeypatch.setattr(base, "CHUNK", chunk)
-    g = torch.Generator().manual_seed(0)
-    a, b = torch.randn(100, generator=g), torch.randn(100, generator=g) * 1e-4
-    assert base.squared_distance(a, b) == pytest.approx(float((a.double() - b.double()).square().sum()), rel=1e-12)
-    assert base.squared_distance(a, a) == 0.0

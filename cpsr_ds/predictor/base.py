@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cpsr_ds.fitter import squared_distance
 from cpsr_ds.predictor.state import KINDS, MOMENTS, History, Layout
 
 TREATMENTS = ("predict", "keep")
@@ -152,15 +153,6 @@ class Predictor(ABC):
         if sd["name"] != self.name:
             raise ValueError(f"state dict of predictor {sd['name']!r} loaded into {self.name!r}")
         self.history.load_state_dict(sd["history"])
-
-
-CHUNK = 1 << 20  # values compared at a time by squared_distance
-
-
-def squared_distance(a: torch.Tensor, b: torch.Tensor) -> float:
-    """sum((a - b)^2) of two flat tensors, in float64 a chunk at a time: at once, the float64 copies and their
-    difference would each take twice a float32 vector's memory, which at recovery is a share of a stage."""
-    return sum(float((x.double() - y.double()).square_().sum()) for x, y in zip(a.split(CHUNK), b.split(CHUNK)))
 
 
 def holdout_error(iteration: int, horizon: int, pred: dict[str, torch.Tensor], truth: dict[str, torch.Tensor],
