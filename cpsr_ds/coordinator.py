@@ -24,8 +24,9 @@ work is issued on a side stream that waits on the compute stream at the slot
 spans are CPU time, not GPU time.
 
 Predictor work is queued as jobs (:class:`TrainJob`: the learning predictor's steps
-after a checkpoint, in slices; :class:`CallJob`: a piece that cannot be sliced, such
-as the held-out check). A job whose smallest piece has no measured cost yet runs that
+after a checkpoint, in slices; :class:`PiecesJob`: work that stops after each small
+piece, such as the copy of a checkpoint's share into the predictor's history;
+:class:`CallJob`: a piece that cannot be sliced, such as the held-out check). A job whose smallest piece has no measured cost yet runs that
 piece at once, inline, to measure it (or, queued behind other work, at the next
 checkpoint); what is still queued at a checkpoint runs inline there, before the predictor
 sees the new checkpoint, and what is queued when the job ends is dropped.
@@ -65,7 +66,7 @@ import os
 import threading
 import time
 from collections import defaultdict, deque
-from typing import Callable, Optional, Protocol
+from typing import Callable, Iterator, Optional, Protocol
 
 import numpy as np
 import torch
@@ -81,6 +82,7 @@ PIECES = 5  # recent costs of a job's smallest piece that its estimate is the la
 MIN_PIECE_S = 0.002  # no piece is expected to take less: timing noise on a shared CPU is of that order
 LOWEST_PRIORITY = 19  # the nice value of the background thread
 DROP_WAIT_S = 30.0  # how long the end of the job waits for the background thread's running job
+DONE = object()  # what a PiecesJob's exhausted pieces give
 
 
 class PredictorWork(PipeInstruction):
@@ -201,6 +203,27 @@ class CallJob:
         return True
 
 
+class PiecesJob:
+    """Work done a piece at a time: ``pieces`` yields after each (e.g. Predictor.observing's copy of a share);
+    a slice runs pieces while the next one's estimated cost fits the budget."""
+
+    def __init__(self, pieces: Iterator[None], piece: PieceCost):
+        self.pieces, self.piece = pieces, piece
+
+    def cost(self) -> Optional[float]:
+        return self.piece.estimate()
+
+    def run(self, budget_s: Optional[float]) -> bool:
+        start = time.perf_counter()
+        while True:
+            t0 = time.perf_counter()
+            if next(self.pieces, DONE) is DONE:
+                return True
+            self.piece.add(time.perf_counter() - t0)
+            if budget_s is not None and time.perf_counter() - start + self.cost() > budget_s:
+                return False
+
+
 def budget(spans, percentile: float, safety: float) -> float:
     """A slot's budget: the ``percentile`` of its recent ``spans`` times ``safety``; 0 before any."""
     return float(np.percentile(list(spans), percentile)) * safety if spans else 0.0
@@ -264,10 +287,13 @@ class Coordinator:
         self.queue.append(job)
 
     def flush(self) -> None:
-        """Run everything queued to its end, inline."""
+        """Run everything queued to its end, inline; a job not measured yet runs one piece first, to measure it
+        (run to its end at once, a TrainJob's steps are not timed one at a time, and it would never fit a slot)."""
         with self._spent("inline_s"):
             while self.queue:
-                self.queue.popleft().run(None)
+                job = self.queue.popleft()
+                if job.cost() is not None or not job.run(0.0):
+                    job.run(None)
 
     def drop(self) -> None:
         """Give up what is queued (the job ends), saying so."""

@@ -41,7 +41,8 @@ from cpsr_ds.checkpoint.layout import verify_storage
 from cpsr_ds.checkpoint.store import reading_each_file_once
 from cpsr_ds.checkpoint.journal import ProgressJournal, journal_path, plausible, read_journal, retire_journals
 from cpsr_ds.config import CPSRConfig
-from cpsr_ds.coordinator import Background, BubbleSchedule, CallJob, Coordinator, PieceCost, PredictorWork, TrainJob
+from cpsr_ds.coordinator import (Background, BubbleSchedule, CallJob, Coordinator, PieceCost, PiecesJob, PredictorWork,
+                                 TrainJob)
 from cpsr_ds.elastic import check_restartable
 from cpsr_ds.faults import FaultInjector, check_kill_rank
 from cpsr_ds.fitter import XiSums, curvature_of, fit_loss_o, next_phase
@@ -303,7 +304,7 @@ class Runtime:
         stage's ``sums``."""
         feed = []
         if self.predictor is not None:
-            feed.append(CallJob(partial(self.predictor.observe, iteration, share), self._piece("observe")))
+            feed.append(PiecesJob(self.predictor.observing(iteration, share), self._piece("observe")))
             if self.learning:
                 p = self.cfg.predictor
                 feed.append(TrainJob(self.predictor, p.train_steps, p.train_budget_s, self._piece("train")))

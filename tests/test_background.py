@@ -72,9 +72,18 @@ ITERS, STEPS = 16, 4
 
 
 def observing_threads(predictor) -> list:
-    """The thread of each of ``predictor``'s observe calls from now on, in call order."""
-    threads, observe = [], predictor.observe
-    predictor.observe = lambda *args: (threads.append(threading.get_native_id()), observe(*args))
+    """From now on, for each checkpoint ``predictor`` observes (in order), the threads that ran the pieces of its
+    copy into the history (Predictor.observing)."""
+    threads, observing = [], predictor.observing
+
+    def spy(*args):
+        seen = {threading.get_native_id()}
+        threads.append(seen)
+        for piece in observing(*args):
+            yield piece
+            seen.add(threading.get_native_id())
+
+    predictor.observing = spy
     return threads
 
 
@@ -125,7 +134,7 @@ def test_the_predictor_observes_each_checkpoint_off_the_training_loops_thread_wi
     loop = threading.get_native_id()
     on, off = runs[True][2], runs[False][2]
     assert len(on) == len(off) == ITERS // 2
-    assert loop not in on and set(off) == {loop}
+    assert all(loop not in pieces for pieces in on) and all(pieces == {loop} for pieces in off)
 
 
 def test_a_simple_predictor_without_a_pipeline_works_at_the_checkpoint_on_the_training_loops_thread(runs, tmp_path):
@@ -142,7 +151,7 @@ def test_a_simple_predictor_without_a_pipeline_works_at_the_checkpoint_on_the_tr
         engine.train_batch(iter([batch] * engine.gradient_accumulation_steps()))
     assert engine.cpsr.coordinator is None and predictor.name == "trend"
     assert not [t for t in threading.enumerate() if t.name.startswith("cpsr-predictor")]
-    assert observers == [threading.get_native_id()] * 2
+    assert observers == [{threading.get_native_id()}] * 2
     assert engine.checkpoint_engine.flush(timeout_s=60)
     engine.cpsr.close()
 

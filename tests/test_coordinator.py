@@ -12,8 +12,8 @@ from conftest import ROOT, run_job, tiny_config
 from cpsr_ds.checkpoint.fileformat import read_snapshot
 from cpsr_ds.checkpoint.journal import journal_path, read_journal
 from cpsr_ds.config import ConfigError, CoordinatorConfig, CPSRConfig
-from cpsr_ds.coordinator import (MIN_PIECE_S, Background, BubbleSchedule, CallJob, Coordinator, PredictorWork,
-                                 TrainJob, bubble_slots, read_records)
+from cpsr_ds.coordinator import (MIN_PIECE_S, Background, BubbleSchedule, CallJob, Coordinator, PiecesJob,
+                                 PredictorWork, TrainJob, bubble_slots, read_records)
 from cpsr_ds.predictor import StepReport
 from cpsr_ds.recovery import PREDICTOR_STATE
 
@@ -170,6 +170,51 @@ def test_a_slot_too_short_for_a_piece_runs_nothing(tmp_path):
     assert predictor.steps == 1 and len(c.queue) == 1
     c.drop()
     assert not c.queue
+
+
+def sleeps(n, done):
+    """n pieces of STEP_S each, appending each one's number to ``done``."""
+    for i in range(n):
+        time.sleep(STEP_S)
+        done.append(i)
+        yield
+
+
+def test_training_queued_behind_other_work_is_measured_at_the_flush_and_then_fits_the_slots(tmp_path):
+    """A checkpoint's work: the copy of the share first, then the training. The training waits behind the copy
+    for the flush; the flush must measure its piece, or it never fits a slot and runs inline at every flush."""
+    c = Coordinator(CoordinatorConfig(window=4, log_every=1), str(tmp_path), rank=0, stage=0)
+    predictor = Sleeper()
+    for _ in range(4):
+        bubble(c, "RecvGrad@3", 0.06)
+    for checkpoint in range(2):
+        c.submit(PiecesJob(sleeps(3, []), c.piece("observe")))
+        c.submit(TrainJob(predictor, 20, None, c.piece("train")))
+        before = predictor.steps
+        for _ in range(3):
+            bubble(c, "RecvGrad@3", 0.06)
+        in_slots = predictor.steps - before
+        c.flush()
+        assert predictor.steps == 20 * (checkpoint + 1) and c.piece("train").estimate() is not None
+    assert in_slots > 1  # the second checkpoint's training went in the slots
+
+
+def test_work_in_pieces_runs_in_slots_within_their_budgets_and_in_order(tmp_path):
+    c = Coordinator(CoordinatorConfig(window=4, log_every=1), str(tmp_path), rank=0, stage=0)
+    for _ in range(4):
+        bubble(c, "RecvActivation@1", 0.06)
+    done = []
+    c.submit(PiecesJob(sleeps(60, done), c.piece("observe")))
+    assert done == [0] and len(c.queue) == 1  # one piece, inline, to measure it
+    c.end_iteration(1)
+    for _ in range(3):
+        bubble(c, "RecvActivation@1", 0.06)
+    c.end_iteration(2)
+    assert 3 < len(done) < 60
+    c.flush()
+    assert done == list(range(60)) and not c.queue
+    slices = read_records(str(tmp_path))[1]["slices"]
+    assert len(slices) == 3 and all(0 < spent <= budget + MIN_PIECE_S for _, budget, spent in slices)
 
 
 # ---------------------------------------------------------------- a PP = 2 job, coordinator on and off

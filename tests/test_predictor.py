@@ -15,6 +15,7 @@ from cpsr_ds.predictor import NotReady, kind_of, make_predictor
 from cpsr_ds.predictor import fdd, samples
 from cpsr_ds.predictor import trainer as trainer_module
 from cpsr_ds.predictor.simple import damping_gain, fit_damping, increment_gram, intervals
+from cpsr_ds.predictor.state import PIECE, History
 from cpsr_ds.shard import assemble, shapes_of, share
 
 # Checkpoints at variable intervals (30..70 iterations), the failure between two.
@@ -65,6 +66,21 @@ def test_kind_comes_from_the_key_prefix():
 
 
 # --- FDD ----------------------------------------------------------------------
+
+def test_a_checkpoint_observed_a_piece_at_a_time_joins_the_history_whole_after_its_last_piece():
+    state = {"param/w": torch.randn(2 * PIECE + 3), "param/b": torch.randn(4, 5), "exp_avg/w": torch.randn(2 * PIECE + 3),
+             "exp_avg/b": torch.randn(4, 5), "step": torch.tensor(7)}
+    whole, pieces = History(3, align=8), History(3, align=8)
+    whole.append(40, state)
+    copied = 0
+    for _ in pieces.appending(40, state):
+        copied += 1
+        assert len(pieces) == 0 and not pieces.others
+    assert copied == 2 * (3 + 1)  # each w in three pieces, each b in one
+    assert list(pieces.iterations) == [40] and pieces.others.keys() == whole.others.keys() == {"step"}
+    assert all(torch.equal(pieces.flats[0][k], whole.flats[0][k]) for k in ("param", "exp_avg"))
+    assert pieces.flats[0]["param"].numel() % 8 == 0
+
 
 def test_fdd_round_trip_with_nothing_dropped_is_exact():
     y = torch.randn(3, 7, 50, dtype=torch.float64)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
@@ -90,6 +91,10 @@ class Predictor(ABC):
     def observe(self, iteration: int, state: dict[str, torch.Tensor]) -> None:
         """Append a checkpoint (copied) to the bounded history."""
         self.history.append(iteration, state)
+
+    def observing(self, iteration: int, state: dict[str, torch.Tensor]) -> Iterator[None]:
+        """:meth:`observe` a piece at a time (:meth:`History.appending`), for the coordinator's slots."""
+        return self.history.appending(iteration, state)
 
     def ready(self) -> bool:
         return len(self.history) >= self.min_history

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
 KINDS = ("param", "exp_avg", "exp_avg_sq")
 MOMENTS = ("exp_avg", "exp_avg_sq")
 OTHER = "other"
+PIECE = 1 << 20  # values copied at a time by History.appending: about a millisecond, to fit between other work
 
 
 def kind_of(key: str) -> str:
@@ -86,15 +88,23 @@ class Layout:
 
     def flatten(self, state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """Copies ``state`` into per-kind float32 vectors plus the ``other`` tensors."""
-        flats = {k: torch.zeros(n, dtype=torch.float32) for k, n in self.sizes.items()}
-        others = {}
+        flats, others = {}, {}
+        for _ in self.filling(state, flats, others):
+            pass
+        return flats, others
+
+    def filling(self, state: dict[str, torch.Tensor], flats: dict, others: dict) -> Iterator[None]:
+        """:meth:`flatten` into ``flats`` and ``others``, yielding after each PIECE values copied."""
+        flats.update({k: torch.zeros(n, dtype=torch.float32) for k, n in self.sizes.items()})
         for e in self.entries:
             t = state[e.key].detach()
             if e.kind == OTHER:
                 others[e.key] = t.to("cpu", copy=True)
-            else:
-                flats[e.kind][e.span].copy_(t.reshape(-1))
-        return flats, others
+                continue
+            for start in range(0, e.numel, PIECE):
+                end = min(start + PIECE, e.numel)
+                flats[e.kind][e.offset + start:e.offset + end].copy_(t.reshape(-1)[start:end])
+                yield
 
     def unflatten(self, flats: dict[str, torch.Tensor], others: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The state from per-kind vectors; float32 tensors are views of ``flats``, so a
@@ -136,12 +146,21 @@ class History:
         return len(self.iterations)
 
     def append(self, iteration: int, state: dict[str, torch.Tensor]) -> None:
+        for _ in self.appending(iteration, state):
+            pass
+
+    def appending(self, iteration: int, state: dict[str, torch.Tensor]) -> Iterator[None]:
+        """:meth:`append`, a piece at a time (it yields after each piece copied), so that the copy can run in
+        short slots between other work; the checkpoint joins the history when the last piece is done, and
+        ``state`` must not change until then."""
         if self.layout is None:
             self.layout = Layout.of(state, self.align)
         self.layout.check(state)
         if self.iterations and iteration <= self.iterations[-1]:
             raise ValueError(f"checkpoint iteration {iteration} is not after the last one ({self.iterations[-1]})")
-        flats, self.others = self.layout.flatten(state)
+        flats, others = {}, {}
+        yield from self.layout.filling(state, flats, others)
+        self.others = others
         self.iterations.append(int(iteration))
         self.flats.append(flats)
 
