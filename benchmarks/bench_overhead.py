@@ -13,6 +13,9 @@ predictor's work does not depend on the machine's load), a checkpoint every
 ``--interval`` iterations and ``coordinator.log_every`` 1. The same config runs with
 ``coordinator.enabled`` true ("on": the work in the bubbles) and false ("off": at the
 checkpoint, on the training loop's path), interleaved: on, off, on, off, ...
+With ``--fill`` the on runs set ``coordinator.fill``: vitp keeps training in the bubbles
+left after a checkpoint's work, so the on runs' predictor has trained more by the same
+iteration (the accuracy lines compare it with the off runs' as before).
 The batch is large enough that a piece of vitp's work (one training step and its
 held-out check, about 0.1 s on one thread) fits the larger bubbles; with the base
 config's 8 sequences per micro-batch none does, and all the work runs inline.
@@ -258,7 +261,7 @@ def check(code: int, base: str, name: str) -> None:
 def overhead_block(args, enabled: bool) -> dict:
     return {"checkpoint": {"interval": args.interval, "keep_last": HISTORY},
             "predictor": {"name": "vitp", "history": HISTORY, "train_steps": args.train_steps, "train_budget_s": None},
-            "coordinator": {"enabled": enabled, "log_every": 1}}
+            "coordinator": {"enabled": enabled, "log_every": 1, "fill": args.fill}}
 
 
 def overhead_run(args, stages: int, dp: int, pair: int, enabled: bool) -> dict:
@@ -377,8 +380,9 @@ def num(value, spec: str, width: int) -> str:
 
 def print_result(result: dict) -> None:
     s = result["settings"]
-    print(f"\nvitp, {s['train_steps']} steps after each checkpoint, a checkpoint every {s['interval']} iterations, "
-          f"{s['iters']} iterations, measured after {s['warm_up']}" + (f"; {s['note']}" if s["note"] else ""))
+    fill = ", then on in the bubbles left (coordinator.fill)" if s.get("fill") else ""
+    print(f"\nvitp, {s['train_steps']} steps after each checkpoint{fill}, a checkpoint every {s['interval']} "
+          f"iterations, {s['iters']} iterations, measured after {s['warm_up']}" + (f"; {s['note']}" if s["note"] else ""))
     print(f"{'layout':10s} {'procs':>5s} | {'on it/s':>8s} {'off it/s':>8s} | ratio on/off: median, mean [95 % interval]"
           f" over pairs")
     for name, r in result["layouts"].items():
@@ -459,6 +463,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warm-up", type=int,
                    help="iterations left out of the measurement (default: until vitp has the checkpoints it learns "
                         "from)")
+    p.add_argument("--fill", action="store_true",
+                   help="coordinator.fill in the on runs: vitp keeps training in the bubbles until the next checkpoint")
     p.add_argument("--no-recovery", action="store_true", help="leave out the recovery memory jobs")
     p.add_argument("--note", default="", help="what else ran on the machine meanwhile, for the record")
     args = p.parse_args(argv)

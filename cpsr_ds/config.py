@@ -254,6 +254,14 @@ class CoordinatorConfig(_Strict):
         100, gt=0,
         description="Iterations summed up per line of the run directory's coordinator/rankNNNNN.jsonl (count).",
     )
+    fill: bool = Field(
+        False,
+        description="With pipeline parallelism and a learning predictor (vitp): once a checkpoint's work is done, "
+        "the predictor keeps training in what is left of the bubbles until the next checkpoint, beyond "
+        "predictor.train_steps or train_budget_s; that training never runs on the training loop's path. The "
+        "predictor's training then depends on the bubbles' measured length, so two runs of one seed no longer "
+        "train it alike.",
+    )
 
 
 class CPSRConfig(_Strict):

@@ -26,10 +26,13 @@ spans are CPU time, not GPU time.
 Predictor work is queued as jobs (:class:`TrainJob`: the learning predictor's steps
 after a checkpoint, in slices; :class:`PiecesJob`: work that stops after each small
 piece, such as the copy of a checkpoint's share into the predictor's history;
-:class:`CallJob`: a piece that cannot be sliced, such as the held-out check). A job whose smallest piece has no measured cost yet runs that
-piece at once, inline, to measure it (or, queued behind other work, at the next
-checkpoint); what is still queued at a checkpoint runs inline there, before the predictor
-sees the new checkpoint, and what is queued when the job ends is dropped.
+:class:`CallJob`: a piece that cannot be sliced, such as the held-out check). A job
+whose smallest piece has no measured cost yet runs that piece at once, inline, to
+measure it (or, queued behind other work, at the next checkpoint); what is still queued
+at a checkpoint runs inline there, before the predictor sees the new checkpoint, and
+what is queued when the job ends is dropped. With ``coordinator.fill``, a
+:class:`FillJob` queued last keeps the learning predictor training in every slot left
+until the next checkpoint, which drops it: it only ever uses bubble time.
 
 Without a pipeline (one stage: plain data parallelism or ZeRO) there are no bubbles;
 :class:`Background` runs the queued jobs to their ends on a thread of its own at the
@@ -130,6 +133,8 @@ class BubbleSchedule(TrainSchedule):
 
 
 class Job(Protocol):
+    optional: bool  # True: only for the bubbles; a flush drops it, nothing runs it inline
+
     def cost(self) -> Optional[float]:
         """Seconds of the job's smallest piece; None: not measured yet."""
 
@@ -158,6 +163,8 @@ class TrainJob:
     less that piece for its steps, so that it ends within the budget.
     """
 
+    optional, validate = False, True
+
     def __init__(self, predictor, steps: Optional[int], seconds: Optional[float], piece: PieceCost):
         self.predictor = predictor
         self.steps, self.seconds, self.piece = steps, seconds, piece
@@ -175,7 +182,7 @@ class TrainJob:
             budget = None if known is None else max(budget_s - known, 0.0)
             if self.seconds is not None:
                 budget = self.seconds if budget is None else min(budget, self.seconds)
-        report = self.predictor.step(budget_s=budget, n_steps=steps)
+        report = self.predictor.step(budget_s=budget, n_steps=steps, validate=self.validate)
         if report.steps == 1:
             self.piece.add(report.seconds)
         if self.steps is not None:
@@ -187,8 +194,21 @@ class TrainJob:
                 or (self.seconds is not None and self.seconds <= 0))
 
 
+class FillJob(TrainJob):
+    """The learning predictor's training in what is left of the bubbles until the next checkpoint
+    (``coordinator.fill``): no step limit, no held-out check per slice (the checkpoint's record makes one), never
+    inline."""
+
+    optional, validate = True, False
+
+    def __init__(self, predictor, piece: PieceCost):
+        super().__init__(predictor, None, None, piece)
+
+
 class CallJob:
     """One call that cannot be sliced; its cost is the largest of its kind's recent calls."""
+
+    optional = False
 
     def __init__(self, call: Callable[[], None], piece: PieceCost):
         self.call, self.piece = call, piece
@@ -206,6 +226,8 @@ class CallJob:
 class PiecesJob:
     """Work done a piece at a time: ``pieces`` yields after each (e.g. Predictor.observing's copy of a share);
     a slice runs pieces while the next one's estimated cost fits the budget."""
+
+    optional = False
 
     def __init__(self, pieces: Iterator[None], piece: PieceCost):
         self.pieces, self.piece = pieces, piece
@@ -279,7 +301,7 @@ class Coordinator:
     def submit(self, job: Job) -> None:
         """Queue ``job``. A job with no measured piece runs one piece now, inline, to measure it; behind other
         work (which it must follow) it waits for the next :meth:`flush`, which measures it."""
-        if job.cost() is None and not self.queue:
+        if job.cost() is None and not self.queue and not job.optional:
             with self._spent("inline_s"):
                 done = job.run(0.0)
             if done:
@@ -287,19 +309,20 @@ class Coordinator:
         self.queue.append(job)
 
     def flush(self) -> None:
-        """Run everything queued to its end, inline; a job not measured yet runs one piece first, to measure it
-        (run to its end at once, a TrainJob's steps are not timed one at a time, and it would never fit a slot)."""
+        """Run everything queued to its end, inline, but optional jobs, which are dropped; a job not measured yet
+        runs one piece first, to measure it (run to its end at once, a TrainJob's steps are not timed one at a time,
+        and it would never fit a slot)."""
         with self._spent("inline_s"):
             while self.queue:
                 job = self.queue.popleft()
-                if job.cost() is not None or not job.run(0.0):
+                if not job.optional and (job.cost() is not None or not job.run(0.0)):
                     job.run(None)
 
     def drop(self) -> None:
         """Give up what is queued (the job ends), saying so."""
-        if self.queue:
-            log.info("cpsr: rank %d: %d job(s) of predictor work left undone at the end of the job",
-                     self.rank, len(self.queue))
+        left = sum(not job.optional for job in self.queue)
+        if left:
+            log.info("cpsr: rank %d: %d job(s) of predictor work left undone at the end of the job", self.rank, left)
         self.queue.clear()
 
     def slot(self, slot: str) -> None:

@@ -41,8 +41,8 @@ from cpsr_ds.checkpoint.layout import verify_storage
 from cpsr_ds.checkpoint.store import reading_each_file_once
 from cpsr_ds.checkpoint.journal import ProgressJournal, journal_path, plausible, read_journal, retire_journals
 from cpsr_ds.config import CPSRConfig
-from cpsr_ds.coordinator import (Background, BubbleSchedule, CallJob, Coordinator, PieceCost, PiecesJob, PredictorWork,
-                                 TrainJob)
+from cpsr_ds.coordinator import (Background, BubbleSchedule, CallJob, Coordinator, FillJob, PieceCost, PiecesJob,
+                                 PredictorWork, TrainJob)
 from cpsr_ds.elastic import check_restartable
 from cpsr_ds.faults import FaultInjector, check_kill_rank
 from cpsr_ds.fitter import XiSums, curvature_of, fit_loss_o, next_phase
@@ -310,6 +310,8 @@ class Runtime:
                 feed.append(TrainJob(self.predictor, p.train_steps, p.train_budget_s, self._piece("train")))
         # The held-out check comes after the predictor's training, wherever that runs.
         record = [CallJob(partial(self._record, iteration, sums), self._piece("held_out"))] if self.observing else []
+        if self.learning and self.cfg.coordinator.fill and type(self.coordinator) is Coordinator:
+            record.append(FillJob(self.predictor, self._piece("train")))
         return feed, record
 
     def _record(self, iteration: int, sums: XiSums) -> None:

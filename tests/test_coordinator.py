@@ -12,7 +12,7 @@ from conftest import ROOT, run_job, tiny_config
 from cpsr_ds.checkpoint.fileformat import read_snapshot
 from cpsr_ds.checkpoint.journal import journal_path, read_journal
 from cpsr_ds.config import ConfigError, CoordinatorConfig, CPSRConfig
-from cpsr_ds.coordinator import (MIN_PIECE_S, Background, BubbleSchedule, CallJob, Coordinator, PiecesJob,
+from cpsr_ds.coordinator import (MIN_PIECE_S, Background, BubbleSchedule, CallJob, Coordinator, FillJob, PiecesJob,
                                  PredictorWork, TrainJob, bubble_slots, read_records)
 from cpsr_ds.predictor import StepReport
 from cpsr_ds.recovery import PREDICTOR_STATE
@@ -90,16 +90,20 @@ class Sleeper:
     before a step that would overrun ``budget_s``, but takes one step at least."""
 
     def __init__(self):
-        self.steps = 0
+        self.steps, self.checks = 0, 0
 
-    def step(self, budget_s=None, n_steps=None):
+    def step(self, budget_s=None, n_steps=None, validate=True):
+        if budget_s is None and n_steps is None:
+            raise ValueError("step needs a time budget or a step count")
         start, taken = time.perf_counter(), 0
         while n_steps is None or taken < n_steps:
             if budget_s is not None and taken and time.perf_counter() - start + STEP_S > budget_s:
                 break
             time.sleep(STEP_S)
             taken += 1
-        time.sleep(STEP_S)
+        if validate:
+            time.sleep(STEP_S)
+            self.checks += 1
         self.steps += taken
         return StepReport(taken, time.perf_counter() - start, 0.0, 0.0)
 
@@ -214,6 +218,29 @@ def test_work_in_pieces_runs_in_slots_within_their_budgets_and_in_order(tmp_path
     c.flush()
     assert done == list(range(60)) and not c.queue
     slices = read_records(str(tmp_path))[1]["slices"]
+    assert len(slices) == 3 and all(0 < spent <= budget + MIN_PIECE_S for _, budget, spent in slices)
+
+
+def test_filling_trains_in_every_slot_until_the_checkpoint_and_never_inline(tmp_path):
+    c = Coordinator(CoordinatorConfig(window=4, log_every=1, fill=True), str(tmp_path), rank=0, stage=1)
+    predictor = Sleeper()
+    c.submit(FillJob(predictor, c.piece("train")))  # nothing measured yet: still nothing inline
+    assert predictor.steps == 0 and len(c.queue) == 1
+    for _ in range(4):
+        bubble(c, "RecvActivation@1", 0.06)
+    c.end_iteration(1)
+    assert predictor.steps == 0  # no budget yet, and no piece measured: no step could be placed
+    c.piece("train").add(2 * STEP_S)  # one step and its check, as a checkpoint's TrainJob measures it
+    for _ in range(3):
+        bubble(c, "RecvActivation@1", 0.06)
+    c.end_iteration(2)
+    in_slots = predictor.steps
+    assert in_slots > 3 * 5 and predictor.checks == 0  # about ten 4 ms steps per 48 ms slot, no held-out checks
+    c.flush()
+    assert predictor.steps == in_slots and not c.queue
+    first, second = read_records(str(tmp_path))
+    assert first["inline_s"] == 0 and second["inline_s"] < MIN_PIECE_S
+    slices = second["slices"]
     assert len(slices) == 3 and all(0 < spent <= budget + MIN_PIECE_S for _, budget, spent in slices)
 
 

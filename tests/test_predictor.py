@@ -68,8 +68,8 @@ def test_kind_comes_from_the_key_prefix():
 # --- FDD ----------------------------------------------------------------------
 
 def test_a_checkpoint_observed_a_piece_at_a_time_joins_the_history_whole_after_its_last_piece():
-    state = {"param/w": torch.randn(2 * PIECE + 3), "param/b": torch.randn(4, 5), "exp_avg/w": torch.randn(2 * PIECE + 3),
-             "exp_avg/b": torch.randn(4, 5), "step": torch.tensor(7)}
+    state = {"param/w": torch.randn(2 * PIECE + 3), "param/b": torch.randn(4, 5),
+             "exp_avg/w": torch.randn(2 * PIECE + 3), "exp_avg/b": torch.randn(4, 5), "step": torch.tensor(7)}
     whole, pieces = History(3, align=8), History(3, align=8)
     whole.append(40, state)
     copied = 0
@@ -351,6 +351,16 @@ def test_vitp_step_respects_a_time_budget():
     report = p.step(budget_s=0.3)
     assert report.steps >= 1 and report.seconds < 0.3 + 0.5
     assert fed("vitp", decay, iterations=ITERATIONS[:4], **VITP_SMALL).step(n_steps=5).steps == 0
+
+
+def test_vitp_steps_without_their_held_out_check_train_alike_and_add_no_curve_point():
+    checked, unchecked = (fed("vitp", decay, **VITP_SMALL) for _ in range(2))
+    checked.step(n_steps=3)
+    report = unchecked.step(n_steps=3, validate=False)
+    assert report.steps == 3 and math.isnan(report.val_loss) and not unchecked.trainer.curve
+    assert len(checked.trainer.curve) == 1
+    for name, weight in checked.trainer.model.state_dict().items():
+        assert torch.equal(weight, unchecked.trainer.model.state_dict()[name]), name
 
 
 @pytest.mark.parametrize("name", ["skip", "linear", "trend", "damped", "ridge", "vitp"])

@@ -212,8 +212,9 @@ class VITPTrainer:
         relative = math.sqrt(err / base) if base > 0 else 0.0
         return sum(losses) / len(losses), relative, per_kind
 
-    def step(self, budget_s: float | None = None, n_steps: int | None = None) -> StepReport:
-        """Train for ``n_steps`` steps or until ``budget_s`` seconds are spent, whichever comes first, then validate."""
+    def step(self, budget_s: float | None = None, n_steps: int | None = None, validate: bool = True) -> StepReport:
+        """Train for ``n_steps`` steps or until ``budget_s`` seconds are spent, whichever comes first, then validate
+        (``validate`` false: not, and the learning curve gets no point; the report's val_loss is nan)."""
         if budget_s is None and n_steps is None:
             raise ValueError("step needs a time budget or a step count")
         if not self.trainable():
@@ -230,11 +231,13 @@ class VITPTrainer:
             t0 = time.perf_counter()
             losses.append(self.train_step())
             longest = max(longest, time.perf_counter() - t0)
-        val_loss, relative, _ = self.validate()
+        val_loss, relative, _ = self.validate() if validate else (math.nan, math.nan, None)
         seconds = time.perf_counter() - start
         self.seconds += seconds
         train_loss = sum(losses) / len(losses)
-        self.curve.append(LossPoint(self.steps, self.seconds, self.history.iterations[-1], train_loss, val_loss, relative))
+        if validate:
+            self.curve.append(LossPoint(self.steps, self.seconds, self.history.iterations[-1], train_loss, val_loss,
+                                        relative))
         return StepReport(len(losses), seconds, train_loss, val_loss)
 
     def state_dict(self) -> dict:

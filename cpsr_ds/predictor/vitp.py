@@ -77,9 +77,9 @@ class VITPPredictor(Predictor):
         self.trainer.val_chunks = -(-o["val_chunks"] // shards)
         o["shards"] = shards
 
-    def step(self, budget_s: float | None = None, n_steps: int | None = None) -> StepReport:
+    def step(self, budget_s: float | None = None, n_steps: int | None = None, validate: bool = True) -> StepReport:
         """Train in a budget of seconds or steps (see :meth:`VITPTrainer.step`)."""
-        return self.trainer.step(budget_s=budget_s, n_steps=n_steps)
+        return self.trainer.step(budget_s=budget_s, n_steps=n_steps, validate=validate)
 
     def ready(self) -> bool:
         return super().ready() and self.trainer.steps >= self._options["min_train_steps"]
