@@ -101,9 +101,10 @@ class Layout:
             if e.kind == OTHER:
                 others[e.key] = t.to("cpu", copy=True)
                 continue
+            flat = t.reshape(-1)  # a copy once, where t is not contiguous
             for start in range(0, e.numel, PIECE):
                 end = min(start + PIECE, e.numel)
-                flats[e.kind][e.offset + start:e.offset + end].copy_(t.reshape(-1)[start:end])
+                flats[e.kind][e.offset + start:e.offset + end].copy_(flat[start:end])
                 yield
 
     def unflatten(self, flats: dict[str, torch.Tensor], others: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
