@@ -155,7 +155,19 @@ class PieceCost:
         return max(MIN_PIECE_S, *self.recent) if self.recent else None
 
 
-class TrainJob:
+class Piecewise:
+    """What the jobs share: the cost record of their kind's smallest piece, and whether the job is optional."""
+
+    optional = False
+
+    def __init__(self, piece: PieceCost):
+        self.piece = piece
+
+    def cost(self) -> Optional[float]:
+        return self.piece.estimate()
+
+
+class TrainJob(Piecewise):
     """A learning predictor's training after a checkpoint: ``steps`` steps or ``seconds`` seconds, in slices.
 
     A slice is one ``predictor.step`` call: its steps, then its held-out check. Its
@@ -163,14 +175,12 @@ class TrainJob:
     less that piece for its steps, so that it ends within the budget.
     """
 
-    optional, validate = False, True
+    validate = True
 
     def __init__(self, predictor, steps: Optional[int], seconds: Optional[float], piece: PieceCost):
+        super().__init__(piece)
         self.predictor = predictor
-        self.steps, self.seconds, self.piece = steps, seconds, piece
-
-    def cost(self) -> Optional[float]:
-        return self.piece.estimate()
+        self.steps, self.seconds = steps, seconds
 
     def run(self, budget_s: Optional[float]) -> bool:
         steps = self.steps
@@ -205,16 +215,12 @@ class FillJob(TrainJob):
         super().__init__(predictor, None, None, piece)
 
 
-class CallJob:
+class CallJob(Piecewise):
     """One call that cannot be sliced; its cost is the largest of its kind's recent calls."""
 
-    optional = False
-
     def __init__(self, call: Callable[[], None], piece: PieceCost):
-        self.call, self.piece = call, piece
-
-    def cost(self) -> Optional[float]:
-        return self.piece.estimate()
+        super().__init__(piece)
+        self.call = call
 
     def run(self, budget_s: Optional[float]) -> bool:
         t0 = time.perf_counter()
@@ -223,17 +229,13 @@ class CallJob:
         return True
 
 
-class PiecesJob:
+class PiecesJob(Piecewise):
     """Work done a piece at a time: ``pieces`` yields after each (e.g. Predictor.observing's copy of a share);
     a slice runs pieces while the next one's estimated cost fits the budget."""
 
-    optional = False
-
     def __init__(self, pieces: Iterator[None], piece: PieceCost):
-        self.pieces, self.piece = pieces, piece
-
-    def cost(self) -> Optional[float]:
-        return self.piece.estimate()
+        super().__init__(piece)
+        self.pieces = pieces
 
     def run(self, budget_s: Optional[float]) -> bool:
         start = time.perf_counter()
@@ -315,8 +317,9 @@ class Coordinator:
         with self._spent("inline_s"):
             while self.queue:
                 job = self.queue.popleft()
-                if not job.optional and (job.cost() is not None or not job.run(0.0)):
-                    job.run(None)
+                if job.optional or (job.cost() is None and job.run(0.0)):  # dropped, or done with its first piece
+                    continue
+                job.run(None)
 
     def drop(self) -> None:
         """Give up what is queued (the job ends), saying so."""
@@ -388,6 +391,9 @@ class Background(Coordinator):
         atexit.register(self.drop)
 
     def submit(self, job: Job) -> None:
+        """Queue ``job`` for the thread; an optional job is for bubbles, and there are none: dropped."""
+        if job.optional:
+            return
         with self.lock:
             self.queue.append(job)
             self.lock.notify_all()

@@ -117,14 +117,15 @@ class Runtime:
     data-parallel rank of each stage) and, unless recovery.mode is recompute, its state
     (runlog.StateRow: xi of the stage's state, and the held-out error of the configured
     predictor). The predictor sees only this rank's data-parallel share of the stage's
-    state (recovery.own_share: under ZeRO the rank's own partition, else 1/DP of it), the
-    share it predicts at recovery; xi is summed over the shares (one small all-reduce).
-    The measuring ranks keep that predictor observing every checkpoint: in host memory ``predictor.history`` copies of their share of the stage's fp32 parameters and
-    both Adam moments, 12 bytes per parameter each (e.g. 4 x 12 x 350M = 17 GB for all of
-    GPT2-0.35B in one stage without data parallelism); vitp keeps the same on every rank,
-    as it did to learn, each rank training on its share with 1/DP of the stage's samples
-    per step (VITPPredictor.split_work). The StateRow's held-out error is thus the first
-    data-parallel rank's share's.
+    state (recovery.own_share: under ZeRO the rank's own partition, else 1/DP of it),
+    the share it predicts at recovery; xi is summed over the shares (one small
+    all-reduce). The measuring ranks keep that predictor observing every checkpoint: in host
+    memory ``predictor.history`` copies of their share of the stage's fp32 parameters
+    and both Adam moments, 12 bytes per parameter each (e.g. 4 x 12 x 350M = 17 GB for
+    all of GPT2-0.35B in one stage without data parallelism); vitp keeps the same on
+    every rank, as it did to learn, each rank training on its share with 1/DP of the
+    stage's samples per step (VITPPredictor.split_work). The StateRow's held-out error
+    is thus the first data-parallel rank's share's.
 
     With ``coordinator.enabled`` and more than one pipeline stage, the predictor's work
     after a checkpoint (observing the checkpoint, vitp's training, xi and the held-out
@@ -310,8 +311,8 @@ class Runtime:
                 feed.append(TrainJob(self.predictor, p.train_steps, p.train_budget_s, self._piece("train")))
         # The held-out check comes after the predictor's training, wherever that runs.
         record = [CallJob(partial(self._record, iteration, sums), self._piece("held_out"))] if self.observing else []
-        if self.learning and self.cfg.coordinator.fill and type(self.coordinator) is Coordinator:
-            record.append(FillJob(self.predictor, self._piece("train")))
+        if self.learning and self.cfg.coordinator.fill:
+            record.append(FillJob(self.predictor, self._piece("train")))  # for the bubbles only: see _run
         return feed, record
 
     def _record(self, iteration: int, sums: XiSums) -> None:
@@ -342,10 +343,10 @@ class Runtime:
         return self.coordinator.piece(kind) if self.coordinator is not None else PieceCost()
 
     def _run(self, job) -> None:
-        """``job`` to the coordinator's queue, or to its end now where there is none."""
+        """``job`` to the coordinator's queue, or to its end now where there is none (an optional job: not at all)."""
         if self.coordinator is not None:
             self.coordinator.submit(job)
-        else:
+        elif not job.optional:
             job.run(None)
 
     def _add_state(self, row: StateRow) -> None:

@@ -13,7 +13,7 @@ import cpsr_ds
 from conftest import TEST_MODEL, free_port, run_job, tiny_config
 from cpsr_ds.checkpoint.journal import journal_path, read_journal
 from cpsr_ds.config import CoordinatorConfig
-from cpsr_ds.coordinator import Background, CallJob, PieceCost, read_records
+from cpsr_ds.coordinator import Background, CallJob, FillJob, PieceCost, read_records
 from cpsr_ds.models.gpt import GPTConfig, gpt_pipeline
 
 
@@ -63,6 +63,20 @@ def test_a_failure_on_the_background_thread_is_raised_at_the_next_flush_naming_t
     with pytest.raises(RuntimeError, match="rank 5: the predictor's work on the background thread failed: no history"):
         c.flush()
     c.flush()  # raised once
+    c.drop()
+
+
+def test_work_meant_for_bubbles_only_is_dropped_where_there_are_none(tmp_path):
+    """coordinator.fill's job has no step limit: on the thread, or inline at the flush, it would never end."""
+    c = Background(CoordinatorConfig(fill=True), str(tmp_path), rank=0, stage=0)
+
+    class Untouchable:
+        def step(self, **_):
+            raise AssertionError("a FillJob ran without a pipeline")
+
+    c.submit(FillJob(Untouchable(), PieceCost()))
+    assert not c.queue and not c.running
+    c.flush()
     c.drop()
 
 

@@ -80,6 +80,7 @@ def test_a_checkpoint_observed_a_piece_at_a_time_joins_the_history_whole_after_i
     assert list(pieces.iterations) == [40] and pieces.others.keys() == whole.others.keys() == {"step"}
     assert all(torch.equal(pieces.flats[0][k], whole.flats[0][k]) for k in ("param", "exp_avg"))
     assert pieces.flats[0]["param"].numel() % 8 == 0
+    assert pieces.flats[0]["param"][2 * PIECE + 3 + 20:].eq(0).all()  # the alignment padding
 
 
 def test_fdd_round_trip_with_nothing_dropped_is_exact():

@@ -94,8 +94,12 @@ class Layout:
         return flats, others
 
     def filling(self, state: dict[str, torch.Tensor], flats: dict, others: dict) -> Iterator[None]:
-        """:meth:`flatten` into ``flats`` and ``others``, yielding after each PIECE values copied."""
-        flats.update({k: torch.zeros(n, dtype=torch.float32) for k, n in self.sizes.items()})
+        """:meth:`flatten` into ``flats`` and ``others``, yielding after each PIECE values copied. Only the
+        alignment padding is zeroed: the entries fill the rest, a piece at a time, instead of the first piece
+        writing a whole share's zeros."""
+        for kind, n in self.sizes.items():
+            flats[kind] = torch.empty(n, dtype=torch.float32)
+            flats[kind][sum(e.numel for e in self.of_kind(kind)):].zero_()
         for e in self.entries:
             t = state[e.key].detach()
             if e.kind == OTHER:
