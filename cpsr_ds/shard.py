@@ -28,11 +28,13 @@ def _length(numel: int, rank: int, size: int) -> int:
     return s.stop - s.start
 
 
-def share(state: dict[str, torch.Tensor], rank: int, size: int) -> dict[str, torch.Tensor]:
-    """``rank``'s share of ``state``, copied so that the full tensors can go; ``state`` itself for one rank."""
+def share(state: dict[str, torch.Tensor], rank: int, size: int, copy: bool = True) -> dict[str, torch.Tensor]:
+    """``rank``'s share of ``state``, copied so that the full tensors can go (``copy`` False: views of them);
+    ``state`` itself for one rank."""
     if size == 1:
         return state
-    return {k: t.reshape(-1)[span(t.numel(), rank, size)].clone() for k, t in state.items()}
+    views = {k: t.reshape(-1)[span(t.numel(), rank, size)] for k, t in state.items()}
+    return {k: t.clone() for k, t in views.items()} if copy else views
 
 
 def shapes_of(state: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:

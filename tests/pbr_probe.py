@@ -31,8 +31,8 @@ def counted(gather):
 
 
 def recorded(own_share):
-    def wrapped(engine):
-        share = own_share(engine)
+    def wrapped(engine, **options):
+        share = own_share(engine, **options)
         SHARES.append(sum(t.numel() for t in share.values()))
         return share
     return wrapped

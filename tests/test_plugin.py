@@ -156,7 +156,17 @@ def test_vitp_trains_its_step_limit_after_each_checkpoint_once_it_has_a_window(t
     # coordinator's background thread: one stage, no bubbles).
     engine.cpsr.coordinator.flush()
     assert engine.cpsr.predictor.trainer.steps == 6
+    # A failure after one more iteration: the restart's predictor gets the six checkpoints' history and the
+    # weights saved with the newest, those trained at checkpoint 6 (3 steps: 7 trains after it is saved).
+    engine.train_batch(iter(batches))
     assert engine.checkpoint_engine.flush(timeout_s=60)
+    engine.destroy()
+    config["cpsr"]["recovery"] = {"mode": "predict"}
+    restarted, *_ = build(config)
+    predictor = restarted.cpsr.predictor
+    assert restarted.cpsr.recovery.checkpoint == 14 and restarted.cpsr.recovery.reached == 15
+    assert (list(predictor.history.iterations), predictor.trainer.steps) == ([4, 6, 8, 10, 12, 14], 3)
+    restarted.destroy()
 
 
 def test_a_second_job_on_a_run_directory_is_refused_until_the_first_is_gone(tmp_path):

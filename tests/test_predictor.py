@@ -175,6 +175,19 @@ def test_moments_predicted_on_request_and_exp_avg_sq_never_negative():
     torch.testing.assert_close(kept["param/a"], linear_states(ITERATIONS[-1])["param/a"], rtol=0, atol=0)
 
 
+def test_a_prediction_read_in_place_shares_the_kept_moments_with_the_history_and_is_otherwise_alike():
+    p = fed("trend")
+    newest = p.history.flats[-1]
+    copied, in_place = p.predict(TARGET), p.predict(TARGET, kept_views=True)
+    assert all(torch.equal(copied[k], in_place[k]) for k in copied)
+    for key in ("exp_avg/w", "exp_avg_sq/w"):
+        ours = newest[key.partition("/")[0]]
+        assert in_place[key].data_ptr() == ours.data_ptr()
+        assert copied[key].data_ptr() != ours.data_ptr()
+    assert in_place["param/w"].data_ptr() != newest["param"].data_ptr()
+    assert torch.equal(p.predict(TARGET)["param/w"], copied["param/w"])  # predicting changed no history
+
+
 def test_trend_is_exact_on_a_linear_trajectory_and_averages_out_checkpoint_noise():
     out = fed("trend", linear_states).predict(TARGET)
     torch.testing.assert_close(out["param/a"], linear_states(TARGET)["param/a"], rtol=0, atol=1e-5)

@@ -86,8 +86,8 @@ def test_a_checkpoint_with_a_nan_is_left_out_and_the_newest_finite_one_is_c(copy
 def test_a_prediction_with_a_nan_is_not_written(copy, monkeypatch):
     predict = Predictor.predict
 
-    def poisoned(self, target):
-        predicted = predict(self, target)
+    def poisoned(self, target, **options):
+        predicted = predict(self, target, **options)
         key = next(k for k in predicted if k.startswith("param/"))
         predicted[key][0] = math.inf
         return predicted
@@ -97,6 +97,30 @@ def test_a_prediction_with_a_nan_is_not_written(copy, monkeypatch):
     assert (report.method, report.checkpoint, report.resume_iteration) == ("recompute", 10, 10)
     assert "the predicted state has non-finite values in param/" in report.reason
     assert "non-finite values in param/" in report.describe()
+
+
+def test_each_checkpoint_goes_to_the_predictor_as_it_is_loaded_and_a_nonfinite_one_never(copy, monkeypatch):
+    """The predictor copies each share before the next load, so that recovery holds the history once: the
+    loads and the predictor's copies alternate, and a checkpoint with a NaN is loaded and never handed over."""
+    events, load, observe = [], checkpoint_source.load, Predictor.observe
+
+    def noted_load(engine, directory, tag):
+        client_state = load(engine, directory, tag)
+        events.append(("load", engine.global_steps))
+        if tag == "global_step8":
+            with torch.no_grad():
+                next(engine.module.parameters()).view(-1)[3] = math.nan
+        return client_state
+
+    def noted_observe(self, iteration, state):
+        events.append(("observe", iteration))
+        observe(self, iteration, state)
+
+    monkeypatch.setattr(checkpoint_source, "load", noted_load)
+    monkeypatch.setattr(Predictor, "observe", noted_observe)
+    report, _ = recovered(copy)
+    assert events == [("load", 6), ("observe", 6), ("load", 8), ("load", 10), ("observe", 10)]
+    assert (report.method, report.checkpoint, report.resume_iteration) == ("predict", 10, F)
 
 
 @pytest.mark.parametrize("bogus", [1000000, 99999999999])

@@ -14,8 +14,8 @@ runs), takes one training step and stops. This script runs itself as each job (w
   growth of ``torch.cuda.max_memory_allocated`` over what was allocated before it;
 - at the restart, seconds of: the process start (interpreter and imports, from just
   before this script starts it), ``deepspeed.initialize``, reading the checkpoints (DeepSpeed's
-  load and the state recovery keeps of each), prediction (the predictor given its
-  history, predicting), writing the prediction into the engine, building the model, the
+  load and each share copied into the predictor's history), prediction (the predictor given
+  its saved weights, predicting), writing the prediction into the engine, building the model, the
   plugin's own setup besides recovery (checkpoint engine, survivor watcher, coordinator),
   reading the corpus, the rest of the job's setup, and the first training step.
 
@@ -123,7 +123,7 @@ def job() -> None:
     entered = time.time()
     totals: dict[str, float] = {}
     deepspeed.initialize = _timed(deepspeed.initialize, totals, "deepspeed_init_s")
-    for module, name, part in ((checkpoint, "_load_checked", "reading_s"), (decision, "prepare", "prediction_s"),
+    for module, name, part in ((checkpoint, "_load_checked", "reading_s"), (decision, "load_weights", "prediction_s"),
                                (decision, "_prediction", "prediction_s"), (decision, "load_own_share", "writing_s"),
                                (decision, "restore_dump", "writing_s"), (train_gpt, "load_corpus", "corpus_s"),
                                (train_gpt, "gpt_pipeline", "model_build_s")):

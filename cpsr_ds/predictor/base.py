@@ -99,8 +99,12 @@ class Predictor(ABC):
     def ready(self) -> bool:
         return len(self.history) >= self.min_history
 
-    def predict(self, target_iteration: int) -> dict[str, torch.Tensor]:
-        """The full state at ``target_iteration``: the observed keys, shapes and dtypes."""
+    def predict(self, target_iteration: int, kept_views: bool = False) -> dict[str, torch.Tensor]:
+        """The full state at ``target_iteration``: the observed keys, shapes and dtypes.
+
+        ``kept_views``: the kinds kept from the newest checkpoint (not predicted) are views of the
+        history, not copies, for a caller that only reads them (recovery, which writes them into the
+        engine, at a peak the size of those kinds lower); changing them would change the history."""
         if not self.ready():
             raise NotReady(f"{self.name}: not ready ({len(self.history)} checkpoints observed)")
         last = self.history.iterations[-1]
@@ -108,7 +112,8 @@ class Predictor(ABC):
             raise ValueError(f"target iteration {target_iteration} is before the last checkpoint {last}")
         flats = self._predict_flats(list(self.history.iterations), list(self.history.flats), target_iteration)
         kept = set(self.layout.kinds) - set(self.predicted_kinds)
-        return self.layout.unflatten({k: v.clone() if k in kept else v for k, v in flats.items()}, self.history.others)
+        copies = set() if kept_views else kept
+        return self.layout.unflatten({k: v.clone() if k in copies else v for k, v in flats.items()}, self.history.others)
 
     def _predict_flats(self, iterations: list[int], flats: list[dict[str, torch.Tensor]], target: int) -> dict[str, torch.Tensor]:
         out = dict(flats[-1])

@@ -140,12 +140,17 @@ class TrendPredictor(Predictor):
     def _slope(self, iterations, series) -> torch.Tensor:
         t = torch.tensor(iterations[-self.span:], dtype=torch.float64)
         w = (t - t.mean()) / (t - t.mean()).square().sum()
-        return sum(float(wi) * x for wi, x in zip(w, series[-self.span:]))
+        # Accumulated in place: a restart's peak memory holds one vector of the kind's size here, not three.
+        slope = torch.zeros_like(series[-1])
+        for wi, x in zip(w, series[-self.span:]):
+            slope.add_(x, alpha=float(wi))
+        return slope
 
     def _extrapolate(self, kind, iterations, series, target):
         # One checkpoint observed: a restart that read only the newest, with the slope kept beside it.
-        slope = self._summary["slope"][kind].float() if len(series) == 1 else self._slope(iterations, series)
-        return series[-1] + (target - iterations[-1]) * slope
+        slope = (self._summary["slope"][kind].to(torch.float32, copy=True) if len(series) == 1
+                 else self._slope(iterations, series))
+        return slope.mul_(target - iterations[-1]).add_(series[-1])
 
     def summary(self, held_out: ValidationResult | None) -> dict | None:
         """The slope over the last ``span`` checkpoints and the held-out error. The slope is kept in bf16: a

@@ -44,7 +44,7 @@ from cpsr_ds.recovery.agree import gathered, on_any_rank
 from cpsr_ds.recovery.engine_io import advance_counters, data_parallel, load_own_share, planned_iterations
 from cpsr_ds.recovery.report import RecoveryReport, carried_lag, earlier_reports
 from cpsr_ds.recovery.sources.checkpoint import load_history, restore, stage_history
-from cpsr_ds.recovery.sources.prediction import checkpoint_as_prediction, predicted_share, prepare
+from cpsr_ds.recovery.sources.prediction import checkpoint_as_prediction, load_weights, predicted_share
 from cpsr_ds.recovery.sources import host_snapshot, replica, summaries, survivor
 from cpsr_ds.recovery.sources.host_snapshot import agreed_snapshot, resume_from
 from cpsr_ds.recovery.sources.survivor import dump_at, restore_dump
@@ -100,8 +100,8 @@ def recover(engine, cfg: CPSRConfig, predictor, attempt: int = 0) -> RecoveryRep
     history, summary_bytes = _newest_with_summary(engine, cfg, predictor, full, survived.exact)
     if history is None:
         # The predictor learns from the retained checkpoints up to c.
-        history, client_state = load_history(engine, directory, full, cfg.predictor.history)
-        prepare(predictor, history, client_state)
+        history, client_state = load_history(engine, directory, full, cfg.predictor.history, predictor.observe)
+        load_weights(predictor, client_state)
     bytes_read = sum(gathered(bytes_loaded() - read_before + summary_bytes))
     # The newest of the history is c's state, the one the engine holds.
     report = _decide(engine, cfg, predictor, progress, engine.global_steps, history[-1].curvature, attempt=attempt,
@@ -120,8 +120,8 @@ def _newest_with_summary(engine, cfg: CPSRConfig, predictor, full: list, exact: 
     if not all(gathered(exact or summary is not None)):
         return None, size
     # A newest state found non-finite leaves an older one in the engine, which the summary does not fit.
-    history, client_state = load_history(engine, cfg.checkpoint.dir, full, 1)
-    prepare(predictor, history, client_state)
+    history, client_state = load_history(engine, cfg.checkpoint.dir, full, 1, predictor.observe)
+    load_weights(predictor, client_state)
     fits = history[-1].iteration == newest.iteration and (exact or predictor.load_summary(summary))
     if all(gathered(fits)):
         return history, size
@@ -145,7 +145,8 @@ def _recover_stages(engine, cfg: CPSRConfig, predictor, progress: Progress, veri
     stage cannot predict."""
     directory = cfg.checkpoint.dir
     own = [ck for ck in verified if ck.holds(engine.global_rank)]
-    history, client_state = stage_history(engine, directory, own, cfg.predictor.history, engine.stage_id)
+    history, client_state = stage_history(engine, directory, own, cfg.predictor.history, engine.stage_id,
+                                          predictor.observe)
 
     def restore() -> int:
         restore(engine, directory, reversed(full))
@@ -155,7 +156,7 @@ def _recover_stages(engine, cfg: CPSRConfig, predictor, progress: Progress, veri
     if missing is not None:
         c = restore()
         return RecoveryReport("recompute", progress.reached, c, c, reason=missing)
-    prepare(predictor, history, client_state)
+    load_weights(predictor, client_state)
     newest = dict(gathered((engine.stage_id, history[-1].iteration)))
     cut = Cut(full[-1].iteration, [newest[s] for s in sorted(newest)], restore)
     return _decide(engine, cfg, predictor, progress, engine.global_steps, history[-1].curvature, cut)

@@ -141,7 +141,27 @@ def load_local_state(engine, state: dict[str, torch.Tensor], fragments: dict[str
             for kind in ("param", *MOMENTS):
                 fragment = mapping.get_hp_fragment() if kind == "param" else mapping.get_hp_fragment(kind)
                 fragment.copy_(state[f"{kind}/{name}"].reshape(fragment.shape))
-    engine.optimizer.update_lp_params()
+    update_weights(engine)
+
+
+def update_weights(engine) -> None:
+    """Refresh the module's weights from the fp32 partitions: the optimizer's ``update_lp_params``, what every
+    optimizer step does, except that under ZeRO-1/2 on the host each rank's partition is broadcast into the
+    others' buffers in place.
+
+    DeepSpeed gathers each group's whole flat buffer with one all_gather_into_tensor, which gloo
+    stages through a temporary as large as the stage's weights: at every load of a restart, on top
+    of the predictor's history. A broadcast of a dense tensor needs none.
+    """
+    optimizer = engine.optimizer
+    if not isinstance(optimizer, DeepSpeedZeroOptimizer) or engine.device.type != "cpu":
+        optimizer.update_lp_params()
+        return
+    for parts, fp32, group in zip(optimizer.parallel_partitioned_bit16_groups,
+                                  optimizer.single_partition_of_fp32_groups, optimizer.real_dp_process_group):
+        parts[dist.get_rank(group=group)].data.copy_(fp32.data)
+        for r, part in enumerate(parts if len(parts) > 1 else []):
+            dist.broadcast(part, src=dist.get_global_rank(group, r), group=group)
 
 
 def _weights_in_partitions(engine) -> bool:
@@ -184,7 +204,7 @@ def weights_from_partitions(engine, load_optimizer_states: bool = True, load_mod
     finally:
         del engine.module.load_state_dir, engine._load_zero_checkpoint
     if loaded == [True]:
-        engine.optimizer.update_lp_params()
+        update_weights(engine)
     elif loaded:
         raise RuntimeError(f"cpsr: rank {engine.global_rank} found no ZeRO partition files in the checkpoint it "
                            "loaded, and did not read its layer files: the module's weights are not restored")
@@ -239,21 +259,25 @@ def data_parallel(engine) -> DataParallel:
                         grid.get_data_parallel_group())
 
 
-def own_share(engine) -> dict[str, torch.Tensor]:
+def own_share(engine, copy: bool = True) -> dict[str, torch.Tensor]:
     """This data-parallel rank's share of its stage's fp32 parameters and Adam moments (:mod:`cpsr_ds.shard`), the
-    predictor's part, copied to host memory and keyed as :func:`engine_state` keys them; no collective.
+    predictor's part, on the host in fp32 and keyed as :func:`engine_state` keys them; no collective.
 
     Under ZeRO/bf16 the share is the rank's own partition, as :func:`local_state` reads it (a
     parameter outside it is left out), so that nothing gathers the stage's state and a
     prediction goes back into the partition it came from (:func:`load_own_share`). Otherwise
     every replica holds the whole state and the share is an even slice of each flattened tensor.
+
+    ``copy`` False: the engine's own tensors wherever they are fp32 on the host already, for a
+    reader that copies what it keeps before the engine changes (recovery's predictor, which
+    would otherwise hold each checkpoint twice).
     """
     state, _ = local_state(engine)
     dp = data_parallel(engine)
     if not partitioned(engine) and dp.size > 1:
-        # share() copies the slices already.
-        return {k: t.to("cpu", torch.float32) for k, t in share(state, dp.rank, dp.size).items() if t.numel()}
-    return {k: t.to("cpu", torch.float32, copy=True) for k, t in state.items() if t.numel()}
+        # share() copies the slices already, where asked to.
+        return {k: t.to("cpu", torch.float32) for k, t in share(state, dp.rank, dp.size, copy).items() if t.numel()}
+    return {k: t.to("cpu", torch.float32, copy=copy) for k, t in state.items() if t.numel()}
 
 
 def stage_sums(engine, own: dict[str, torch.Tensor]) -> XiSums:
@@ -327,7 +351,7 @@ def load_engine_state(engine, state: dict[str, torch.Tensor]) -> None:
                 safe_set_full_optimizer_state(p, state[f"{kind}/{name}"].to(p.device), kind)
     # The low-precision (or, for fp32 ZeRO, the module's own) weights the forward
     # pass uses are refreshed from the fp32 partitions.
-    engine.optimizer.update_lp_params()
+    update_weights(engine)
 
 
 def advance_counters(engine, iterations: int) -> None:

@@ -1,12 +1,12 @@
 """The checkpoint source: retained checkpoints loaded through DeepSpeed (at any data-parallel degree), each
-checked for finiteness, this rank keeping its share of each for the predictor."""
+checked for finiteness, this rank's share of each handed to the predictor as it is loaded."""
 
 from __future__ import annotations
 
 import logging
 import math
 import os
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -25,11 +25,16 @@ log = logging.getLogger(__name__)
 
 
 class Retained(NamedTuple):
-    """A loaded checkpoint as recovery keeps it: this rank's share of the stage's state, and the stage's xi."""
+    """A loaded checkpoint as recovery keeps it: its iteration and the stage's xi."""
 
     iteration: int
-    share: dict[str, torch.Tensor]  # own_share of the engine holding it
     curvature: StageCurvature | NoFit  # xi of the stage's whole state (stage_sums), for the paper's cost model
+
+
+# Given each finite checkpoint's iteration and this rank's share of it (own_share: the engine's own tensors, valid
+# until the next load), as it is loaded: the predictor's observe, which copies it into its history. Handing
+# each share over at once, instead of keeping copies until the last is loaded, holds the history once, not twice.
+Keep = Callable[[int, dict[str, torch.Tensor]], None]
 
 
 def load(engine, directory: str, tag: str) -> dict:
@@ -113,39 +118,45 @@ def full_zero_state(parts: list[dict], param_shapes: list[dict]) -> dict[str, to
     return state
 
 
-def _load_checked(engine, directory: str, tag: str | None, among=None) -> tuple[dict, Retained | None]:
+def _load_checked(engine, directory: str, tag: str | None, among=None,
+                  keep: Keep | None = None) -> tuple[dict, Retained | None]:
     """Load ``tag``; (client state, what recovery keeps of it), None where a rank (of those ``among`` names, see
     :func:`on_any_rank`) holds a non-finite value. ``tag`` None: load nothing, only join the others' check.
 
-    Each rank copies its share only (under ZeRO its own partition: nothing is gathered), and
-    the shares, together the whole state, are checked for finiteness each by its rank.
+    Each rank reads its share only (under ZeRO its own partition: nothing is gathered), the
+    shares, together the whole state, are checked for finiteness each by its rank, and a finite
+    one goes to ``keep``.
     """
     if tag is None:
         on_any_rank(None, among)
         return {}, None
     client_state = load(engine, directory, tag)
-    share = own_share(engine)
-    kept = Retained(engine.global_steps, share, curvature_of(stage_sums(engine, share)))
-    bad = on_any_rank(nonfinite_tensor(kept.share), among)
+    share = own_share(engine, copy=False)
+    kept = Retained(engine.global_steps, curvature_of(stage_sums(engine, share)))
+    bad = on_any_rank(nonfinite_tensor(share), among)
     if bad is None:
+        if keep is not None:
+            keep(kept.iteration, share)
         return client_state, kept
     log.error("cpsr recovery: checkpoint %s in %s has non-finite values in %s: leaving it out", tag, directory, bad)
     return client_state, None
 
 
-def restore(engine, directory: str, candidates) -> tuple[dict, Retained]:
-    """Load the first of ``candidates`` (newest first) whose state is finite; (client state, what is kept of it)."""
+def restore(engine, directory: str, candidates, keep: Keep | None = None) -> tuple[dict, Retained]:
+    """Load the first of ``candidates`` (newest first) whose state is finite (to ``keep``); (client state, what is
+    kept of it)."""
     tags = [ck.tag for ck in candidates]
     for tag in tags:
-        client_state, kept = _load_checked(engine, directory, tag)
+        client_state, kept = _load_checked(engine, directory, tag, keep=keep)
         if kept is not None:
             return client_state, kept
     raise RuntimeError(f"cpsr recovery: no checkpoint in {directory} has a finite state (tried {', '.join(tags)}); "
                        "move them away to start from scratch")
 
 
-def load_history(engine, directory: str, verified: list, n: int) -> tuple[list[Retained], dict]:
-    """The finite states among the ``n`` newest checkpoints (this rank's shares), oldest first, and c's client state.
+def load_history(engine, directory: str, verified: list, n: int, keep: Keep) -> tuple[list[Retained], dict]:
+    """The finite states among the ``n`` newest checkpoints, oldest first, each given to ``keep`` (this rank's
+    share), and c's client state.
 
     c is the newest checkpoint with a finite state, and the engine is left holding it,
     the state RB-R falls back to.
@@ -153,20 +164,22 @@ def load_history(engine, directory: str, verified: list, n: int) -> tuple[list[R
     window = verified[-n:]
     history, good, client_state = [], [], {}
     for ck in window:
-        loaded, kept = _load_checked(engine, directory, ck.tag)
+        loaded, kept = _load_checked(engine, directory, ck.tag, keep=keep)
         if kept is not None:
             history.append(kept)
             good.append(ck)
             client_state = loaded
     if good and good[-1] is window[-1]:
         return history, client_state
-    client_state, kept = restore(engine, directory, [*reversed(good), *reversed(verified[:-n])])
+    # Reloaded for the engine to hold c: kept already, unless no checkpoint of the window was finite.
+    client_state, kept = restore(engine, directory, [*reversed(good), *reversed(verified[:-n])],
+                                 None if history else keep)
     return history or [kept], client_state
 
 
-def stage_history(engine, directory: str, own: list, n: int, stage: int) -> tuple[list[Retained], dict]:
-    """This stage's finite states among the ``n`` newest of ``own`` checkpoints (this rank's shares), oldest
-    first, and the newest's client state; the engine is left holding the newest finite one.
+def stage_history(engine, directory: str, own: list, n: int, stage: int, keep: Keep) -> tuple[list[Retained], dict]:
+    """This stage's finite states among the ``n`` newest of ``own`` checkpoints, oldest first, each given to
+    ``keep`` (this rank's share), and the newest's client state; the engine is left holding the newest finite one.
 
     Stages hold different numbers of checkpoints: every rank loads as often as the one
     with the most (an empty round where it has fewer), so that the checks' collectives pair up.
@@ -175,7 +188,7 @@ def stage_history(engine, directory: str, own: list, n: int, stage: int) -> tupl
     rounds = max(gathered(len(window)))
     history, client_state, newest = [], {}, None
     for ck in [None] * (rounds - len(window)) + window:
-        loaded, kept = _load_checked(engine, directory, ck and ck.tag, among=stage)
+        loaded, kept = _load_checked(engine, directory, ck and ck.tag, among=stage, keep=keep)
         if kept is not None:
             history.append(kept)
             client_state, newest = loaded, ck

@@ -1,5 +1,5 @@
-"""The prediction source (PB-R, Section III-A): the predictor given this rank's share of the retained history,
-and its share of the state predicted at the failure point."""
+"""The prediction source (PB-R, Section III-A): the predictor, which observes this rank's share of the retained
+history as it is loaded (:mod:`.checkpoint`), and its share of the state predicted at the failure point."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ from cpsr_ds.config import CPSRConfig
 from cpsr_ds.cost_model import SKIP
 from cpsr_ds.predictor import NotReady, make_predictor
 from cpsr_ds.recovery.engine_io import nonfinite_tensor
-from cpsr_ds.recovery.sources.checkpoint import Retained
 
 PREDICTOR_STATE = "cpsr_predictor"  # key of the predictor's weights in DeepSpeed's client state
 
@@ -23,23 +22,18 @@ def new_predictor(cfg: CPSRConfig, shards: int = 1):
     return predictor
 
 
-def prepare(predictor, history: list[Retained], client_state: dict) -> None:
-    """Give ``predictor`` its history (this rank's shares) and, where the checkpoint carries a predictor of its
-    kind, its weights (the first data-parallel rank's, which wrote the checkpoint's client state).
-
-    The shares are handed over: each is emptied once the predictor holds its own copy, so that
-    recovery does not hold the history twice."""
-    if client_state.get(PREDICTOR_STATE, {}).get("name") == predictor.name:
-        predictor.load_state_dict(client_state[PREDICTOR_STATE])
-    for kept in history:
-        predictor.observe(kept.iteration, kept.share)
-        kept.share.clear()
+def load_weights(predictor, client_state: dict) -> None:
+    """Where the checkpoint carries a predictor of ``predictor``'s kind, its weights (the first data-parallel
+    rank's, which wrote the checkpoint's client state); the history ``predictor`` has observed stays."""
+    saved = client_state.get(PREDICTOR_STATE, {})
+    if saved.get("name") == predictor.name:
+        predictor.load_state_dict({**saved, "history": predictor.history.state_dict()})
 
 
 def predicted_share(predictor, f: int) -> tuple[str | None, dict | None]:
     """This rank's (reason it cannot predict, None) or (None, its share of the predicted state at f)."""
     try:
-        predicted = predictor.predict(f)
+        predicted = predictor.predict(f, kept_views=True)
     except NotReady as err:
         return str(err), None
     bad = nonfinite_tensor(predicted)
