@@ -229,7 +229,7 @@ class FixedPredictor:
     def validation_error(self):
         return SimpleNamespace(relative=0.5)
 
-    def predict(self, f):
+    def predict(self, f, kept_views=False):
         return {key: value.clone() for key, value in self.state.items()}
 
 
