@@ -160,8 +160,9 @@ def update_weights(engine) -> None:
     for parts, fp32, group in zip(optimizer.parallel_partitioned_bit16_groups,
                                   optimizer.single_partition_of_fp32_groups, optimizer.real_dp_process_group):
         parts[dist.get_rank(group=group)].data.copy_(fp32.data)
-        for r, part in enumerate(parts if len(parts) > 1 else []):
-            dist.broadcast(part, src=dist.get_global_rank(group, r), group=group)
+        if len(parts) > 1:
+            for r, part in enumerate(parts):
+                dist.broadcast(part, src=dist.get_global_rank(group, r), group=group)
 
 
 def _weights_in_partitions(engine) -> bool:
@@ -275,8 +276,7 @@ def own_share(engine, copy: bool = True) -> dict[str, torch.Tensor]:
     state, _ = local_state(engine)
     dp = data_parallel(engine)
     if not partitioned(engine) and dp.size > 1:
-        # share() copies the slices already, where asked to.
-        return {k: t.to("cpu", torch.float32) for k, t in share(state, dp.rank, dp.size, copy).items() if t.numel()}
+        state = share(state, dp.rank, dp.size, copy=False)
     return {k: t.to("cpu", torch.float32, copy=copy) for k, t in state.items() if t.numel()}
 
 
@@ -296,8 +296,8 @@ def stage_sums(engine, own: dict[str, torch.Tensor]) -> XiSums:
 def load_own_share(engine, own: dict[str, torch.Tensor]) -> None:
     """Write this rank's ``own`` share (as :func:`own_share` reads it: a predicted one) into the engine.
 
-    Under ZeRO/bf16 into the rank's own partition, no gather; DeepSpeed refreshes the module's
-    weights from the partitions (its all-gather, what every optimizer step does). Otherwise each
+    Under ZeRO/bf16 into the rank's own partition, no gather; the module's weights are refreshed
+    from the partitions (:func:`update_weights`, what every optimizer step does). Otherwise each
     replica holds the whole state, so it is assembled from every replica's share
     (:func:`full_state`, a collective over the stage's data-parallel group).
     """
