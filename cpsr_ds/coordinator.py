@@ -24,7 +24,7 @@ work is issued on a side stream that waits on the compute stream at the slot
 spans are CPU time, not GPU time.
 
 Predictor work is queued as jobs (:class:`TrainJob`: the learning predictor's steps
-after a checkpoint, in slices; :class:`PiecesJob`: work that stops after each small
+after a checkpoint, a micro-batch at a time; :class:`PiecesJob`: work that stops after each small
 piece, such as the copy of a checkpoint's share into the predictor's history;
 :class:`CallJob`: a piece that cannot be sliced, such as the held-out check). A job
 whose smallest piece has no measured cost yet runs that piece at once, inline, to
@@ -167,54 +167,6 @@ class Piecewise:
         return self.piece.estimate()
 
 
-class TrainJob(Piecewise):
-    """A learning predictor's training after a checkpoint: ``steps`` steps or ``seconds`` seconds, in slices.
-
-    A slice is one ``predictor.step`` call: its steps, then its held-out check. Its
-    smallest piece (one step and the check) is ``piece``'s; a slice gets the budget
-    less that piece for its steps, so that it ends within the budget.
-    """
-
-    validate = True
-
-    def __init__(self, predictor, steps: Optional[int], seconds: Optional[float], piece: PieceCost):
-        super().__init__(piece)
-        self.predictor = predictor
-        self.steps, self.seconds = steps, seconds
-
-    def run(self, budget_s: Optional[float]) -> bool:
-        steps = self.steps
-        if budget_s is None:
-            budget = self.seconds
-        else:
-            known = self.cost()
-            steps = 1 if known is None else steps
-            budget = None if known is None else max(budget_s - known, 0.0)
-            if self.seconds is not None:
-                budget = self.seconds if budget is None else min(budget, self.seconds)
-        report = self.predictor.step(budget_s=budget, n_steps=steps, validate=self.validate)
-        if report.steps == 1:
-            self.piece.add(report.seconds)
-        if self.steps is not None:
-            self.steps -= report.steps
-        if self.seconds is not None:
-            self.seconds -= report.seconds
-        # Without a budget the call ran to a limit; no step taken: nothing to train on yet.
-        return (budget_s is None or report.steps == 0 or self.steps == 0
-                or (self.seconds is not None and self.seconds <= 0))
-
-
-class FillJob(TrainJob):
-    """The learning predictor's training in what is left of the bubbles until the next checkpoint
-    (``coordinator.fill``): no step limit, no held-out check per slice (the checkpoint's record makes one), never
-    inline."""
-
-    optional, validate = True, False
-
-    def __init__(self, predictor, piece: PieceCost):
-        super().__init__(predictor, None, None, piece)
-
-
 class CallJob(Piecewise):
     """One call that cannot be sliced; its cost is the largest of its kind's recent calls."""
 
@@ -246,6 +198,28 @@ class PiecesJob(Piecewise):
             self.piece.add(time.perf_counter() - t0)
             if budget_s is not None and time.perf_counter() - start + self.cost() > budget_s:
                 return False
+
+
+class TrainJob(PiecesJob):
+    """A learning predictor's training after a checkpoint: ``steps`` steps or ``seconds`` seconds of its own
+    running, then its held-out check, a piece at a time (``predictor.training``: a micro-batch of a step, or the
+    check), so that it stops and goes on between pieces as the slots allow and ends as it would in one go."""
+
+    validate = True
+
+    def __init__(self, predictor, steps: Optional[int], seconds: Optional[float], piece: PieceCost):
+        super().__init__(predictor.training(budget_s=seconds, n_steps=steps, validate=self.validate), piece)
+
+
+class FillJob(TrainJob):
+    """The learning predictor's training in what is left of the bubbles until the next checkpoint
+    (``coordinator.fill``): no step limit, no held-out check (the checkpoint's record makes one), never
+    inline."""
+
+    optional, validate = True, False
+
+    def __init__(self, predictor, piece: PieceCost):
+        super().__init__(predictor, None, None, piece)
 
 
 def budget(spans, percentile: float, safety: float) -> float:
@@ -312,8 +286,8 @@ class Coordinator:
 
     def flush(self) -> None:
         """Run everything queued to its end, inline, but optional jobs, which are dropped; a job not measured yet
-        runs one piece first, to measure it (run to its end at once, a TrainJob's steps are not timed one at a time,
-        and it would never fit a slot)."""
+        runs one piece first, to measure it (run to its end at once, its pieces are not timed one at a time, and
+        it would never fit a slot)."""
         with self._spent("inline_s"):
             while self.queue:
                 job = self.queue.popleft()

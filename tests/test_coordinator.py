@@ -86,26 +86,27 @@ STEP_S = 0.004
 
 
 class Sleeper:
-    """A learning predictor whose step takes STEP_S and whose held-out check another STEP_S, as vitp's: it stops
-    before a step that would overrun ``budget_s``, but takes one step at least."""
+    """A learning predictor whose training steps take STEP_S each and its held-out check another STEP_S, each a
+    piece of its ``training``, as vitp's micro-batches: it stops before a step that would overrun ``budget_s``
+    (its own running time), but takes one step at least."""
 
     def __init__(self):
         self.steps, self.checks = 0, 0
 
-    def step(self, budget_s=None, n_steps=None, validate=True):
-        if budget_s is None and n_steps is None:
-            raise ValueError("step needs a time budget or a step count")
-        start, taken = time.perf_counter(), 0
+    def training(self, budget_s=None, n_steps=None, validate=True):
+        taken = 0
         while n_steps is None or taken < n_steps:
-            if budget_s is not None and taken and time.perf_counter() - start + STEP_S > budget_s:
+            if budget_s is not None and taken and (taken + 1) * STEP_S > budget_s:
                 break
             time.sleep(STEP_S)
             taken += 1
+            self.steps += 1
+            yield
         if validate:
             time.sleep(STEP_S)
             self.checks += 1
-        self.steps += taken
-        return StepReport(taken, time.perf_counter() - start, 0.0, 0.0)
+            yield
+        return StepReport(taken, taken * STEP_S, 0.0, 0.0)
 
 
 def bubble(coordinator, slot, wait_s):

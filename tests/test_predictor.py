@@ -335,8 +335,8 @@ def test_vitp_split_across_two_replicas_samples_half_the_chunks_each_and_still_b
     stage = fed("vitp", states, **VITP_SMALL)
     replicas = [fed("vitp", lambda t, r=r: share(states(t), r, 2), shards=2, **VITP_SMALL) for r in range(2)]
     sampled = []
-    real = trainer_module.descend
-    monkeypatch.setattr(trainer_module, "descend",
+    real = trainer_module.descending
+    monkeypatch.setattr(trainer_module, "descending",
                         lambda model, opt, kind, batches, values: sampled.append(values) or real(model, opt, kind,
                                                                                                  batches, values))
     stage.step(n_steps=1)
@@ -365,6 +365,24 @@ def test_vitp_step_respects_a_time_budget():
     report = p.step(budget_s=0.3)
     assert report.steps >= 1 and report.seconds < 0.3 + 0.5
     assert fed("vitp", decay, iterations=ITERATIONS[:4], **VITP_SMALL).step(n_steps=5).steps == 0
+
+
+def test_vitp_training_in_pieces_pauses_after_each_micro_batch_and_trains_as_in_one_go():
+    """The coordinator runs vitp's training a piece at a time, a bubble's worth each, other work in the pauses: a
+    piece is a micro-batch of ``micro_chunks`` chunks (a step's last with its optimizer step), the held-out check
+    the last one. Run so, with held-out checks between the pieces, it trains as in one go."""
+    whole, pieced = (fed("vitp", decay, micro_chunks=4, **VITP_SMALL) for _ in range(2))
+    whole.step(n_steps=3)
+    pieces = pieced.training(n_steps=3)
+    pauses = 0
+    for _ in pieces:
+        pauses += 1
+        pieced.trainer.validate()  # another job's work in the pause: the network in eval mode, no gradients
+    assert pauses == 3 * (VITP_SMALL["batch_chunks"] // 4) + 1
+    assert pieced.trainer.steps == whole.trainer.steps == 3 and len(pieced.trainer.curve) == 1
+    assert pieced.trainer.curve[0].val_loss == whole.trainer.curve[0].val_loss
+    for name, weight in whole.trainer.model.state_dict().items():
+        assert torch.equal(weight, pieced.trainer.model.state_dict()[name]), name
 
 
 def test_vitp_steps_without_their_held_out_check_train_alike_and_add_no_curve_point():

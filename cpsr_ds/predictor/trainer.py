@@ -20,6 +20,7 @@ import copy
 import math
 import time
 from dataclasses import asdict, dataclass
+from typing import Generator, Iterator
 
 import torch
 
@@ -53,14 +54,17 @@ def forward(model: VITP, p: Prepared, times: torch.Tensor, kind: str) -> torch.T
     return advance(p, model(p, times.to(p.last.device), kinds), model.bands)
 
 
-def descend(model: VITP, optimizer: torch.optim.Optimizer, kind: str, batches, values: int) -> float:
+def descending(model: VITP, optimizer: torch.optim.Optimizer, kind: str, batches, values: int) -> Iterator[None]:
     """One optimizer step on the mean squared normalised error over ``values`` values of ``kind``, summed over
-    ``batches`` ((prepared window, times, target), each made as it is consumed: one batch's activations at a time);
-    the loss."""
-    model.train()
+    ``batches`` ((prepared window, times, target), each made as it is consumed: one batch's activations at a time),
+    pausing between them: the caller may stop at a yield (a bubble's end) and go on later, the gradients so far
+    kept in the model. Returns the loss (the generator's value)."""
     optimizer.zero_grad(set_to_none=True)
     total = 0.0
-    for p, times, target in batches:
+    for i, (p, times, target) in enumerate(batches):
+        if i:
+            yield
+        model.train()  # a held-out check in the pause may have left it in eval mode
         loss = ((forward(model, p, times, kind) - target) / p.scale).square().sum() / values
         loss.backward()
         total += float(loss.detach())
@@ -69,10 +73,41 @@ def descend(model: VITP, optimizer: torch.optim.Optimizer, kind: str, batches, v
     return total
 
 
+def to_end(pieces: Generator):
+    """Run ``pieces`` without pausing; its value."""
+    while True:
+        try:
+            next(pieces)
+        except StopIteration as done:
+            return done.value
+
+
+def descend(model: VITP, optimizer: torch.optim.Optimizer, kind: str, batches, values: int) -> float:
+    """:func:`descending` without pauses; the loss."""
+    return to_end(descending(model, optimizer, kind, batches, values))
+
+
+class Clock:
+    """Seconds spent while running, the pauses left out."""
+
+    def __init__(self):
+        self.seconds, self._since = 0.0, time.perf_counter()
+
+    def now(self) -> float:
+        return self.seconds + time.perf_counter() - self._since
+
+    def pause(self) -> Iterator[None]:
+        """A yield that the clock does not count."""
+        self.seconds = self.now()
+        yield
+        self._since = time.perf_counter()
+
+
 class VITPTrainer:
     def __init__(self, model: VITP, history: History, kinds: tuple[str, ...], token_size: int,
                  batch_chunks: int = 256, lr: float = 1e-3, max_stride: int = 2, holdout_every: int = 10,
-                 val_chunks: int = 256, seed: int = 0, device: str = "cpu", memory_mb: float = 200.0):
+                 val_chunks: int = 256, seed: int = 0, device: str = "cpu", memory_mb: float = 200.0,
+                 micro_chunks: int = 64):
         self.model = model.to(device)
         self.history = history
         self.kinds = kinds
@@ -82,6 +117,7 @@ class VITPTrainer:
         self.max_stride = max_stride
         self.holdout_every = holdout_every
         self.val_chunks = val_chunks
+        self.micro_chunks = micro_chunks
         self.device = device
         self.optimizer = torch.optim.Adam(model.parameters(), lr=lr)
         self.generator = torch.Generator().manual_seed(seed)
@@ -178,14 +214,16 @@ class VITPTrainer:
         stride = max(len(held) // self.val_chunks, 1)
         return held[::stride][: self.val_chunks]
 
-    def train_step(self) -> float:
+    def train_step(self) -> Iterator[None]:
+        """One training step, pausing after each micro-batch of at most ``micro_chunks`` chunks (fewer where the
+        memory cap says so): the piece of work a bubble fits. Returns the loss (the generator's value)."""
         kinds = self._kinds()
         kind = kinds[int(torch.randint(len(kinds), (1,), generator=self.generator))]
         wins = samples.windows(len(self.history), self.window, self.max_stride)
         window = wins[int(torch.randint(len(wins), (1,), generator=self.generator))]
         rows = self._train_rows(kind)
-        batches = (self._batch(kind, window, part) for part in rows.split(self.footprint.batch))
-        loss = descend(self.model, self.optimizer, kind, batches, rows.numel() * self.token_size)
+        batches = (self._batch(kind, window, part) for part in rows.split(min(self.footprint.batch, self.micro_chunks)))
+        loss = yield from descending(self.model, self.optimizer, kind, batches, rows.numel() * self.token_size)
         self.steps += 1
         return loss
 
@@ -217,28 +255,49 @@ class VITPTrainer:
         (``validate`` false: not, and the learning curve gets no point; the report's val_loss is nan)."""
         if budget_s is None and n_steps is None:
             raise ValueError("step needs a time budget or a step count")
+        return to_end(self.training(budget_s, n_steps, validate))
+
+    def training(self, budget_s: float | None = None, n_steps: int | None = None,
+                 validate: bool = True) -> Generator[None, None, StepReport]:
+        """:meth:`step` in pieces: it pauses after each micro-batch (:meth:`train_step`), so that the coordinator
+        runs it a bubble at a time; the seconds it counts are those it ran. Without either limit it trains until
+        the caller stops it."""
         if not self.trainable():
             return StepReport(0, 0.0, math.nan, math.nan)
-        start = time.perf_counter()
+        clock = Clock()
         losses: list[float] = []
         longest = 0.0
+        # A pause follows every piece, the last too: the coordinator times a piece up to its pause, and the
+        # held-out check may be the largest piece.
         while n_steps is None or len(losses) < n_steps:
-            elapsed = time.perf_counter() - start
-            # Stop before a step that would overrun the budget: the bubble ends on time. The longest step so far,
-            # not the last, is the estimate: a step the scheduler preempted is the one that overruns.
-            if budget_s is not None and losses and elapsed + longest > budget_s:
+            # Stop before a step that would overrun the budget. The longest step so far, not the last, is the
+            # estimate: a step the scheduler preempted is the one that overruns.
+            if budget_s is not None and losses and clock.now() + longest > budget_s:
                 break
-            t0 = time.perf_counter()
-            losses.append(self.train_step())
-            longest = max(longest, time.perf_counter() - t0)
+            t0 = clock.now()
+            losses.append((yield from self._paused(self.train_step(), clock)))
+            longest = max(longest, clock.now() - t0)
+            yield from clock.pause()
         val_loss, relative, _ = self.validate() if validate else (math.nan, math.nan, None)
-        seconds = time.perf_counter() - start
+        if validate:
+            yield from clock.pause()
+        seconds = clock.now()
         self.seconds += seconds
         train_loss = sum(losses) / len(losses)
         if validate:
             self.curve.append(LossPoint(self.steps, self.seconds, self.history.iterations[-1], train_loss, val_loss,
                                         relative))
         return StepReport(len(losses), seconds, train_loss, val_loss)
+
+    @staticmethod
+    def _paused(pieces: Generator, clock: Clock):
+        """``pieces`` with each of its pauses left out of ``clock``; its value."""
+        while True:
+            try:
+                next(pieces)
+            except StopIteration as done:
+                return done.value
+            yield from clock.pause()
 
     def state_dict(self) -> dict:
         return {

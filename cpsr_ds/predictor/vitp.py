@@ -9,6 +9,8 @@ on.
 
 from __future__ import annotations
 
+from typing import Generator
+
 import torch
 
 from cpsr_ds.predictor import fdd, samples
@@ -22,7 +24,8 @@ class VITPPredictor(Predictor):
     """FDD + VITP. ``token_size`` values per chunk; a ``window`` of checkpoints split into
     ``low_bins`` kept, ``mid_bins`` fed to the network, the rest dropped; network size
     ``d_model``/``heads``/``layers``; trainer options ``batch_chunks``, ``lr``,
-    ``max_stride``, ``holdout_every``; ``ready()`` after ``min_train_steps`` steps;
+    ``max_stride``, ``holdout_every``, ``micro_chunks`` (chunks per micro-batch: a training step pauses after each,
+    the piece of work a pipeline bubble must fit); ``ready()`` after ``min_train_steps`` steps;
     ``predict`` runs ``predict_batch`` chunks at a time on ``device``; ``memory_mb`` caps the footprint there
     (:mod:`cpsr_ds.predictor.memory`), by smaller batches where needed; ``val_chunks`` held-out chunks
     measure its validation error; ``shards``: see :meth:`split_work`."""
@@ -33,7 +36,7 @@ class VITPPredictor(Predictor):
                  d_model: int = 64, heads: int = 4, layers: int = 2, batch_chunks: int = 256, lr: float = 1e-3,
                  max_stride: int = 2, holdout_every: int = 10, min_train_steps: int = 100,
                  predict_batch: int = 256, seed: int = 0, device: str = "cpu", memory_mb: float = 200.0,
-                 val_chunks: int = 256, shards: int = 1, history: int = 16, **options):
+                 val_chunks: int = 256, shards: int = 1, history: int = 16, micro_chunks: int = 64, **options):
         self.min_history = window + 1
         self.align = token_size
         super().__init__(history=history, **options)
@@ -41,7 +44,7 @@ class VITPPredictor(Predictor):
                              d_model=d_model, heads=heads, layers=layers, batch_chunks=batch_chunks, lr=lr,
                              max_stride=max_stride, holdout_every=holdout_every, min_train_steps=min_train_steps,
                              predict_batch=predict_batch, seed=seed, device=device, memory_mb=memory_mb,
-                             val_chunks=val_chunks, shards=1)
+                             val_chunks=val_chunks, shards=1, micro_chunks=micro_chunks)
         self.bands = fdd.Bands(window, low_bins, mid_bins)
         # Seeded initialisation without touching the training job's global RNG stream.
         with torch.random.fork_rng(devices=[]):
@@ -50,7 +53,7 @@ class VITPPredictor(Predictor):
         kinds = tuple(k for k in KINDS if self.predicts(k))
         self.trainer = VITPTrainer(model, self.history, kinds, token_size, batch_chunks=batch_chunks, lr=lr,
                                    max_stride=max_stride, holdout_every=holdout_every, val_chunks=val_chunks,
-                                   seed=seed, device=device, memory_mb=memory_mb)
+                                   seed=seed, device=device, memory_mb=memory_mb, micro_chunks=micro_chunks)
         self.split_work(shards)
 
     @property
@@ -80,6 +83,11 @@ class VITPPredictor(Predictor):
     def step(self, budget_s: float | None = None, n_steps: int | None = None, validate: bool = True) -> StepReport:
         """Train in a budget of seconds or steps (see :meth:`VITPTrainer.step`)."""
         return self.trainer.step(budget_s=budget_s, n_steps=n_steps, validate=validate)
+
+    def training(self, budget_s: float | None = None, n_steps: int | None = None,
+                 validate: bool = True) -> Generator[None, None, StepReport]:
+        """:meth:`step` a micro-batch at a time (see :meth:`VITPTrainer.training`)."""
+        return self.trainer.training(budget_s=budget_s, n_steps=n_steps, validate=validate)
 
     def ready(self) -> bool:
         return super().ready() and self.trainer.steps >= self._options["min_train_steps"]
