@@ -16,9 +16,9 @@ checkpoint, on the training loop's path), interleaved: on, off, on, off, ...
 With ``--fill`` the on runs set ``coordinator.fill``: vitp keeps training in the bubbles
 left after a checkpoint's work, so the on runs' predictor has trained more by the same
 iteration (the accuracy lines compare it with the off runs' as before).
-The batch is large enough that a piece of vitp's work (one training step and its
-held-out check, about 0.1 s on one thread) fits the larger bubbles; with the base
-config's 8 sequences per micro-batch none does, and all the work runs inline.
+The batch is large enough that the bubbles hold pieces of vitp's work (a micro-batch of
+64 chunks of a training step, about 20 ms on one thread, or the held-out check); with
+the base config's 8 sequences per micro-batch the bubbles are a few ms long.
 
 - PP = 2 (two processes on the two cores: a bubble leaves a core idle) is the headline;
   PP = 4 with DP = 1 and DP = 2 (4 and 8 processes) are reported, oversubscribed on 2 cores.
