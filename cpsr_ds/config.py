@@ -258,9 +258,10 @@ class CoordinatorConfig(_Strict):
         False,
         description="With pipeline parallelism and a learning predictor (vitp): once a checkpoint's work is done, "
         "the predictor keeps training in what is left of the bubbles until the next checkpoint, beyond "
-        "predictor.train_steps or train_budget_s; that training never runs on the training loop's path. The "
-        "predictor's training then depends on the bubbles' measured length, so two runs of one seed no longer "
-        "train it alike.",
+        "predictor.train_steps or train_budget_s, while it helps: a second split of chunks is held out of its "
+        "training, and where a few more steps do not lower the error on it they are undone and filling waits for "
+        "the next checkpoint. That training never runs on the training loop's path. The predictor's training then "
+        "depends on the bubbles' measured length, so two runs of one seed no longer train it alike.",
     )
 
 

@@ -32,7 +32,9 @@ measure it (or, queued behind other work, at the next checkpoint); what is still
 at a checkpoint runs inline there, before the predictor sees the new checkpoint, and
 what is queued when the job ends is dropped. With ``coordinator.fill``, a
 :class:`FillJob` queued last keeps the learning predictor training in every slot left
-until the next checkpoint, which drops it: it only ever uses bubble time.
+until the next checkpoint, which drops it, or until more steps stop lowering its error
+on a split of chunks held out for that (the predictor's ``filling``): it only ever uses
+bubble time.
 
 Without a pipeline (one stage: plain data parallelism or ZeRO) there are no bubbles;
 :class:`Background` runs the queued jobs to their ends on a thread of its own at the
@@ -133,13 +135,16 @@ class BubbleSchedule(TrainSchedule):
 
 
 class Job(Protocol):
-    optional: bool  # True: only for the bubbles; a flush drops it, nothing runs it inline
+    optional: bool  # True: only for the bubbles; a flush drops it (close), nothing runs it inline
 
     def cost(self) -> Optional[float]:
         """Seconds of the job's smallest piece; None: not measured yet."""
 
     def run(self, budget_s: Optional[float]) -> bool:
         """Work for at most ``budget_s`` seconds (None: to the end); True once the job is done."""
+
+    def close(self) -> None:
+        """An optional job's: stop it where it is."""
 
 
 class PieceCost:
@@ -199,6 +204,10 @@ class PiecesJob(Piecewise):
             if budget_s is not None and time.perf_counter() - start + self.cost() > budget_s:
                 return False
 
+    def close(self) -> None:
+        """Stop the work where it is (its generator's ``finally`` runs now, not whenever it is collected)."""
+        self.pieces.close()
+
 
 class TrainJob(PiecesJob):
     """A learning predictor's training after a checkpoint: ``steps`` steps or ``seconds`` seconds of its own
@@ -211,15 +220,16 @@ class TrainJob(PiecesJob):
         super().__init__(predictor.training(budget_s=seconds, n_steps=steps, validate=self.validate), piece)
 
 
-class FillJob(TrainJob):
+class FillJob(PiecesJob):
     """The learning predictor's training in what is left of the bubbles until the next checkpoint
-    (``coordinator.fill``): no step limit, no held-out check (the checkpoint's record makes one), never
-    inline."""
+    (``coordinator.fill``): ``predictor.filling``, which stops where more steps no longer help; no held-out check
+    (the checkpoint's record makes one), never inline, and closed when dropped (filling then keeps its best
+    weights)."""
 
-    optional, validate = True, False
+    optional = True
 
     def __init__(self, predictor, piece: PieceCost):
-        super().__init__(predictor, None, None, piece)
+        super().__init__(predictor.filling(), piece)
 
 
 def budget(spans, percentile: float, safety: float) -> float:
@@ -291,7 +301,10 @@ class Coordinator:
         with self._spent("inline_s"):
             while self.queue:
                 job = self.queue.popleft()
-                if job.optional or (job.cost() is None and job.run(0.0)):  # dropped, or done with its first piece
+                if job.optional:
+                    job.close()
+                    continue
+                if job.cost() is None and job.run(0.0):  # done with its first piece
                     continue
                 job.run(None)
 
@@ -300,6 +313,9 @@ class Coordinator:
         left = sum(not job.optional for job in self.queue)
         if left:
             log.info("cpsr: rank %d: %d job(s) of predictor work left undone at the end of the job", self.rank, left)
+        for job in self.queue:
+            if job.optional:
+                job.close()
         self.queue.clear()
 
     def slot(self, slot: str) -> None:

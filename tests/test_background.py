@@ -71,7 +71,7 @@ def test_work_meant_for_bubbles_only_is_dropped_where_there_are_none(tmp_path):
     c = Background(CoordinatorConfig(fill=True), str(tmp_path), rank=0, stage=0)
 
     class Untouchable:
-        def training(self, **_):
+        def filling(self):
             raise AssertionError("a FillJob ran without a pipeline")
             yield
 

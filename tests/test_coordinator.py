@@ -108,6 +108,10 @@ class Sleeper:
             yield
         return StepReport(taken, taken * STEP_S, 0.0, 0.0)
 
+    def filling(self):
+        """Steps until stopped, no held-out checks (a fill whose check keeps improving)."""
+        return self.training(validate=False)
+
 
 def bubble(coordinator, slot, wait_s):
     """A slot, then a receive that returns ``wait_s`` after the slot began."""
@@ -225,7 +229,8 @@ def test_work_in_pieces_runs_in_slots_within_their_budgets_and_in_order(tmp_path
 def test_filling_trains_in_every_slot_until_the_checkpoint_and_never_inline(tmp_path):
     c = Coordinator(CoordinatorConfig(window=4, log_every=1, fill=True), str(tmp_path), rank=0, stage=1)
     predictor = Sleeper()
-    c.submit(FillJob(predictor, c.piece("train")))  # nothing measured yet: still nothing inline
+    fill = FillJob(predictor, c.piece("train"))
+    c.submit(fill)  # nothing measured yet: still nothing inline
     assert predictor.steps == 0 and len(c.queue) == 1
     for _ in range(4):
         bubble(c, "RecvActivation@1", 0.06)
@@ -239,6 +244,7 @@ def test_filling_trains_in_every_slot_until_the_checkpoint_and_never_inline(tmp_
     assert in_slots > 3 * 5 and predictor.checks == 0  # about ten 4 ms steps per 48 ms slot, no held-out checks
     c.flush()
     assert predictor.steps == in_slots and not c.queue
+    assert fill.pieces.gi_frame is None  # closed at the flush: a filling predictor goes back to its best weights
     first, second = read_records(str(tmp_path))
     assert first["inline_s"] == 0 and second["inline_s"] < MIN_PIECE_S
     slices = second["slices"]

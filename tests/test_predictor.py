@@ -1,7 +1,9 @@
 """Predictor package on synthetic checkpoint trajectories: FDD, samples, the simple
 extrapolators, VITP training and prediction, state dicts, memory."""
 
+import copy
 import io
+import itertools
 import json
 import math
 import subprocess
@@ -383,6 +385,41 @@ def test_vitp_training_in_pieces_pauses_after_each_micro_batch_and_trains_as_in_
     assert pieced.trainer.curve[0].val_loss == whole.trainer.curve[0].val_loss
     for name, weight in whole.trainer.model.state_dict().items():
         assert torch.equal(weight, pieced.trainer.model.state_dict()[name]), name
+
+
+@pytest.mark.parametrize("fill_check", [False, True])
+def test_vitp_never_trains_on_a_held_out_chunk(fill_check):
+    """16 chunks: the last, 15, is held out for the fill check, and its neighbour after it would be chunk 0."""
+    p = fed("vitp", decay, **VITP_SMALL)
+    if fill_check:
+        p.reserve_fill_check()
+    held = {0, 10} | ({5, 15} if fill_check else set())
+    rows = torch.cat([p.trainer._train_rows("param") for _ in range(50)])
+    assert not held & set(rows.tolist())
+    assert set(rows.tolist()) == set(range(16)) - held
+
+
+def test_vitp_filling_keeps_the_weights_that_do_best_on_its_check_and_keeps_them_when_stopped():
+    states = lambda t: decay(t, noise=1e-3)  # noqa: E731
+    filled, stopped = (fed("vitp", states, fill_every=2, **VITP_SMALL) for _ in range(2))
+    for p in (filled, stopped):
+        p.reserve_fill_check()
+        p.step(n_steps=5)
+    start = filled.trainer.validate(check=True)[1]
+    pieces = sum(1 for _ in itertools.islice(filled.filling(), 5000))
+    assert pieces < 5000  # it ended: a block of two steps stopped lowering the check's error
+    assert filled.trainer.validate(check=True)[1] <= start
+    assert (filled.trainer.steps - 5) % 2 == 0  # the undone block's steps are not counted
+    before = copy.deepcopy(stopped.trainer.model.state_dict())
+    filling = stopped.filling()
+    next(filling)  # the check before the first block
+    next(filling)  # the block's first step (one micro-batch): the weights move
+    assert any(not torch.equal(w, before[k]) for k, w in stopped.trainer.model.state_dict().items())
+    filling.close()  # the next checkpoint drops the job: back to the best, the weights it began with
+    assert stopped.trainer.steps == 5
+    for name, weight in stopped.trainer.model.state_dict().items():
+        assert torch.equal(weight, before[name]), name
+    assert list(fed("vitp", states, **VITP_SMALL).filling()) == []  # no check reserved: no filling
 
 
 def test_vitp_steps_without_their_held_out_check_train_alike_and_add_no_curve_point():

@@ -116,6 +116,7 @@ class VITPTrainer:
         self.batch_chunks = batch_chunks
         self.max_stride = max_stride
         self.holdout_every = holdout_every
+        self.fill_check = False  # reserve_fill_check: a second held-out split, the one filling stops on
         self.val_chunks = val_chunks
         self.micro_chunks = micro_chunks
         self.device = device
@@ -205,14 +206,26 @@ class VITPTrainer:
     def _train_rows(self, kind: str) -> torch.Tensor:
         n = self._chunk_count(kind)
         rows = torch.randint(n, (self.batch_chunks,), generator=self.generator)
-        # Shift held-out picks to their neighbour; fine with a single chunk too.
+        # Shift held-out picks to their neighbour, the one before for the last chunk (the one after, chunk 0, is
+        # held out); a single chunk is trained on.
         held = rows % self.holdout_every == 0
-        return torch.where(held & (n > 1), (rows + 1) % n, rows)
+        if self.fill_check:
+            held |= rows % self.holdout_every == self.holdout_every // 2
+        neighbour = torch.where(rows + 1 < n, rows + 1, rows - 1)
+        return torch.where(held & (n > 1), neighbour, rows)
 
-    def _val_rows(self, kind: str) -> torch.Tensor:
-        held = torch.arange(0, self._chunk_count(kind), self.holdout_every)
+    def _val_rows(self, kind: str, offset: int = 0) -> torch.Tensor:
+        held = torch.arange(offset, self._chunk_count(kind), self.holdout_every)
         stride = max(len(held) // self.val_chunks, 1)
         return held[::stride][: self.val_chunks]
+
+    def reserve_fill_check(self) -> None:
+        """Hold the chunks half way between the held-out ones out of training too: the check on which
+        :meth:`filling` decides whether its extra steps help. Called before the first step (``coordinator.fill``);
+        needs ``holdout_every`` >= 3, so that the two splits differ and leave chunks to train on."""
+        if self.holdout_every < 3:
+            raise ValueError(f"vitp: a fill check needs holdout_every >= 3, got {self.holdout_every}")
+        self.fill_check = True
 
     def train_step(self) -> Iterator[None]:
         """One training step, pausing after each micro-batch of at most ``micro_chunks`` chunks (fewer where the
@@ -228,15 +241,17 @@ class VITPTrainer:
         return loss
 
     @torch.no_grad()
-    def validate(self) -> tuple[float, float, dict[str, tuple[float, float, int]]]:
-        """(normalised loss, relative error, per kind (squared error, squared error of skip, count))."""
+    def validate(self, check: bool = False) -> tuple[float, float, dict[str, tuple[float, float, int]]]:
+        """(normalised loss, relative error, per kind (squared error, squared error of skip, count)) on the
+        held-out chunks, or with ``check`` on the fill check's (:meth:`reserve_fill_check`)."""
+        offset = self.holdout_every // 2 if check else 0
         n = len(self.history)
         window = samples.Window(tuple(range(n - 1 - self.window, n - 1)), n - 1)
         self.model.eval()
         losses, per_kind = [], {}
         for kind in self._kinds():
             loss, err, skip, n = 0.0, 0.0, 0.0, 0
-            for part in self._val_rows(kind).split(self.footprint.batch):
+            for part in self._val_rows(kind, offset).split(self.footprint.batch):
                 p, times, target = self._batch(kind, window, part)
                 pred = self.run(p, times, kind)
                 loss += float(((pred - target) / p.scale).square().sum())
@@ -288,6 +303,35 @@ class VITPTrainer:
             self.curve.append(LossPoint(self.steps, self.seconds, self.history.iterations[-1], train_loss, val_loss,
                                         relative))
         return StepReport(len(losses), seconds, train_loss, val_loss)
+
+    def filling(self, every: int) -> Iterator[None]:
+        """Training beyond the checkpoints' steps (``coordinator.fill``) while it helps, a piece at a time. Every
+        ``every`` steps the relative error on the fill check's chunks (neither trained on nor in the held-out
+        error) is measured; the first block of steps that does not lower it is undone (the weights, the
+        optimizer's state and the step count go back to the best) and filling ends. Stopped from outside (the
+        next checkpoint drops the job), it goes back to the best too."""
+        if not (self.fill_check and self.trainable()):
+            return
+        best = (self.validate(check=True)[1], self._snapshot())
+        try:
+            while True:
+                yield
+                yield from self.training(n_steps=every, validate=False)
+                error = self.validate(check=True)[1]
+                if not error < best[0]:
+                    return
+                best = (error, self._snapshot())
+        finally:
+            self._restore(best[1])
+
+    def _snapshot(self) -> dict:
+        return copy.deepcopy({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                              "steps": self.steps})
+
+    def _restore(self, snapshot: dict) -> None:
+        self.model.load_state_dict(snapshot["model"])
+        self.optimizer.load_state_dict(snapshot["optimizer"])
+        self.steps = snapshot["steps"]
 
     @staticmethod
     def _paused(pieces: Generator, clock: Clock):

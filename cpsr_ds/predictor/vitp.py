@@ -9,7 +9,7 @@ on.
 
 from __future__ import annotations
 
-from typing import Generator
+from typing import Generator, Iterator
 
 import torch
 
@@ -25,7 +25,8 @@ class VITPPredictor(Predictor):
     ``low_bins`` kept, ``mid_bins`` fed to the network, the rest dropped; network size
     ``d_model``/``heads``/``layers``; trainer options ``batch_chunks``, ``lr``,
     ``max_stride``, ``holdout_every``, ``micro_chunks`` (chunks per micro-batch: a training step pauses after each,
-    the piece of work a pipeline bubble must fit); ``ready()`` after ``min_train_steps`` steps;
+    the piece of work a pipeline bubble must fit), ``fill_every`` (steps between the fill check's measurements,
+    :meth:`filling`); ``ready()`` after ``min_train_steps`` steps;
     ``predict`` runs ``predict_batch`` chunks at a time on ``device``; ``memory_mb`` caps the footprint there
     (:mod:`cpsr_ds.predictor.memory`), by smaller batches where needed; ``val_chunks`` held-out chunks
     measure its validation error; ``shards``: see :meth:`split_work`."""
@@ -36,7 +37,8 @@ class VITPPredictor(Predictor):
                  d_model: int = 64, heads: int = 4, layers: int = 2, batch_chunks: int = 256, lr: float = 1e-3,
                  max_stride: int = 2, holdout_every: int = 10, min_train_steps: int = 100,
                  predict_batch: int = 256, seed: int = 0, device: str = "cpu", memory_mb: float = 200.0,
-                 val_chunks: int = 256, shards: int = 1, history: int = 16, micro_chunks: int = 64, **options):
+                 val_chunks: int = 256, shards: int = 1, history: int = 16, micro_chunks: int = 64,
+                 fill_every: int = 4, **options):
         self.min_history = window + 1
         self.align = token_size
         super().__init__(history=history, **options)
@@ -44,7 +46,8 @@ class VITPPredictor(Predictor):
                              d_model=d_model, heads=heads, layers=layers, batch_chunks=batch_chunks, lr=lr,
                              max_stride=max_stride, holdout_every=holdout_every, min_train_steps=min_train_steps,
                              predict_batch=predict_batch, seed=seed, device=device, memory_mb=memory_mb,
-                             val_chunks=val_chunks, shards=1, micro_chunks=micro_chunks)
+                             val_chunks=val_chunks, shards=1, micro_chunks=micro_chunks,
+                             fill_every=fill_every)
         self.bands = fdd.Bands(window, low_bins, mid_bins)
         # Seeded initialisation without touching the training job's global RNG stream.
         with torch.random.fork_rng(devices=[]):
@@ -83,6 +86,16 @@ class VITPPredictor(Predictor):
     def step(self, budget_s: float | None = None, n_steps: int | None = None, validate: bool = True) -> StepReport:
         """Train in a budget of seconds or steps (see :meth:`VITPTrainer.step`)."""
         return self.trainer.step(budget_s=budget_s, n_steps=n_steps, validate=validate)
+
+    def reserve_fill_check(self) -> None:
+        """With ``coordinator.fill``: a second split of chunks held out, on which filling stops (see
+        :meth:`VITPTrainer.filling`)."""
+        self.trainer.reserve_fill_check()
+
+    def filling(self) -> Iterator[None]:
+        """Training in the bubbles left until the next checkpoint while it helps (:meth:`VITPTrainer.filling`,
+        checked every ``fill_every`` steps)."""
+        return self.trainer.filling(self._options["fill_every"])
 
     def training(self, budget_s: float | None = None, n_steps: int | None = None,
                  validate: bool = True) -> Generator[None, None, StepReport]:

@@ -19,6 +19,8 @@ def new_predictor(cfg: CPSRConfig, shards: int = 1):
     if hasattr(predictor, "cap_memory"):  # a learning predictor: its memory on its device is capped ...
         predictor.cap_memory(p.memory_mb)
         predictor.split_work(shards)  # ... and its training split across the replicas
+        if cfg.coordinator.fill:
+            predictor.reserve_fill_check()
     return predictor
 
 
