@@ -192,10 +192,17 @@ class GPTPipeline(PipelineModule):
 
 def _seed_layer(layer_seed) -> None:
     """Seed a layer's initialisation; on CUDA also megatron-core's model-parallel RNG state, which its
-    layers fork when they initialise weights on the GPU and in attention dropout."""
-    torch.manual_seed(int(layer_seed))
+    layers fork when they initialise weights on the GPU and in attention dropout.
+
+    DeepSpeed calls it before every layer's forward pass too. Without CUDA only the CPU generator is
+    seeded: ``torch.manual_seed`` would also queue a seed for CUDA's lazy initialisation, recording a
+    stack trace each time: bench_ftcost's tiny GPT trained 10 % faster without it (median iteration 26.8
+    against 29.8 ms over five runs each), with the same losses."""
     if torch.cuda.is_available():
+        torch.manual_seed(int(layer_seed))
         tensor_parallel.model_parallel_cuda_manual_seed(int(layer_seed))
+    else:
+        torch.default_generator.manual_seed(int(layer_seed))
 
 
 def gpt_pipeline(cfg: GPTConfig, num_stages: int, seed: int, params_dtype: torch.dtype = torch.float32) -> PipelineModule:
