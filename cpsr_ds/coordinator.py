@@ -214,10 +214,8 @@ class TrainJob(PiecesJob):
     running, then its held-out check, a piece at a time (``predictor.training``: a micro-batch of a step, or the
     check), so that it stops and goes on between pieces as the slots allow and ends as it would in one go."""
 
-    validate = True
-
     def __init__(self, predictor, steps: Optional[int], seconds: Optional[float], piece: PieceCost):
-        super().__init__(predictor.training(budget_s=seconds, n_steps=steps, validate=self.validate), piece)
+        super().__init__(predictor.training(budget_s=seconds, n_steps=steps), piece)
 
 
 class FillJob(PiecesJob):
