@@ -191,14 +191,32 @@ def per_iteration(rows: list[dict], stage: int) -> tuple[list[int], list[float],
             [sum(p for _, p in acc[i]) / len(acc[i]) for i in its])
 
 
-def accuracy(on_rows, off_rows, predictor: str) -> dict[int, dict]:
-    """Per stage: the held-out error of the on and the off run at the newest checkpoint both measured."""
+def accuracy(on_rows, off_rows, predictor: str, warm_up: int) -> dict[int, dict]:
+    """Per stage: the held-out error of the on and the off run at the newest checkpoint both measured, and over
+    every checkpoint after ``warm_up`` both measured the geometric mean of on / off (``ratio_after_warm_up``;
+    None where the errors are not all positive)."""
     out = {}
     for stage in sorted({r.stage for r in on_rows if isinstance(r, StateRow)}):
         on, off = (dict(held_out_errors(rows, stage, predictor)) for rows in (on_rows, off_rows))
         common = sorted(set(on) & set(off))
         if common:
-            out[stage] = {"iteration": common[-1], "on": on[common[-1]], "off": off[common[-1]]}
+            late = [(on[i], off[i]) for i in common if i > warm_up]
+            positive = late and all(a > 0 and b > 0 for a, b in late)
+            out[stage] = {"iteration": common[-1], "on": on[common[-1]], "off": off[common[-1]],
+                          "checkpoints_after_warm_up": len(late),
+                          "ratio_after_warm_up": (math.exp(sum(math.log(a / b) for a, b in late) / len(late))
+                                                  if positive else None)}
+    return out
+
+
+def accuracy_over_pairs(accuracies: list[dict[int, dict]]) -> dict[int, dict]:
+    """Per stage: the pairs' ``ratio_after_warm_up`` (on / off), their median, mean and 95 % interval."""
+    stages = sorted({s for pair in accuracies for s in pair})
+    out = {}
+    for stage in stages:
+        values = [pair[stage]["ratio_after_warm_up"] for pair in accuracies if stage in pair]
+        out[stage] = {**summarize([v for v in values if v is not None],
+                                  ["errors not all positive"] * sum(v is None for v in values)), "ratios": values}
     return out
 
 
@@ -284,12 +302,12 @@ def layout_result(args, stages: int, dp: int, runs: list[tuple[dict, dict]]) -> 
     """A layout's figures from its (on, off) pairs."""
     on_rows = [r for on, _ in runs for r in on["records"]]
     stage_figures = per_stage(on_rows, args.warm_up)
-    accuracies = [accuracy(on["measurements"], off["measurements"], "vitp") for on, off in runs]
+    accuracies = [accuracy(on["measurements"], off["measurements"], "vitp", args.warm_up) for on, off in runs]
     return {"pp": stages, "dp": dp, "processes": stages * dp, "oversubscribed": stages * dp > (os.cpu_count() or 1),
             "throughput_on": [on["throughput"] for on, _ in runs], "throughput_off": [off["throughput"] for _, off in runs],
             "throughput_ratio": ratios([on["throughput"] for on, _ in runs], [off["throughput"] for _, off in runs]),
             "stages": stage_figures, "bubble_filled_fraction": filled_fraction(stage_figures),
-            "accuracy": accuracies, "fig10": {s: per_iteration(runs[0][0]["records"], s) for s in stage_figures},
+            "accuracy": accuracies, "accuracy_ratio": accuracy_over_pairs(accuracies), "fig10": {s: per_iteration(runs[0][0]["records"], s) for s in stage_figures},
             "n_p": {r.stage: r.n_p for on, _ in runs for r in on["measurements"] if isinstance(r, StateRow)},
             "dirs": [[on["dir"], off["dir"]] for on, off in runs]}
 
@@ -378,6 +396,13 @@ def num(value, spec: str, width: int) -> str:
     return f"{'-':>{width}s}" if value is None else f"{value:{width}{spec}}"
 
 
+def summary_text(t: dict) -> str:
+    """A ``summarize`` result as "median, mean [low, high] over n"."""
+    lo, hi = t["ci95"] or (None, None)
+    return (f"{num(t['median'], '.4f', 6)}, {num(t['mean'], '.4f', 6)} [{num(lo, '.4f', 6)}, {num(hi, '.4f', 6)}] "
+            f"over {t['measured']}")
+
+
 def print_result(result: dict) -> None:
     s = result["settings"]
     fill = ", then on in the bubbles left (coordinator.fill)" if s.get("fill") else ""
@@ -386,12 +411,9 @@ def print_result(result: dict) -> None:
     print(f"{'layout':10s} {'procs':>5s} | {'on it/s':>8s} {'off it/s':>8s} | ratio on/off: median, mean [95 % interval]"
           f" over pairs")
     for name, r in result["layouts"].items():
-        t = r["throughput_ratio"]
-        lo, hi = t["ci95"]
         over = " (oversubscribed on 2 cores)" if r["oversubscribed"] else ""
         print(f"{name:10s} {r['processes']:5d} | {sum(r['throughput_on']) / len(r['throughput_on']):8.3f} "
-              f"{sum(r['throughput_off']) / len(r['throughput_off']):8.3f} | {t['median']:.4f}, {t['mean']:.4f} "
-              f"[{lo:.4f}, {hi:.4f}] over {t['measured']}{over}")
+              f"{sum(r['throughput_off']) / len(r['throughput_off']):8.3f} | {summary_text(r['throughput_ratio'])}{over}")
     print("\nper stage and iteration, coordinator on (ms): bubble measured, predictor placed in it, predictor on the "
           "background thread (PP = 1), predictor inline; filled share")
     for name, r in result["layouts"].items():
@@ -406,6 +428,12 @@ def print_result(result: dict) -> None:
         for k, pair in enumerate(r["accuracy"]):
             print(f"{name:10s} pair {k} | " + " | ".join(
                 f"stage {st} it {a['iteration']}: {a['on']:.4g} / {a['off']:.4g}" for st, a in pair.items()))
+    print(f"\nheld-out error on / off over every checkpoint after the warm-up (geometric mean per pair): median, mean "
+          f"[95 % interval] over pairs")
+    for name, r in result["layouts"].items():
+        for stage, a in r["accuracy_ratio"].items():
+            print(f"{name:10s} stage {stage} | {summary_text(a)} | per pair "
+                  + " ".join(num(v, '.4f', 6) for v in a["ratios"]))
     print("\npredictor peak memory (footprint.py, MiB above baseline: training, prediction less its output)")
     for chunks, f in result["predictor_footprint"].items():
         print(f"  {chunks} chunks: train {f['train_peak_mib']:.1f}, predict {f['predict_working_peak_mib']:.1f} "

@@ -126,7 +126,21 @@ def test_accuracy_pairs_the_newest_checkpoint_both_runs_measured(bench):
     on = [state(10, 0, 3.0), state(12, 0, 2.0), state(14, 0, None), state(10, 1, 5.0), cost,
           state(16, 0, 0.1, predictor="trend")]
     off = [state(10, 0, 4.0), state(12, 0, 2.5), state(14, 0, 1.5), state(12, 1, 6.0)]
-    assert bench.accuracy(on, off, "vitp") == {0: {"iteration": 12, "on": 2.0, "off": 2.5}}
+    assert bench.accuracy(on, off, "vitp", warm_up=8) == {0: {
+        "iteration": 12, "on": 2.0, "off": 2.5, "checkpoints_after_warm_up": 2,
+        "ratio_after_warm_up": pytest.approx(math.sqrt(3.0 / 4.0 * 2.0 / 2.5))}}
+    assert bench.accuracy(on, off, "vitp", warm_up=10)[0]["ratio_after_warm_up"] == pytest.approx(0.8)
+    assert bench.accuracy(on, off, "vitp", warm_up=12)[0]["ratio_after_warm_up"] is None
+
+
+def test_accuracy_over_pairs_summarizes_each_stages_ratios(bench):
+    pairs = [{0: {"ratio_after_warm_up": r}, 1: {"ratio_after_warm_up": 1.0}} for r in (0.9, 1.1, 1.0)]
+    pairs.append({0: {"ratio_after_warm_up": None}})
+    summary = bench.accuracy_over_pairs(pairs)
+    assert summary[0]["median"] == pytest.approx(1.0) and summary[0]["measured"] == 3
+    assert summary[0]["ci95"][0] < 1.0 < summary[0]["ci95"][1]
+    assert summary[0]["unmeasurable"]["count"] == 1 and summary[0]["ratios"] == [0.9, 1.1, 1.0, None]
+    assert summary[1]["measured"] == 3 and summary[1]["mean"] == pytest.approx(1.0)
 
 
 def test_recovery_peaks_are_stage_zeros_largest_by_dp_degree(bench):

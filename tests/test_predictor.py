@@ -422,6 +422,23 @@ def test_vitp_filling_keeps_the_weights_that_do_best_on_its_check_and_keeps_them
     assert list(fed("vitp", states, **VITP_SMALL).filling()) == []  # no check reserved: no filling
 
 
+def test_vitp_filling_waits_fill_patience_checks_for_a_new_best_and_ends_on_the_best():
+    p = fed("vitp", decay, fill_every=1, fill_patience=2, **VITP_SMALL)
+    p.reserve_fill_check()
+    p.step(n_steps=3)
+    # The check's error at the start, then after each fill step: the best after the third, then two misses.
+    errors = iter([1.0, 0.9, 0.95, 0.8, 0.85, 0.82, 0.5])
+    held_out = p.trainer.validate
+    p.trainer.validate = lambda check=False: (math.nan, next(errors), {}) if check else held_out()
+    seen = {}
+    for _ in p.filling():
+        seen.setdefault(p.trainer.steps, copy.deepcopy(p.trainer.model.state_dict()))
+    assert list(errors) == [0.5]  # it ended after the second miss in a row
+    assert sorted(seen) == [3, 4, 5, 6, 7, 8] and p.trainer.steps == 6
+    for name, weight in p.trainer.model.state_dict().items():
+        assert torch.equal(weight, seen[6][name]), name
+
+
 def test_vitp_steps_without_their_held_out_check_train_alike_and_add_no_curve_point():
     checked, unchecked = (fed("vitp", decay, **VITP_SMALL) for _ in range(2))
     checked.step(n_steps=3)

@@ -304,23 +304,30 @@ class VITPTrainer:
                                         relative))
         return StepReport(len(losses), seconds, train_loss, val_loss)
 
-    def filling(self, every: int) -> Iterator[None]:
+    def filling(self, every: int, patience: int) -> Iterator[None]:
         """Training beyond the checkpoints' steps (``coordinator.fill``) while it helps, a piece at a time. Every
         ``every`` steps the relative error on the fill check's chunks (neither trained on nor in the held-out
-        error) is measured; the first block of steps that does not lower it is undone (the weights, the
-        optimizer's state and the step count go back to the best) and filling ends. Stopped from outside (the
-        next checkpoint drops the job), it goes back to the best too."""
+        error) is measured; after ``patience`` blocks in a row that do not lower it below the best so far,
+        filling ends and what followed the best is undone (the weights, the optimizer's state and the step count
+        go back to it). Stopped from outside (the next checkpoint drops the job), it goes back to the best too.
+
+        Short blocks and patience, not long blocks that stop at the first miss: a block the next checkpoint
+        interrupts is undone unchecked, and at PP = 2 of ``bench_overhead`` (a checkpoint every 2 iterations)
+        blocks of 4 steps rarely ended before it, so most of the steps filled were thrown away; one step's
+        change of the check's error is noise-sized, so a single miss says little."""
         if not (self.fill_check and self.trainable()):
             return
         best = (self.validate(check=True)[1], self._snapshot())
+        misses = 0
         try:
-            while True:
+            while misses < patience:
                 yield
                 yield from self.training(n_steps=every, validate=False)
                 error = self.validate(check=True)[1]
-                if not error < best[0]:
-                    return
-                best = (error, self._snapshot())
+                if error < best[0]:
+                    best, misses = (error, self._snapshot()), 0
+                else:
+                    misses += 1
         finally:
             self._restore(best[1])
 

@@ -25,8 +25,8 @@ class VITPPredictor(Predictor):
     ``low_bins`` kept, ``mid_bins`` fed to the network, the rest dropped; network size
     ``d_model``/``heads``/``layers``; trainer options ``batch_chunks``, ``lr``,
     ``max_stride``, ``holdout_every``, ``micro_chunks`` (chunks per micro-batch: a training step pauses after each,
-    the piece of work a pipeline bubble must fit), ``fill_every`` (steps between the fill check's measurements,
-    :meth:`filling`); ``ready()`` after ``min_train_steps`` steps;
+    the piece of work a pipeline bubble must fit), ``fill_every`` (steps between the fill check's measurements)
+    and ``fill_patience`` (checks in a row without a new best that end the filling, :meth:`filling`); ``ready()`` after ``min_train_steps`` steps;
     ``predict`` runs ``predict_batch`` chunks at a time on ``device``; ``memory_mb`` caps the footprint there
     (:mod:`cpsr_ds.predictor.memory`), by smaller batches where needed; ``val_chunks`` held-out chunks
     measure its validation error; ``shards``: see :meth:`split_work`."""
@@ -38,7 +38,7 @@ class VITPPredictor(Predictor):
                  max_stride: int = 2, holdout_every: int = 10, min_train_steps: int = 100,
                  predict_batch: int = 256, seed: int = 0, device: str = "cpu", memory_mb: float = 200.0,
                  val_chunks: int = 256, shards: int = 1, history: int = 16, micro_chunks: int = 64,
-                 fill_every: int = 4, **options):
+                 fill_every: int = 1, fill_patience: int = 3, **options):
         self.min_history = window + 1
         self.align = token_size
         super().__init__(history=history, **options)
@@ -47,7 +47,7 @@ class VITPPredictor(Predictor):
                              max_stride=max_stride, holdout_every=holdout_every, min_train_steps=min_train_steps,
                              predict_batch=predict_batch, seed=seed, device=device, memory_mb=memory_mb,
                              val_chunks=val_chunks, shards=1, micro_chunks=micro_chunks,
-                             fill_every=fill_every)
+                             fill_every=fill_every, fill_patience=fill_patience)
         self.bands = fdd.Bands(window, low_bins, mid_bins)
         # Seeded initialisation without touching the training job's global RNG stream.
         with torch.random.fork_rng(devices=[]):
@@ -94,8 +94,8 @@ class VITPPredictor(Predictor):
 
     def filling(self) -> Iterator[None]:
         """Training in the bubbles left until the next checkpoint while it helps (:meth:`VITPTrainer.filling`,
-        checked every ``fill_every`` steps)."""
-        return self.trainer.filling(self._options["fill_every"])
+        checked every ``fill_every`` steps, ending after ``fill_patience`` checks without a new best)."""
+        return self.trainer.filling(self._options["fill_every"], self._options["fill_patience"])
 
     def training(self, budget_s: float | None = None, n_steps: int | None = None,
                  validate: bool = True) -> Generator[None, None, StepReport]:
