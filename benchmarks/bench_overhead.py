@@ -428,8 +428,8 @@ def print_result(result: dict) -> None:
         for k, pair in enumerate(r["accuracy"]):
             print(f"{name:10s} pair {k} | " + " | ".join(
                 f"stage {st} it {a['iteration']}: {a['on']:.4g} / {a['off']:.4g}" for st, a in pair.items()))
-    print(f"\nheld-out error on / off over every checkpoint after the warm-up (geometric mean per pair): median, mean "
-          f"[95 % interval] over pairs")
+    print("\nheld-out error on / off over every checkpoint after the warm-up (geometric mean per pair): median, mean "
+          "[95 % interval] over pairs")
     for name, r in result["layouts"].items():
         for stage, a in r["accuracy_ratio"].items():
             print(f"{name:10s} stage {stage} | {summary_text(a)} | per pair "

@@ -35,7 +35,7 @@ from deepspeed.runtime.pipe.module import PipelineModule
 from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
 
 from cpsr_ds import planner, runlog, world
-from cpsr_ds.checkpoint import exiting, host_snapshot, survivor
+from cpsr_ds.checkpoint import exiting, host_snapshot, survivor, throttle
 from cpsr_ds.checkpoint.factory import deepspeed_factory
 from cpsr_ds.checkpoint.layout import verify_storage
 from cpsr_ds.checkpoint.store import reading_each_file_once
@@ -45,7 +45,7 @@ from cpsr_ds.coordinator import (Background, BubbleSchedule, CallJob, Coordinato
                                  PredictorWork, TrainJob)
 from cpsr_ds.elastic import check_restartable
 from cpsr_ds.faults import FaultInjector, check_kill_rank
-from cpsr_ds.fitter import XiSums, curvature_of, fit_loss_o, next_phase
+from cpsr_ds.fitter import XiSums, curvature_of, fit_loss_o, next_phase, recent_losses
 from cpsr_ds.online_planner import (
     Cost,
     CostMeter,
@@ -70,7 +70,6 @@ from cpsr_ds.recovery import (
     carried_lag,
     earlier_reports,
     excess_at,
-    journal_losses,
     new_predictor,
     own_share,
     recover,
@@ -152,6 +151,7 @@ class Runtime:
         self.predictor = new_predictor(cfg, data_parallel(engine).size)
         self.recovery = recover(engine, cfg, self.predictor, attempt=self.attempt)
         self.learning = hasattr(self.predictor, "step")
+        self.summaries = summaries.Writer(throttle.shared(cfg.checkpoint.write_mbps))
         # With a pipeline the work goes in its bubbles. Without one a learning predictor's goes to a low-priority
         # thread; a simple predictor's (copies and reductions, milliseconds per checkpoint) costs the training loop
         # less at the checkpoint than on that thread, which shares the interpreter's lock and the cores with it.
@@ -168,7 +168,10 @@ class Runtime:
         self.meter = CostMeter()
         self._started = None  # when the running iteration's train_batch began
         self._load_measurements(engine.global_steps)
-        self.history = self._history(engine.global_steps) if rank == 0 else None
+        # Rank 0 plans from the journal's losses: read once here, then kept as they are journaled.
+        entries = self._journal_entries() if rank == 0 else None
+        self.history = self._history(engine.global_steps, entries) if rank == 0 else None
+        self.losses = {e.iteration: e.loss for e in entries} if rank == 0 else None
         self.planned = None  # the watched inputs of the last plan
         self.planned_phase = 0
         self.interval = cfg.planner.first_interval
@@ -193,6 +196,8 @@ class Runtime:
             self.meter.iteration(now - self._started)
         iteration = engine.global_steps
         self.journal.append(iteration, loss)
+        if self.losses is not None:
+            self.losses[iteration] = loss
         finite = math.isfinite(loss)
         if not finite and self.diverged_at is None:
             self.diverged_at = iteration
@@ -228,10 +233,15 @@ class Runtime:
         """Close the journal and give the run directory free for another job.
 
         The predictor's work still queued is dropped: this may run from the engine's
-        finaliser at interpreter exit, where no autograd may run.
+        finaliser at interpreter exit, where no autograd may run. The predictor's summaries
+        are written first, as long as checkpoints may take to commit (a failing process: the exit grace).
         """
         if self.coordinator is not None:
             self.coordinator.drop()
+        bound_s = self.cfg.checkpoint.commit_timeout_s if exiting.reason() is None else exiting.EXIT_GRACE_S
+        if not self.summaries.close(bound_s):
+            logger.warning("cpsr: the predictor's summaries were not all written within %g s; a restart from the "
+                           "newest checkpoints reads their full history instead", bound_s)
         self.journal.close()
         if self.lock is not None:
             self.lock.release()
@@ -327,7 +337,7 @@ class Runtime:
         if summarize:
             summary = self.predictor.summary(held_out)
             if summary is not None:
-                summaries.write(self.directory, self.rank, iteration, self.attempt, summary,
+                self.summaries.submit(self.directory, self.rank, iteration, self.attempt, summary,
                                  self.cfg.checkpoint.keep_last)
         if not self.measuring:
             return
@@ -471,7 +481,8 @@ class Runtime:
                                                                      "nothing measured yet: planner.first_interval"))
             return self.interval, None
         cfg = self.cfg
-        losses = journal_losses(self.directory)
+        # Only the recent window is ever fitted again (a later plan's starts later): the rest is let go.
+        losses = self.losses = recent_losses(self.losses, iteration)
         job = JobInputs(iteration, lambda_per_hour, fit_loss_o(losses, iteration), cfg.planner.cost_model,
                         cfg.predictor.name, cfg.recovery.mode, cfg.recovery.max_relative_error,
                         cfg.recovery.max_loss_excess, cfg.planner.max_interval, self.interval, n, hours,
@@ -515,11 +526,13 @@ class Runtime:
                 self.costs.append(Cost(row.iteration, row.iteration_time_s, row.stall_s, row.slowdown_s,
                                        row.persist_s, row.nbytes))
 
-    def _history(self, resumed_at: int) -> RunHistory:
-        """Rank 0: what the run's earlier attempts leave to the planner."""
-        reports = [*earlier_reports(self.directory), self.recovery]
+    def _journal_entries(self) -> list:
         path = journal_path(self.directory, 0)
-        entries, _ = plausible(path, read_journal(path)) if os.path.exists(path) else ([], None)
+        return plausible(path, read_journal(path))[0] if os.path.exists(path) else []
+
+    def _history(self, resumed_at: int, entries: list) -> RunHistory:
+        """Rank 0: what the run's earlier attempts (their journal ``entries``) leave to the planner."""
+        reports = [*earlier_reports(self.directory), self.recovery]
         return RunHistory(failures([r.reached for r in reports]),
                           running_hours([(e.iteration, e.wall_time) for e in entries]), time.time(),
                           carried_lag(reports, resumed_at))

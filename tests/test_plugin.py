@@ -16,6 +16,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from conftest import ROOT, TEST_MODEL, free_port, tiny_config
 import cpsr_ds
 from cpsr_ds import runlog
+from cpsr_ds.recovery import journal_losses
 from cpsr_ds.models.gpt import GPTConfig, gpt_pipeline
 from cpsr_ds.plugin import CPSRPipelineEngine
 from cpsr_ds.rundir import LOCK, RunDirectoryBusy, acquire, recorded_attempt
@@ -238,6 +239,9 @@ def test_interval_auto_checkpoints_at_the_planned_intervals_and_records_plans_co
     assert engine.checkpoint_engine.flush(timeout_s=60)
     engine.train_batch(iter(batches))  # the costs are written once seen persisted
     last = engine.global_steps
+    # The losses the plans fit, kept in memory, are the journal's over the newest plan's window on.
+    newest = runlog.read_plans(str(run_dir))[0][-1].iteration
+    assert engine.cpsr.losses == {i: loss for i, loss in journal_losses(str(run_dir)).items() if i >= newest // 2}
     engine.destroy()
 
     plans, problems = runlog.read_plans(str(run_dir))

@@ -2,9 +2,11 @@
 atomically, read back only when whole and of the same checkpoint, the newest few kept."""
 
 import os
+import time
 
 import torch
 
+from cpsr_ds.checkpoint.throttle import Throttle
 from cpsr_ds.recovery.sources import summaries
 
 
@@ -46,3 +48,29 @@ def test_a_failed_write_is_logged_not_raised(tmp_path, caplog):
     blocker.write_text("a file where the directory should be")
     summaries.write(str(tmp_path), 0, 7, 1, summary(0.5), keep=4)
     assert "was not written" in caplog.text
+
+
+def test_the_writer_leaves_the_caller_at_once_and_writes_in_order_at_the_write_limit(tmp_path):
+    big = {"name": "trend", "iteration": 7, "slope": {"param": torch.ones(100_000, dtype=torch.bfloat16)}}
+    writer = summaries.Writer(Throttle(400_000))  # 200 kB a summary: half a second each
+    t0 = time.monotonic()
+    for iteration in (5, 10):
+        writer.submit(str(tmp_path), 0, iteration, 1, big, keep=1)
+    assert time.monotonic() - t0 < 0.2
+    assert not writer.flush(timeout_s=0.05)
+    assert writer.flush(timeout_s=30)
+    assert time.monotonic() - t0 >= 0.8  # both through the limit
+    kept = os.listdir(os.path.dirname(summaries.path(str(tmp_path), 0, 5, 1)))
+    assert kept == ["000000010-1.pt"]  # keep=1: the newest only
+    assert summaries.read(str(tmp_path), 0, 10, 1)[0]["iteration"] == 7
+    assert writer.close(timeout_s=1)
+
+
+def test_a_summary_the_writer_cannot_serialise_is_logged_and_the_next_one_written(tmp_path, caplog):
+    writer = summaries.Writer()
+    writer.submit(str(tmp_path), 0, 5, 1, {"name": "trend", "slope": lambda: None}, keep=4)
+    writer.submit(str(tmp_path), 0, 10, 1, summary(0.5), keep=4)
+    assert writer.close(timeout_s=30)
+    assert "summary of iteration 5 was not written" in caplog.text
+    assert summaries.read(str(tmp_path), 0, 5, 1) == (None, 0)
+    assert summaries.read(str(tmp_path), 0, 10, 1)[0] is not None

@@ -9,6 +9,11 @@ by each rank beside the checkpoint, once the predictor has seen it:
 its bytes in front. The restart reads the newest checkpoint's and the checkpoint alone
 where every rank has one that fits its share; anything else (missing, damaged, of another
 attempt or layout) means the full history, as before.
+
+:class:`Writer` writes them on a thread of its own, through the storage write limit the
+checkpoints share (``checkpoint.write_mbps``): a summary is a sixth of the checkpoint's bytes
+(2 of 12 per parameter), and written in the training loop it stalled training for its write
+and two fsyncs. One not yet written when the job dies is missing, as above.
 """
 
 from __future__ import annotations
@@ -18,10 +23,14 @@ import hashlib
 import io
 import logging
 import os
+import queue
+import threading
+from typing import Optional
 
 import torch
 
 from cpsr_ds.checkpoint.store import describe_error, write_atomic
+from cpsr_ds.checkpoint.throttle import Throttle
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +41,8 @@ def path(directory: str, rank: int, iteration: int, attempt: int) -> str:
     return os.path.join(directory, SUMMARIES_DIR, f"rank{rank:05d}", f"{iteration:09d}-{attempt}.pt")
 
 
-def write(directory: str, rank: int, iteration: int, attempt: int, summary: dict, keep: int) -> None:
+def write(directory: str, rank: int, iteration: int, attempt: int, summary: dict, keep: int,
+          throttle: Optional[Throttle] = None) -> None:
     """Write ``summary`` for the checkpoint of ``iteration``; keep this rank's ``keep`` newest.
 
     A failed write costs a later restart its shortcut, not training: it is logged, not raised.
@@ -43,7 +53,7 @@ def write(directory: str, rank: int, iteration: int, attempt: int, summary: dict
     payload = buffer.getvalue()
     try:
         os.makedirs(os.path.dirname(target), exist_ok=True)
-        write_atomic(target, [hashlib.sha256(payload).hexdigest().encode() + b"\n", payload])
+        write_atomic(target, [hashlib.sha256(payload).hexdigest().encode() + b"\n", payload], throttle=throttle)
     except OSError as err:
         log.warning("cpsr: the predictor's summary of iteration %d was not written: %s", iteration,
                     describe_error(err))
@@ -53,6 +63,49 @@ def write(directory: str, rank: int, iteration: int, attempt: int, summary: dict
             os.unlink(old)
         except OSError:
             pass
+
+
+class Writer:
+    """:func:`write` on a daemon thread of its own, in the order submitted, waiting on ``throttle``; a daemon
+    so that storage that hangs cannot hold the process at exit (as the checkpoint engine's writers)."""
+
+    def __init__(self, throttle: Optional[Throttle] = None):
+        self._throttle = throttle
+        self._jobs: queue.Queue = queue.Queue()
+        self._idle = threading.Condition()
+        self._pending = 0
+        self._thread: Optional[threading.Thread] = None
+
+    def submit(self, directory: str, rank: int, iteration: int, attempt: int, summary: dict, keep: int) -> None:
+        with self._idle:
+            self._pending += 1
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="cpsr-summaries", daemon=True)
+            self._thread.start()
+        self._jobs.put((directory, rank, iteration, attempt, summary, keep))
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                write(*job, throttle=self._throttle)
+            except Exception:  # a summary that cannot even be serialised: the restart reads the full history
+                log.exception("cpsr: the predictor's summary of iteration %d was not written", job[2])
+            finally:
+                with self._idle:
+                    self._pending -= 1
+                    self._idle.notify_all()
+
+    def flush(self, timeout_s: Optional[float] = None) -> bool:
+        """Wait until every summary submitted is written (or failed, logged); False where ``timeout_s`` ran out."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._pending == 0, timeout=timeout_s)
+
+    def close(self, timeout_s: Optional[float] = None) -> bool:
+        """:meth:`flush`, then stop the thread (what is left unwritten after ``timeout_s`` is abandoned)."""
+        done = self.flush(timeout_s)
+        if self._thread is not None:
+            self._jobs.put(None)
+        return done
 
 
 def _order(name: str) -> tuple[int, int]:
