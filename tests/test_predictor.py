@@ -18,6 +18,7 @@ from cpsr_ds.predictor import fdd, samples
 from cpsr_ds.predictor import trainer as trainer_module
 from cpsr_ds.predictor.simple import damping_gain, fit_damping, increment_gram, intervals
 from cpsr_ds.predictor.state import PIECE, History
+from cpsr_ds.predictor.trainer import significantly_lower
 from cpsr_ds.shard import assemble, shapes_of, share
 
 # Checkpoints at variable intervals (30..70 iterations), the failure between two.
@@ -426,10 +427,10 @@ def test_vitp_filling_waits_fill_patience_checks_for_a_new_best_and_ends_on_the_
     p = fed("vitp", decay, fill_every=1, fill_patience=2, **VITP_SMALL)
     p.reserve_fill_check()
     p.step(n_steps=3)
-    # The check's error at the start, then after each fill step: the best after the third, then two misses.
+    # The check's errors at the start, then after each fill step (every chunk alike, so no noise): the best after
+    # the third step, then two misses.
     errors = iter([1.0, 0.9, 0.95, 0.8, 0.85, 0.82, 0.5])
-    held_out = p.trainer.validate
-    p.trainer.validate = lambda check=False: (math.nan, next(errors), {}) if check else held_out()
+    p.trainer.check_errors = lambda: torch.full((8,), next(errors), dtype=torch.float64)
     seen = {}
     for _ in p.filling():
         seen.setdefault(p.trainer.steps, copy.deepcopy(p.trainer.model.state_dict()))
@@ -437,6 +438,27 @@ def test_vitp_filling_waits_fill_patience_checks_for_a_new_best_and_ends_on_the_
     assert sorted(seen) == [3, 4, 5, 6, 7, 8] and p.trainer.steps == 6
     for name, weight in p.trainer.model.state_dict().items():
         assert torch.equal(weight, seen[6][name]), name
+
+
+def test_a_lower_check_error_counts_only_beyond_the_chunks_spread():
+    before = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0], dtype=torch.float64)
+    assert significantly_lower(before - 0.5, before)  # every chunk lower alike
+    assert not significantly_lower(before, before) and not significantly_lower(before + 0.5, before)
+    # The same total improvement, from one chunk among chunks that move both ways: noise.
+    mixed = before + torch.tensor([-4.0, 0.5, -0.5, 0.5, -0.5, 0.5, -0.5, 0.0], dtype=torch.float64)
+    assert mixed.sum() == (before - 0.5).sum() and not significantly_lower(mixed, before)
+    assert significantly_lower(torch.tensor([0.5]), torch.tensor([1.0]))  # one chunk: its sign
+
+
+def test_vitp_check_errors_are_the_fill_checks_squared_errors_per_chunk():
+    p = fed("vitp", lambda t: decay(t, noise=1e-3), **VITP_SMALL)
+    p.reserve_fill_check()
+    p.step(n_steps=3)
+    errors = p.trainer.check_errors()
+    _, relative, per_kind = p.trainer.validate(check=True)
+    assert errors.numel() == 2 * len(p.trainer._kinds())  # chunks 5 and 15 of 16, each kind
+    assert float(errors.sum()) == pytest.approx(sum(e for e, _, _ in per_kind.values()), rel=1e-9)
+    assert relative == pytest.approx(math.sqrt(float(errors.sum()) / sum(b for _, b, _ in per_kind.values())))
 
 
 def test_vitp_steps_without_their_held_out_check_train_alike_and_add_no_curve_point():
