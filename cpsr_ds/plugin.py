@@ -338,7 +338,7 @@ class Runtime:
             summary = self.predictor.summary(held_out)
             if summary is not None:
                 self.summaries.submit(self.directory, self.rank, iteration, self.attempt, summary,
-                                 self.cfg.checkpoint.keep_last)
+                                      self.cfg.checkpoint.keep_last)
         if not self.measuring:
             return
         curvature = curvature_of(sums)

@@ -328,7 +328,7 @@ class VITPTrainer:
 
     def filling(self, every: int, patience: int) -> Iterator[None]:
         """Training beyond the checkpoints' steps (``coordinator.fill``) while it helps, a piece at a time. Every
-        ``every`` steps the relative error on the fill check's chunks (neither trained on nor in the held-out
+        ``every`` steps the error of each of the fill check's chunks (neither trained on nor in the held-out
         error) is measured; a block that lowers it below the best so far by more than its noise
         (:func:`significantly_lower`, paired over the chunks) is the new best; after ``patience`` blocks in a row
         that are not, filling ends and what followed the best is undone (the weights, the optimizer's state and the

@@ -26,7 +26,8 @@ class VITPPredictor(Predictor):
     ``d_model``/``heads``/``layers``; trainer options ``batch_chunks``, ``lr``,
     ``max_stride``, ``holdout_every``, ``micro_chunks`` (chunks per micro-batch: a training step pauses after each,
     the piece of work a pipeline bubble must fit), ``fill_every`` (steps between the fill check's measurements)
-    and ``fill_patience`` (checks in a row without a new best that end the filling, :meth:`filling`); ``ready()`` after ``min_train_steps`` steps;
+    and ``fill_patience`` (checks in a row without a new best that end the filling, :meth:`filling`);
+    ``ready()`` after ``min_train_steps`` steps;
     ``predict`` runs ``predict_batch`` chunks at a time on ``device``; ``memory_mb`` caps the footprint there
     (:mod:`cpsr_ds.predictor.memory`), by smaller batches where needed; ``val_chunks`` held-out chunks
     measure its validation error; ``shards``: see :meth:`split_work`."""
