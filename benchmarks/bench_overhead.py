@@ -42,7 +42,11 @@ the base config's 8 sequences per micro-batch the bubbles are a few ms long.
   CPU time (``predictor_cpu_s``, each thread's own), which does not.
 - Accuracy: the held-out error (runlog StateRow ``held_out_error``, Eq. 9) per stage of
   each on and off run at the newest checkpoint both recorded (the on run's last
-  checkpoint's check may be left queued at the end of the job), paired as above.
+  checkpoint's check may be left queued at the end of the job), paired as above; and per
+  pair the geometric mean of on / off over every checkpoint after the warm-up both
+  recorded, with its median, mean and 95 % interval over the pairs (``accuracy_ratio``):
+  once the on runs train differently (``--fill``), one checkpoint's ratio swings by several
+  per cent from checkpoint to checkpoint.
 - Predictor memory (Fig. 11): ``python -m cpsr_ds.predictor.footprint`` (peak resident
   memory above its baseline of vitp's training steps and of a prediction, one thread)
   for a shard the size of the benchmark's pipeline stage (``n_p`` of its StateRows), and
@@ -307,7 +311,8 @@ def layout_result(args, stages: int, dp: int, runs: list[tuple[dict, dict]]) -> 
             "throughput_on": [on["throughput"] for on, _ in runs], "throughput_off": [off["throughput"] for _, off in runs],
             "throughput_ratio": ratios([on["throughput"] for on, _ in runs], [off["throughput"] for _, off in runs]),
             "stages": stage_figures, "bubble_filled_fraction": filled_fraction(stage_figures),
-            "accuracy": accuracies, "accuracy_ratio": accuracy_over_pairs(accuracies), "fig10": {s: per_iteration(runs[0][0]["records"], s) for s in stage_figures},
+            "accuracy": accuracies, "accuracy_ratio": accuracy_over_pairs(accuracies),
+            "fig10": {s: per_iteration(runs[0][0]["records"], s) for s in stage_figures},
             "n_p": {r.stage: r.n_p for on, _ in runs for r in on["measurements"] if isinstance(r, StateRow)},
             "dirs": [[on["dir"], off["dir"]] for on, off in runs]}
 

@@ -16,9 +16,9 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from conftest import ROOT, TEST_MODEL, free_port, tiny_config
 import cpsr_ds
 from cpsr_ds import runlog
-from cpsr_ds.recovery import journal_losses
 from cpsr_ds.models.gpt import GPTConfig, gpt_pipeline
 from cpsr_ds.plugin import CPSRPipelineEngine
+from cpsr_ds.recovery import journal_losses
 from cpsr_ds.rundir import LOCK, RunDirectoryBusy, acquire, recorded_attempt
 
 

@@ -50,7 +50,7 @@ def test_a_failed_write_is_logged_not_raised(tmp_path, caplog):
     assert "was not written" in caplog.text
 
 
-def test_the_writer_leaves_the_caller_at_once_and_writes_in_order_at_the_write_limit(tmp_path):
+def test_the_writer_leaves_the_caller_at_once_and_writes_each_summary_at_the_write_limit(tmp_path):
     big = {"name": "trend", "iteration": 7, "slope": {"param": torch.ones(100_000, dtype=torch.bfloat16)}}
     writer = summaries.Writer(Throttle(400_000))  # 200 kB a summary: half a second each
     t0 = time.monotonic()
