@@ -440,19 +440,6 @@ def test_vitp_filling_waits_fill_patience_checks_for_a_new_best_and_ends_on_the_
         assert torch.equal(weight, seen[6][name]), name
 
 
-def test_vitp_fill_steps_never_train_on_the_newest_checkpoint(monkeypatch):
-    p = fed("vitp", decay, fill_every=1, **VITP_SMALL)
-    p.reserve_fill_check()
-    p.step(n_steps=3)
-    drawn, windows = [], samples.windows
-    monkeypatch.setattr(samples, "windows", lambda *args, **kwargs: drawn.append(windows(*args, **kwargs)) or drawn[-1])
-    pieces = sum(1 for _ in itertools.islice(p.filling(), 200))
-    newest = len(p.trainer.history) - 1
-    assert pieces > 1 and drawn and all(w.target < newest for ws in drawn for w in ws)
-    p.step(n_steps=1)  # the checkpoints' own steps still learn from the newest
-    assert any(w.target == newest for w in drawn[-1])
-
-
 def test_a_lower_check_error_counts_only_beyond_the_chunks_spread():
     before = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0], dtype=torch.float64)
     assert significantly_lower(before - 0.5, before)  # every chunk lower alike

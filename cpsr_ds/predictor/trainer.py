@@ -237,13 +237,12 @@ class VITPTrainer:
             raise ValueError(f"vitp: a fill check needs holdout_every >= 3, got {self.holdout_every}")
         self.fill_check = True
 
-    def train_step(self, newest: bool = True) -> Iterator[None]:
+    def train_step(self) -> Iterator[None]:
         """One training step, pausing after each micro-batch of at most ``micro_chunks`` chunks (fewer where the
-        memory cap says so): the piece of work a bubble fits. Returns the loss (the generator's value).
-        ``newest`` false: only windows whose target is older than the newest checkpoint."""
+        memory cap says so): the piece of work a bubble fits. Returns the loss (the generator's value)."""
         kinds = self._kinds()
         kind = kinds[int(torch.randint(len(kinds), (1,), generator=self.generator))]
-        wins = samples.windows(len(self.history) - (0 if newest else 1), self.window, self.max_stride)
+        wins = samples.windows(len(self.history), self.window, self.max_stride)
         window = wins[int(torch.randint(len(wins), (1,), generator=self.generator))]
         rows = self._train_rows(kind)
         batches = (self._batch(kind, window, part) for part in rows.split(min(self.footprint.batch, self.micro_chunks)))
@@ -295,8 +294,8 @@ class VITPTrainer:
             raise ValueError("step needs a time budget or a step count")
         return to_end(self.training(budget_s, n_steps, validate))
 
-    def training(self, budget_s: float | None = None, n_steps: int | None = None, validate: bool = True,
-                 newest: bool = True) -> Generator[None, None, StepReport]:
+    def training(self, budget_s: float | None = None, n_steps: int | None = None,
+                 validate: bool = True) -> Generator[None, None, StepReport]:
         """:meth:`step` in pieces: it pauses after each micro-batch (:meth:`train_step`), so that the coordinator
         runs it a bubble at a time; the seconds it counts are those it ran. Without either limit it trains until
         the caller stops it."""
@@ -313,7 +312,7 @@ class VITPTrainer:
             if budget_s is not None and losses and clock.now() + longest > budget_s:
                 break
             t0 = clock.now()
-            losses.append((yield from self._paused(self.train_step(newest), clock)))
+            losses.append((yield from self._paused(self.train_step(), clock)))
             longest = max(longest, clock.now() - t0)
             yield from clock.pause()
         val_loss, relative, _ = self.validate() if validate else (math.nan, math.nan, None)
@@ -334,10 +333,7 @@ class VITPTrainer:
         (:func:`significantly_lower`, paired over the chunks) is the new best; after ``patience`` blocks in a row
         that are not, filling ends and what followed the best is undone (the weights, the optimizer's state and the
         step count go back to it). Stopped from outside (the next checkpoint drops the job), it goes back to the
-        best too. The fill's steps train only on windows whose target is older than the newest checkpoint, so
-        that the check asks what recovery asks, predicting a checkpoint the steps have not seen: with the newest
-        in their windows, steps that lowered the check's error (and the held-out one at the same checkpoint) left
-        stage 0's held-out error at the next checkpoints no lower than without filling.
+        best too.
 
         Short blocks and patience, not long blocks that stop at the first miss: a block the next checkpoint
         interrupts is undone unchecked, and at PP = 2 of ``bench_overhead`` (a checkpoint every 2 iterations)
@@ -345,14 +341,14 @@ class VITPTrainer:
         change of the check's error is noise-sized, so a single miss says little. The paired test: with a plain
         "lower", the steps kept at stage 0 of that benchmark raised the held-out error by 2 % (on / off over its
         checkpoints after the warm-up, 5 of 5 pairs)."""
-        if not (self.fill_check and self.trainable() and len(self.history) > self.window + 1):
+        if not (self.fill_check and self.trainable()):
             return
         best = (self.check_errors(), self._snapshot())
         misses = 0
         try:
             while misses < patience:
                 yield
-                yield from self.training(n_steps=every, validate=False, newest=False)
+                yield from self.training(n_steps=every, validate=False)
                 errors = self.check_errors()
                 if significantly_lower(errors, best[0]):
                     best, misses = (errors, self._snapshot()), 0
