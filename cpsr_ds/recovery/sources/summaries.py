@@ -85,7 +85,7 @@ class Writer:
         self._jobs.put((directory, rank, iteration, attempt, summary, keep))
 
     def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
+        for job in iter(self._jobs.get, None):
             try:
                 write(*job, throttle=self._throttle)
             except Exception:  # a summary that cannot even be serialised: the restart reads the full history
