@@ -164,9 +164,17 @@ def test_minimize_interval_finds_the_minimum_of_a_dense_grid():
     def cost(T_c):
         return planner.pbr_cost_rate(T_c, lam, T_s, p)
 
+    calls = []
+
+    def counted(T_c):
+        calls.append(len(T_c))
+        return cost(T_c)
+
     dense = np.geomspace(1.0, planner.MAX_INTERVAL, 5000)
-    best = planner.minimize_interval(cost)
+    best = planner.minimize_interval(counted)
     assert float(cost(best)) <= float(np.min(cost(dense))) * (1 + 1e-9)
+    # A plan runs inside a checkpoint's cost: few calls, each of many intervals (one at a time took 30 calls).
+    assert len(calls) <= 8 and min(calls) > 1
     assert planner.minimize_interval(lambda T_c: np.full_like(T_c, np.inf)) == 1.0
 
 
