@@ -170,11 +170,21 @@ class PredictorConfig(_Strict):
         "batches; a cap below one chunk's batch is refused at the start, naming the sizes.",
     )
 
+    device: Literal["cpu", "cuda"] = Field(
+        "cpu",
+        description="vitp: where it trains and predicts. cpu: host memory and cores, beside the checkpoint's host "
+        "copies; cuda: the rank's GPU, its work issued on a side stream that starts at the bubble (memory_mb caps "
+        "its footprint there). The other predictors work on the host copies.",
+    )
+
     @model_validator(mode="after")
     def _training_is_bounded(self) -> "PredictorConfig":
         if self.train_budget_s is None and self.train_steps is None:
             raise ValueError("train_budget_s and train_steps are both null: predictor training after a checkpoint "
                              "needs a time or a step limit")
+        if self.device != "cpu" and self.name != "vitp":
+            raise ValueError(f"device {self.device!r} is for the learning predictor vitp; {self.name} works on "
+                             "the host copies of the state (device cpu)")
         return self
 
 

@@ -20,8 +20,11 @@ slot's span holds the optimizer step's own time too, so its budget is an upper b
 
 On CPU (gloo) a receive blocks the process and the work runs inline. On CUDA the
 work is issued on a side stream that waits on the compute stream at the slot
-(:func:`_side_stream`); that path is not exercised by the test suite (no GPU), and its
-spans are CPU time, not GPU time.
+(:func:`_side_stream`), and the compute stream waits for it before the training loop's
+thread touches the predictor again (:meth:`Coordinator.join`); its spans are CPU time,
+not GPU time. Only a predictor on the GPU (``predictor.device: cuda``) issues work there;
+``tests/test_coordinator_cuda.py`` checks that path where a GPU is (``benchmarks/gpu``), not
+in ``make test``.
 
 Predictor work is queued as jobs (:class:`TrainJob`: the learning predictor's steps
 after a checkpoint, a micro-batch at a time; :class:`PiecesJob`: work that stops after each small
@@ -41,9 +44,8 @@ Without a pipeline (one stage: plain data parallelism or ZeRO) there are no bubb
 lowest priority (nice 19), so that the training loop's thread keeps the core it
 needs. The contract is the bubbles': what has not started by the next checkpoint
 runs inline there (after the job running on the thread has ended), before the
-predictor sees the new checkpoint. On CUDA that thread would issue its work on the
-side stream, started where the compute stream is when the job begins; that path is
-not exercised by the test suite. The plugin gives it a learning predictor's work only:
+predictor sees the new checkpoint. On CUDA that thread issues its work on the side
+stream, started where the compute stream is when the job begins. The plugin gives it a learning predictor's work only:
 a simple predictor's few milliseconds per checkpoint cost the training loop more on
 that thread, which shares the interpreter's lock and the cores with it, than at the
 checkpoint.
@@ -282,10 +284,18 @@ class Coordinator:
     def budget(self, slot: str) -> float:
         return budget(self.spans[slot], self.cfg.percentile, self.cfg.safety)
 
+    def join(self) -> None:
+        """On CUDA: the compute stream waits for the work issued on the side stream so far, so that what the
+        training loop's thread does next with the predictor (inline work, its weights copied into a checkpoint,
+        a prediction) sees that work done. The CPU does not wait."""
+        if self.side is not None:
+            torch.cuda.current_stream().wait_stream(self.side)
+
     def submit(self, job: Job) -> None:
         """Queue ``job``. A job with no measured piece runs one piece now, inline, to measure it; behind other
         work (which it must follow) it waits for the next :meth:`flush`, which measures it."""
         if job.cost() is None and not self.queue and not job.optional:
+            self.join()
             with self._spent("inline_s"):
                 done = job.run(0.0)
             if done:
@@ -296,6 +306,7 @@ class Coordinator:
         """Run everything queued to its end, inline, but optional jobs, which are dropped; a job not measured yet
         runs one piece first, to measure it (run to its end at once, its pieces are not timed one at a time, and
         it would never fit a slot)."""
+        self.join()
         with self._spent("inline_s"):
             while self.queue:
                 job = self.queue.popleft()
@@ -397,7 +408,7 @@ class Background(Coordinator):
                 job, self.running = self.queue.popleft(), True
             error = None
             try:
-                with self._spent("background_s"), _side_stream(self.side):  # CUDA: not exercised by the tests
+                with self._spent("background_s"), _side_stream(self.side):
                     job.run(None)
             except BaseException as err:  # raised on the training loop's thread at the next flush
                 error = err
@@ -416,6 +427,7 @@ class Background(Coordinator):
             if error is not None:
                 raise RuntimeError(f"cpsr: rank {self.rank}: the predictor's work on the background thread "
                                    f"failed: {error}") from error
+            self.join()
             for job in pending:
                 job.run(None)
 

@@ -289,7 +289,7 @@ class Runtime:
         if self.learning and share is not None:
             # A learning predictor's weights go with the checkpoint: a copy, taken before the coordinator's
             # queue trains on while the checkpoint persists.
-            client_state = {PREDICTOR_STATE: copy.deepcopy(self.predictor.state_dict(include_history=False))}
+            client_state = {PREDICTOR_STATE: host_copy(self.predictor.state_dict(include_history=False))}
         if self.per_stage:
             full = len(due) == self.stages
             engine.checkpoint_engine.select(None if full else [r for r, s in enumerate(self.rank_stages) if s in due],
@@ -634,6 +634,17 @@ class CPSRPipelineEngine(PipelineEngine):
     _INSTRUCTION_MAP = {**PipelineEngine._INSTRUCTION_MAP, schedule.OptimizerStep: _exec_optimizer_step,
                         schedule.RecvActivation: _exec_recv_activations, schedule.RecvGrad: _exec_recv_grads,
                         PredictorWork: _exec_predictor_work}
+
+
+def host_copy(obj):
+    """A deep copy of ``obj`` with every tensor in host memory: a checkpoint loads where there is no GPU too."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: host_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(host_copy(v) for v in obj)
+    return copy.deepcopy(obj)
 
 
 def _ds_config(bound: inspect.BoundArguments) -> dict:

@@ -45,6 +45,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def train_on_random_tokens(engine, iterations: int) -> None:
+    """``iterations`` of the tiny GPT (TEST_MODEL) on random tokens, inputs as labels: the same for every engine."""
+    import torch
+
+    from cpsr_ds.models.gpt import GPTConfig
+
+    gpt = GPTConfig(**TEST_MODEL)
+    gen = torch.Generator().manual_seed(0)
+    shape = (engine.train_micro_batch_size_per_gpu(), gpt.seq_length)
+    for _ in range(iterations):
+        engine.train_batch(iter([(torch.randint(0, gpt.vocab_size, shape, generator=gen),) * 2
+                                 for _ in range(engine.gradient_accumulation_steps())]))
+
+
 def tiny_config(run_dir, stages=2, zero_stage=0, **cpsr) -> dict:
     with open(os.path.join(ROOT, "configs", "gpt_tiny_cpu.json")) as f:
         config = json.load(f)

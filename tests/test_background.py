@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import cpsr_ds
-from conftest import TEST_MODEL, free_port, run_job, tiny_config
+from conftest import TEST_MODEL, free_port, run_job, tiny_config, train_on_random_tokens
 from cpsr_ds.checkpoint.journal import journal_path, read_journal
 from cpsr_ds.config import CoordinatorConfig
 from cpsr_ds.coordinator import Background, CallJob, FillJob, PieceCost, read_records
@@ -117,13 +117,7 @@ def runs(tmp_path_factory):
         model = gpt_pipeline(GPTConfig(**TEST_MODEL), num_stages=1, seed=1)
         engine, *_ = cpsr_ds.initialize(model=model, model_parameters=model.parameters(), config=config)
         observers = observing_threads(engine.cpsr.predictor)
-        gen = torch.Generator().manual_seed(0)
-        gpt = GPTConfig(**TEST_MODEL)
-        shape = (engine.train_micro_batch_size_per_gpu(), gpt.seq_length)
-        for _ in range(ITERS):
-            batches = [(torch.randint(0, gpt.vocab_size, shape, generator=gen),) * 2
-                       for _ in range(engine.gradient_accumulation_steps())]
-            engine.train_batch(iter(batches))
+        train_on_random_tokens(engine, ITERS)
         if enabled:
             c = engine.cpsr.coordinator
             deadline = time.monotonic() + 60

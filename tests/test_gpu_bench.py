@@ -24,6 +24,7 @@ EXPECTED = {
     "device": {"name", "cuda_available", "torch", "cuda", "deepspeed", "cpus", "memory_gib", "disk_free_gib"},
     "checkpoint_gpt2_0.35b": CHECKPOINT_FIELDS,
     "recovery_test": {"passed", "collected_only", "seconds", "summary"},
+    "coordinator_test": {"passed", "collected_only", "seconds", "summary"},
     "checkpoint_gpt3_3.35b": CHECKPOINT_FIELDS,
     "restart_gpt2_0.35b": {"device", "model", "predictor", "predictor_gpu_peak_mib", "predictor_work", "restart",
                            "report", "downtime_s"},
@@ -93,6 +94,9 @@ def test_dry_run_restart_and_recovery(dry_run):
     # pytest selects the two single-process tests: "2/N tests collected (N - 2 deselected)".
     test = load(out, "recovery_test")
     assert test["passed"] and re.match(r"2(/\d+)? tests collected", test["summary"])
+    # Every test of the CUDA path is selected (skipped when run here, as make test does).
+    test = load(out, "coordinator_test")
+    assert test["passed"] and test["collected_only"] and re.match(r"5 tests collected", test["summary"])
 
 
 def test_rerun_keeps_what_exists_and_a_failure_fails_the_run(dry_run):

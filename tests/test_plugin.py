@@ -303,3 +303,16 @@ def test_time_the_training_loop_spends_between_iterations_is_no_checkpoints_cost
     rows, _ = runlog.read_measurements(str(run_dir))
     assert checkpoint_iterations(rows, runlog.CostRow)[:1] == [4]
     assert all(r.iteration_time_s < 0.2 and r.slowdown_s < 0.2 for r in rows)
+
+
+def test_the_predictors_weights_go_into_the_checkpoint_as_a_host_copy():
+    from cpsr_ds.plugin import host_copy
+
+    w, seed = torch.ones(3), torch.zeros(2, dtype=torch.uint8)
+    state = {"model": {"w": w}, "curve": [{"loss": 1.0}], "steps": 2, "generator": (seed,)}
+    saved = host_copy(state)
+    w.add_(1)
+    state["curve"][0]["loss"] = 5.0
+    assert torch.equal(saved["model"]["w"], torch.ones(3)) and saved["curve"] == [{"loss": 1.0}]
+    assert saved["steps"] == 2 and isinstance(saved["generator"], tuple)
+    assert saved["generator"][0].device.type == "cpu" and saved["generator"][0].data_ptr() != seed.data_ptr()

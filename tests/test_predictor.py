@@ -559,3 +559,17 @@ def test_vitp_peak_memory_stays_under_a_small_cap():
     assert 0 < figures["train_peak_mib"] <= 40
     assert figures["predict_working_peak_mib"] <= 40
 
+
+
+def test_vitp_on_cuda_without_a_gpu_stops_the_start_naming_the_setting(monkeypatch):
+    from cpsr_ds.config import CPSRConfig
+    from cpsr_ds.recovery import new_predictor
+
+    def block(device):
+        return CPSRConfig.parse_block({"predictor": {"name": "vitp", "history": 6, "device": device},
+                                       "checkpoint": {"keep_last": 6}})
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="predictor.device is cuda, but this process sees no CUDA device"):
+        new_predictor(block("cuda"))
+    assert next(new_predictor(block("cpu")).trainer.model.parameters()).device.type == "cpu"

@@ -9,7 +9,7 @@ and the others still run; the exit status is then 1. The knobs (environment
 variables, KNOBS below) set sizes and counts. ``--toy`` runs every measurement at toy
 sizes on the device in use (a check, in about three minutes on the GPU, that the code
 paths work there before the full parts spend their time); ``--dry-run`` is ``--toy`` on
-the CPU, where the recovery test is only collected (``make test`` runs it).
+the CPU, where the tests are only collected (``make test`` runs them, or skips those that need CUDA).
 """
 
 from __future__ import annotations
@@ -72,6 +72,8 @@ class Measurement:
     summary: Callable[[dict], str]
     # The command prints its JSON instead of writing it (None: it writes NAME.json itself).
     stdout_json: bool = False
+    # The command is pytest's (pytest_command): its JSON says that it passed and pytest's last line.
+    pytest: bool = False
 
 
 MODES = ("full", "toy", "dry-run")
@@ -101,10 +103,17 @@ def checkpoint_summary(result: dict) -> str:
             f"{'-' if persist is None else f'{persist:.2f}'} GB/s, disk {result['disk_gbps']:.2f} GB/s")
 
 
-def recovery_test_command(k: dict, out: str, mode: str, scratch: str) -> list[str]:
-    # On the CPU the test is part of `make test`; the dry run checks that pytest selects it here.
-    return [*python(), "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_recovery.py", "-k",
-            "single_process", *(["--collect-only"] if mode == "dry-run" else [])]
+def pytest_command(*selection: str):
+    """pytest on ``selection``. On the CPU the tests are `make test`'s (where the CUDA ones are skipped): the dry
+    run checks that pytest selects them here."""
+    def command(k: dict, out: str, mode: str, scratch: str) -> list[str]:
+        return [*python(), "-m", "pytest", "-q", "-p", "no:cacheprovider", *selection,
+                *(["--collect-only"] if mode == "dry-run" else [])]
+    return command
+
+
+def pytest_summary(result: dict) -> str:
+    return f"{'passed' if result['passed'] else 'FAILED'} ({result['summary']})"
 
 
 def restart_command(k: dict, out: str, mode: str, scratch: str) -> list[str]:
@@ -176,8 +185,11 @@ def device_command(k: dict, out: str, mode: str, scratch: str) -> list[str]:
 MEASUREMENTS = (
     Measurement("device", 0, device_command, 120, device_summary, stdout_json=True),
     Measurement("checkpoint_gpt2_0.35b", 1, checkpoint_command("gpt2_0.35b", "GPT2"), 450, checkpoint_summary),
-    Measurement("recovery_test", 1, recovery_test_command, 300, lambda r: "passed" if r["passed"] else "FAILED"),
+    Measurement("recovery_test", 1, pytest_command("tests/test_recovery.py", "-k", "single_process"), 300,
+                pytest_summary, pytest=True),
     Measurement("checkpoint_gpt3_3.35b", 2, checkpoint_command("gpt3_3.35b", "GPT3"), 420, checkpoint_summary),
+    Measurement("coordinator_test", 2, pytest_command("tests/test_coordinator_cuda.py"), 150, pytest_summary,
+                pytest=True),
 
     Measurement("recovery_bench", 3, recovery_bench_command, 420, recovery_bench_summary),
     Measurement("predictor_footprint", 3, footprint_command, 150, footprint_summary, stdout_json=True),
@@ -212,7 +224,7 @@ def run_one(m: Measurement, k: dict, out: str, mode: str, scratch: str) -> tuple
     shutil.rmtree(scratch, ignore_errors=True)
     with open(txt_path, "w") as f:
         f.write(output)
-    if m.name == "recovery_test" and code == 0:
+    if m.pytest and code == 0:
         with open(json_path, "w") as f:
             json.dump({"passed": True, "collected_only": mode == "dry-run", "seconds": seconds, "command": command[1:],
                        "summary": output.strip().splitlines()[-1]}, f, indent=1)

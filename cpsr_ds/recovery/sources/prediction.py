@@ -3,6 +3,8 @@ history as it is loaded (:mod:`.checkpoint`), and its share of the state predict
 
 from __future__ import annotations
 
+import torch
+
 from cpsr_ds.config import CPSRConfig
 from cpsr_ds.cost_model import SKIP
 from cpsr_ds.predictor import NotReady, make_predictor
@@ -15,13 +17,23 @@ def new_predictor(cfg: CPSRConfig, shards: int = 1):
     """The configured predictor of one rank; ``shards``: the data-parallel replicas of its stage, each predicting
     its own share of the stage's state."""
     p = cfg.predictor
-    predictor = make_predictor(p.name, history=p.history, params=p.params, moments=p.moments)
+    device = {} if p.device == "cpu" else {"device": predictor_device(p.device)}
+    predictor = make_predictor(p.name, history=p.history, params=p.params, moments=p.moments, **device)
     if hasattr(predictor, "cap_memory"):  # a learning predictor: its memory on its device is capped ...
         predictor.cap_memory(p.memory_mb)
         predictor.split_work(shards)  # ... and its training split across the replicas
         if cfg.coordinator.fill:
             predictor.reserve_fill_check()
     return predictor
+
+
+def predictor_device(name: str) -> torch.device:
+    """``predictor.device`` as this rank's device: cuda is the GPU the rank trains on (DeepSpeed set it current)."""
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("cpsr: predictor.device is cuda, but this process sees no CUDA device; set it to cpu")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(name)
 
 
 def load_weights(predictor, client_state: dict) -> None:
