@@ -99,7 +99,7 @@ from cpsr_ds.data.corpus import Batches, load_corpus  # noqa: E402
 from cpsr_ds.models.gpt import GPTConfig, gpt_pipeline  # noqa: E402
 from cpsr_ds.plugin import Runtime  # noqa: E402
 from cpsr_ds.recovery import engine_state, new_predictor  # noqa: E402
-from cpsr_ds.lag import Unmeasurable, fit_curve, late_lag, transient  # noqa: E402
+from cpsr_ds.lag import Unmeasurable, fit_curve, lag_at, late_lag, transient  # noqa: E402
 from cpsr_ds.lag import summarize as summarize_values  # noqa: E402
 
 PREDICTORS = tuple(predictor.PREDICTORS)
@@ -107,6 +107,9 @@ NEVER = 10**9  # a checkpoint interval that never comes: recovered runs write no
 # The paper model's accuracy fit takes the held-out errors at the last 8 checkpoints up to c:
 # each costs loading the checkpoints a fresh predictor learns from, and Eq. 8 is fitted on a recent window.
 HELD_OUT_POINTS = 8
+# bench_ftcost charges a predicting recovery its lag at the end of training, against the reference's fit over the
+# last 60 % of it (3 windows of 20 %): end_of_training charges the default's recoveries the same way.
+END_FIT_FROM = 0.4
 NEEDS_TRAINING = {"vitp": "vitp's held-out error needs a trained network at every checkpoint"}
 
 
@@ -590,6 +593,8 @@ def summarize(args, cases, verified, references) -> dict:
               f"{interval(paired)} | {median_excess:+17.3%}, {max(at_end):+8.3%} / {end_excess(rows):>9s} "
               f"{worse:12d} {len(rows):5d} | {unmeasurable_text(plain['unmeasurable'])}")
     print(f"\nrecompute verified equal to the reference (rel. 1e-6) on seeds: {verified}")
+    out["end_of_training"] = end_of_training(cases, references)
+    print_end_of_training(out["end_of_training"])
     rho = out_of_seed_reductions(cases)
     cases = with_out_of_seed_empirical(cases, rho)
     check = {**cost_model_check(cases), "empirical_rho_by_left_out_seed": rho}
@@ -606,6 +611,58 @@ def summarize(args, cases, verified, references) -> dict:
                    for c in cases if c.curve and c.method != "default"],
         "references": {str(s): ref for s, ref in references.items()},
     }
+
+
+def end_lag(reference: dict[int, float], excess: float) -> float | None:
+    """The lag at the end of training that a final validation loss ``excess`` (relative to the reference's) amounts
+    to: the reference's fit over its last 60 % (END_FIT_FROM), paired at the end (lag.lag_at); None where the fit
+    cannot tell (lag.Unmeasurable)."""
+    end = max(reference)
+    fit = fit_curve(*zip(*sorted(reference.items())), lo=END_FIT_FROM * end, hi=end)
+    try:
+        return lag_at(fit, end, reference[end] * (1 + excess), margin=end / 5,
+                      residual=reference[end] - float(fit(end)))
+    except Unmeasurable:
+        return None
+
+
+def end_of_training(cases, references: dict) -> dict:
+    """The default's predicting recoveries (its runs go on to the end of training) charged as bench_ftcost charges
+    them, the lag at the end of training (end_lag), beside the protocol's lag over [2d, 4d]: reductions 1 - lag / d
+    by where in training the failure came (its checkpoint's share of the run, 25, 50 or 75 %).
+
+    Where the two disagree, the cost model (rho from the late window) and T_l (the lag at the end) value the same
+    recovery differently.
+    """
+    rows = []
+    for c in cases:
+        if c.method != "default" or c.final_loss_excess is None or c.unmeasurable or not predicted_with(c.decision):
+            continue
+        reference = {int(i): loss for i, loss in references[f"{c.seed}-Tc{c.Tc}"].items()}
+        lag = end_lag(reference, c.final_loss_excess)
+        rows.append((round(4 * c.c / max(reference)) * 25, c.reduction, None if lag is None else 1 - lag / c.d))
+    out = {}
+    for share in sorted({r[0] for r in rows}) + ["all"]:
+        here = [r for r in rows if share == "all" or r[0] == share]
+        out[f"{share} %" if share != "all" else "all"] = {
+            "cases": len(here), "window": summarize_values([r[1] for r in here], []),
+            "end": summarize_values([r[2] for r in here if r[2] is not None], ["unmeasurable"] * sum(r[2] is None for r in here))}
+    return out
+
+
+def print_end_of_training(table: dict) -> None:
+    if not table:
+        return
+    print("\nThe default's predicting recoveries charged at the end of training, as bench_ftcost charges them "
+          "(reduction 1 - lag / d)")
+    print(f"{'failure in training':>20s} | {'cases':>5s} | {'[2d, 4d]: median':>16s} {'mean':>7s} | "
+          f"{'end of training: median':>23s} {'mean [95% CI]':>26s}")
+    for share, row in table.items():
+        end = row["end"]
+        lo, hi = end["ci95"] or (None, None)
+        print(f"{'at ' + share:>20s} | {row['cases']:5d} | {pct(row['window']['median'], 16)} "
+              f"{pct(row['window']['mean'], 7)} | {pct(end['median'], 23)} {pct(end['mean'], 7)} "
+              f"[{pct(lo, 7)}, {pct(hi, 7)}]")
 
 
 def plot(result: dict, path: str) -> None:

@@ -2,7 +2,7 @@
 
 import json
 import math
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import pytest
 import torch
@@ -122,3 +122,49 @@ def test_the_empirical_model_is_checked_with_rho_from_the_other_seeds(bench):
     assert trend["n"] == 6 and trend["unmeasurable"] == 1 and trend["spearman"] < -0.9
     # In sample, one rho per predictor: a constant estimate, which ranks nothing.
     assert bench.cost_model_check(cases)["by_predictor"]["trend"]["empirical"]["spearman"] is None
+
+
+# ---------------------------------------------------------------- the charge at the end of training
+
+
+def curve(t: float) -> float:
+    """A validation loss that falls fast early and flattens: quadratic in log(t), the reference fit's family."""
+    return 4.0 - 0.45 * math.log(t) + 0.02 * math.log(t) ** 2
+
+
+def flattening_reference(end=2000, every=20) -> dict:
+    """The reference's validation curve, evaluated every 20 iterations."""
+    return {t: curve(t) for t in range(every, end + 1, every)}
+
+
+def test_end_lag_is_the_lag_a_final_excess_amounts_to_on_the_flat_end_of_the_curve(bench):
+    reference = flattening_reference()
+    loss = reference[2000]
+    for lag in (5.0, 40.0, 150.0):
+        assert bench.end_lag(reference, (curve(2000 - lag) - loss) / loss) == pytest.approx(lag, rel=1e-3)
+    assert bench.end_lag(reference, -0.5) is None  # far below anything the reference reaches: unmeasurable
+
+
+def test_end_of_training_charges_the_defaults_predictions_by_their_place_in_training(bench):
+    """The same final excess costs more iterations at the end than the same excess costs where the curve is
+    steep: the table separates the recoveries by where they came, and leaves out what did not predict."""
+    reference = flattening_reference()
+    loss, d = reference[2000], 25
+
+    def default(c, window_lag, end_lag):
+        excess = (curve(2000 - end_lag) - loss) / loss
+        return bench.Case(1, "default", 50, c, d, window_lag, 1 - window_lag / d, window_lag, 1 - window_lag / d,
+                          0.0, None, 0.0, "predict (PB-R) with trend: resuming", final_loss_excess=excess)
+
+    cases = [default(500, 2.5, 50.0), default(500, 5.0, 40.0), default(1000, 10.0, 10.0), default(1500, 5.0, 5.0),
+             bench.Case(1, "default", 50, 1500, d, 25.0, 0.0, 25.0, 0.0, 0.0, 0, 0.0, "recompute (RB-R)",
+                        final_loss_excess=0.0),
+             replace(default(1500, 5.0, 5.0), method="trend", final_loss_excess=None)]
+    table = bench.end_of_training(cases, {"1-Tc50": reference})
+    assert list(table) == ["25 %", "50 %", "75 %", "all"]
+    assert table["all"]["cases"] == 4 and table["25 %"]["cases"] == 2
+    early = table["25 %"]
+    assert early["window"]["mean"] == pytest.approx(1 - 3.75 / d)
+    assert early["end"]["mean"] == pytest.approx(1 - 45.0 / d, abs=0.05) and early["end"]["mean"] < 0
+    assert table["75 %"]["end"]["median"] == pytest.approx(0.8, abs=0.02)
+    json.dumps(table)
