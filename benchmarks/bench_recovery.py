@@ -33,7 +33,9 @@ earliest failure, where 20 intervals gave 2 %.
 
 The final validation loss is compared with the reference's at the end of the measured
 window (f + 4d) for every method, and for the default also at the end of training
-(not with ``--quick``).
+(not with ``--quick``); there its predicting recoveries are also charged as
+bench_ftcost charges them, the lag at the end of training that their final loss
+excess amounts to, by the failure's place in training (``end_of_training``).
 
 A case whose lag the reference's fit cannot tell (the fit flat or rising around the
 window, or a loss beyond its range: ``cpsr_ds.lag.Unmeasurable``) has no lag, only the
