@@ -45,10 +45,10 @@ lowest priority (nice 19), so that the training loop's thread keeps the core it
 needs. The contract is the bubbles': what has not started by the next checkpoint
 runs inline there (after the job running on the thread has ended), before the
 predictor sees the new checkpoint. On CUDA that thread issues its work on the side
-stream, started where the compute stream is when the job begins. The plugin gives it a learning predictor's work only:
-a simple predictor's few milliseconds per checkpoint cost the training loop more on
-that thread, which shares the interpreter's lock and the cores with it, than at the
-checkpoint.
+stream, started where the compute stream is when the job begins. The plugin gives it
+a learning predictor's work only: a simple predictor's few milliseconds per checkpoint
+cost the training loop more on that thread, which shares the interpreter's lock and
+the cores with it, than at the checkpoint.
 
 Record: ``coordinator/rankNNNNN.jsonl`` in the run directory, one JSON line per
 ``coordinator.log_every`` iterations per rank: ``rank``, ``stage``, ``iteration`` (the

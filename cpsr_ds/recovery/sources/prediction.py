@@ -27,13 +27,14 @@ def new_predictor(cfg: CPSRConfig, shards: int = 1):
     return predictor
 
 
-def predictor_device(name: str) -> torch.device:
-    """``predictor.device`` as this rank's device: cuda is the GPU the rank trains on (DeepSpeed set it current)."""
+def predictor_device(name: str) -> str:
+    """``predictor.device`` as this rank's device: cuda is the GPU the rank trains on (DeepSpeed set it current).
+    A name, not a torch.device: it is one of the options saved with the predictor's weights."""
     if name == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError("cpsr: predictor.device is cuda, but this process sees no CUDA device; set it to cpu")
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(name)
+        return f"cuda:{torch.cuda.current_device()}"
+    return name
 
 
 def load_weights(predictor, client_state: dict) -> None:
