@@ -4,6 +4,7 @@ predictor again; training unchanged. Needs a GPU: ``benchmarks/gpu/run.sh`` runs
 ``make test`` skips it."""
 
 import os
+import time
 
 # Deterministic cuBLAS, set before CUDA starts: the runs with the coordinator on and off compare exactly.
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -83,6 +84,8 @@ def test_the_background_threads_work_runs_on_the_side_stream_and_the_flush_joins
         yield
 
     c.submit(PiecesJob(write_y(), c.piece("observe")))
+    while c.queue or c.running:  # both taken by the thread (a job not started by the flush would run inline)
+        time.sleep(0.01)
     c.flush()
     assert streams and all(s == c.side for s in streams)
     assert all(torch.equal(s, expected) for s in sums)
