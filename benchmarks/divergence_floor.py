@@ -1,0 +1,80 @@
+"""How far apart the final validation losses of two runs that differ only by a small perturbation end up: the noise
+floor under ``bench_ftcost``'s end-of-training lag and ``bench_recovery``'s end_of_training table.
+
+    python benchmarks/divergence_floor.py [--json PATH] [--eps 1e-6 1e-3] [--at 500 1000]
+
+``bench_recovery``'s reference (seed 1000, T_c 50, 40 intervals: 2000 iterations, its corpus, model and learning
+rate schedule) is trained once. For each checkpoint c in ``--at`` and each relative size eps, the product's
+recovery restores c exactly (``recovery.mode: recompute``), every weight w is moved by eps * |w| * N(0, 1) (two
+noise seeds; eps 0 once: the exact recomputation), and training goes on with the same batches to the end, where
+the validation loss is compared with the reference's. If training amplified small differences, a prediction's
+final loss excess would be noise of about that size; if it damps them, an excess that stays is the prediction's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import bench_recovery as br  # noqa: E402
+from cpsr_ds.data.corpus import load_corpus  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--eps", type=float, nargs="+", default=[1e-6, 1e-3], help="relative perturbation sizes")
+    p.add_argument("--at", type=int, nargs="+", default=[500, 1000], help="checkpoints perturbed (multiples of 50)")
+    p.add_argument("--out-dir", default=os.path.join(br.ROOT, "runs", "divergence_floor"))
+    return p.parse_args(argv)
+
+
+def perturb(engine, eps: float, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for w in engine.module.parameters():
+            w.add_(eps * w.abs() * torch.randn(w.shape, generator=gen).to(w.device))
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    start = time.time()
+    bench = br.parse_args(["--intervals", "50", "--seeds", "1", "--first-seed", "1000", "--out-dir", args.out_dir])
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29561"), RANK="0",
+                      WORLD_SIZE="1", LOCAL_RANK="0")
+    br.deepspeed.init_distributed(dist_backend="gloo")
+    seed = br.Seed(bench, 1000, 50, load_corpus(None))
+    seed.run_reference(br.failures(bench, 50))
+    end = seed.train_iters
+    reference = seed.reference[end]
+    print(f"reference: {end} iterations, final validation loss {reference:.5f}")
+    print(f"{'c':>6s} {'eps':>7s} {'noise seed':>10s} | final loss excess")
+    rows = []
+    for c in args.at:
+        for eps, noise in [(0.0, 0)] + [(e, n) for e in args.eps for n in (1, 2)]:
+            run_dir = seed.failure_dir(c, c, f"perturbed-c{c}-eps{eps:g}-{noise}")
+            report = seed.recover(run_dir, {"recovery": {"mode": "recompute"}})
+            if report.resume_iteration != c:
+                raise RuntimeError(f"recovery resumed at {report.resume_iteration}, not at checkpoint {c}")
+            perturb(seed.engine, eps, noise)
+            loss = seed.train(c, end, evaluate_at={end})[end]
+            rows.append({"c": c, "eps": eps, "noise_seed": noise, "final_loss_excess": (loss - reference) / reference})
+            print(f"{c:6d} {eps:7.0e} {noise:10d} | {rows[-1]['final_loss_excess']:+.4%}", flush=True)
+    seed.close()
+    result = {"reference_final_loss": reference, "train_iters": end, "runs": rows, "seconds": time.time() - start,
+              "settings": vars(args)}
+    print(f"\ndivergence_floor: {result['seconds']:.0f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
