@@ -646,9 +646,10 @@ def end_of_training(cases, references: dict) -> dict:
     out = {}
     for share in sorted({r[0] for r in rows}) + ["all"]:
         here = [r for r in rows if share == "all" or r[0] == share]
+        unmeasured = ["unmeasurable"] * sum(r[2] is None for r in here)
         out[f"{share} %" if share != "all" else "all"] = {
             "cases": len(here), "window": summarize_values([r[1] for r in here], []),
-            "end": summarize_values([r[2] for r in here if r[2] is not None], ["unmeasurable"] * sum(r[2] is None for r in here))}
+            "end": summarize_values([r[2] for r in here if r[2] is not None], unmeasured)}
     return out
 
 
