@@ -288,6 +288,20 @@ class Seed:
         self.engine.checkpoint_engine.cleanup()
 
 
+def one_reference(out_dir: str, port: str, extra_failures=()) -> Seed:
+    """The reference of seed 1000 at T_c 50 (the other settings bench_recovery's defaults), trained in this process
+    as its only rank, evaluated where bench_recovery measures its failures and ``extra_failures`` ((c, d) pairs):
+    what the benchmarks that follow one failure to the end of training start from (divergence_floor.py,
+    early_prediction.py)."""
+    args = parse_args(["--intervals", "50", "--seeds", "1", "--first-seed", "1000", "--out-dir", out_dir])
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", port), RANK="0",
+                      WORLD_SIZE="1", LOCAL_RANK="0")
+    deepspeed.init_distributed(dist_backend="gloo")
+    seed = Seed(args, 1000, 50, load_corpus(args.data))
+    seed.run_reference(failures(args, 50) + list(extra_failures))
+    return seed
+
+
 def evaluation_points(d: int) -> list[int]:
     """k after the restart: right after restoring, through the transient, and 5 over the late window."""
     early = [0, max(1, d // 2), d]

@@ -14,17 +14,16 @@ final loss excess would be noise of about that size; if it damps them, an excess
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from jobs import finish_benchmark  # noqa: E402  (first: it sets the jobs' environment)
+
 import bench_recovery as br  # noqa: E402
-from cpsr_ds.data.corpus import load_corpus  # noqa: E402
+import torch  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -46,12 +45,7 @@ def perturb(engine, eps: float, seed: int) -> None:
 def main(argv=None) -> None:
     args = parse_args(argv)
     start = time.time()
-    bench = br.parse_args(["--intervals", "50", "--seeds", "1", "--first-seed", "1000", "--out-dir", args.out_dir])
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29561"), RANK="0",
-                      WORLD_SIZE="1", LOCAL_RANK="0")
-    br.deepspeed.init_distributed(dist_backend="gloo")
-    seed = br.Seed(bench, 1000, 50, load_corpus(None))
-    seed.run_reference(br.failures(bench, 50))
+    seed = br.one_reference(args.out_dir, "29561")
     end = seed.train_iters
     reference = seed.reference[end]
     print(f"reference: {end} iterations, final validation loss {reference:.5f}")
@@ -70,10 +64,7 @@ def main(argv=None) -> None:
     seed.close()
     result = {"reference_final_loss": reference, "train_iters": end, "runs": rows, "seconds": time.time() - start,
               "settings": vars(args)}
-    print(f"\ndivergence_floor: {result['seconds']:.0f} s")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    finish_benchmark("divergence_floor", result, args.json, None, None)
 
 
 if __name__ == "__main__":

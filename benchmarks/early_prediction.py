@@ -18,15 +18,15 @@ f + 4d and at the end, and the lag at the end that the final excess amounts to (
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from jobs import finish_benchmark  # noqa: E402  (first: it sets the jobs' environment)
+
 import bench_recovery as br  # noqa: E402
-from cpsr_ds.data.corpus import load_corpus  # noqa: E402
 
 VARIANTS = {
     "trend": {"name": "trend"},
@@ -48,14 +48,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     args = parse_args(argv)
     start = time.time()
-    bench = br.parse_args(["--intervals", "50", "--seeds", "1", "--first-seed", "1000", "--out-dir", args.out_dir])
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29571"), RANK="0",
-                      WORLD_SIZE="1", LOCAL_RANK="0")
-    br.deepspeed.init_distributed(dist_backend="gloo")
-    seed = br.Seed(bench, 1000, 50, load_corpus(None))
     c, d = args.c, args.d
     f, window_end = c + d, c + 5 * d
-    seed.run_reference(br.failures(bench, 50) + [(c, d)])
+    seed = br.one_reference(args.out_dir, "29571", [(c, d)])
     end = seed.train_iters
     print(f"reference: {end} iterations; failure at f = {f} (c = {c}, d = {d}); recomputing costs {d} iterations")
     print(f"{'recovery':24s} | {'excess at f+4d':>14s} {'at the end':>10s} | {'lag at the end':>14s}")
@@ -74,10 +69,7 @@ def main(argv=None) -> None:
     seed.close()
     result = {"c": c, "d": d, "train_iters": end, "variants": rows, "seconds": time.time() - start,
               "settings": vars(args)}
-    print(f"\nearly_prediction: {result['seconds']:.0f} s")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=1)
+    finish_benchmark("early_prediction", result, args.json, None, None)
 
 
 if __name__ == "__main__":
