@@ -17,7 +17,7 @@ def new_predictor(cfg: CPSRConfig, shards: int = 1):
     """The configured predictor of one rank; ``shards``: the data-parallel replicas of its stage, each predicting
     its own share of the stage's state."""
     p = cfg.predictor
-    device = {} if p.device == "cpu" else {"device": predictor_device(p.device)}
+    device = {} if p.device == "cpu" else {"device": rank_gpu()}
     predictor = make_predictor(p.name, history=p.history, params=p.params, moments=p.moments, **device)
     if hasattr(predictor, "cap_memory"):  # a learning predictor: its memory on its device is capped ...
         predictor.cap_memory(p.memory_mb)
@@ -27,14 +27,12 @@ def new_predictor(cfg: CPSRConfig, shards: int = 1):
     return predictor
 
 
-def predictor_device(name: str) -> str:
-    """``predictor.device`` as this rank's device: cuda is the GPU the rank trains on (DeepSpeed set it current).
-    A name, not a torch.device: it is one of the options saved with the predictor's weights."""
-    if name == "cuda":
-        if not torch.cuda.is_available():
-            raise RuntimeError("cpsr: predictor.device is cuda, but this process sees no CUDA device; set it to cpu")
-        return f"cuda:{torch.cuda.current_device()}"
-    return name
+def rank_gpu() -> str:
+    """``predictor.device: cuda`` as this rank's GPU (DeepSpeed set it current). A name, not a torch.device: it
+    is one of the options saved with the predictor's weights."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("cpsr: predictor.device is cuda, but this process sees no CUDA device; set it to cpu")
+    return f"cuda:{torch.cuda.current_device()}"
 
 
 def load_weights(predictor, client_state: dict) -> None:
