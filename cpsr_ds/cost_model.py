@@ -10,7 +10,8 @@ behind one interface, ``model.estimate(f, c, predictor) -> Estimate``:
   Eq. 8 over the predictor's held-out errors; xi, N_p from Eq. 7) and T_c, the interval
   the held-out errors were measured at;
 - :class:`EmpiricalModel`: T_p = (1 - rho) d, rho per predictor as measured by
-  benchmarks/bench_recovery.py, times the share of the job's parameters predicted.
+  benchmarks/bench_recovery.py, times the share of the job's parameters predicted; where the
+  learning rate schedule plans the run's end, rho of the default by the failure's place in it.
 
 How a failure maps onto the paper's t and T_c. Eq. 10's t is the time on the fits'
 axis (the phase's start as origin in the planner, iteration 0 where the fits are on
@@ -60,6 +61,12 @@ DISTANCE_EXPONENT = 2.0  # the held-out error's growth with the distance predict
 # rho per predictor: the mean share of d a prediction saved on benchmarks/results/bench_recovery.txt
 # (GPT, 4000 iterations, 3 seeds, T_c 50 and 100, 36 failures each).
 MEASURED_REDUCTION = {"trend": 0.690, "linear": 0.484, "vitp": 0.407, "ridge": 0.274, "damped": 0.255, "skip": 0.191}
+# rho at the end of training (the lag a prediction leaves on the final loss, bench_ftcost's charge) by the failure's
+# place in a run whose learning rate decays to its planned end: the means of bench_recovery.json's end_of_training
+# (the default's predicting recoveries trained to the end; 5, 10 and 12 cases at 25, 50 and 75 % of the run;
+# cosine decay to 10 % of the peak). An early prediction leaves a loss excess that the flat end of the schedule needs
+# more than d iterations to make up (benchmarks/results/early_prediction.txt), a late one less.
+END_OF_TRAINING_REDUCTION = {"trend": ((0.25, -0.343), (0.50, 0.615), (0.75, 0.906))}
 PREDICT, RECOMPUTE = "predict", "recompute"
 # The predictor that does not predict: c's state taken as the state at f. Recovery falls back to it for a stage
 # whose own predictor diverges (its held-out error r, which is relative to exactly this, reaches the limit).
@@ -165,23 +172,44 @@ class EmpiricalModel:
     with that share: to first order the loss gap a prediction leaves is a sum over the
     predicted parameters (Eq. 6), as Eq. 13's x scales with N_p.
     bench_recovery's ``--layouts pp2`` checks the scaling against measured lags.
+
+    ``planned_iterations``: the run's planned length, where its learning rate schedule
+    decays to a planned end (recovery.engine_io.planned_iterations). Then a predictor
+    with a profile in ``by_place`` takes rho at the failure's place f / planned_iterations
+    (linear between the measured places, constant beyond them): the lag that counts is the
+    one left at the end of training, which ``reduction`` (measured over [2d, 4d] after f)
+    does not see. Without a planned end (a constant or warm-up-only schedule) rho is
+    ``reduction``'s.
     """
 
     reduction: Mapping[str, float] = field(default_factory=lambda: dict(MEASURED_REDUCTION))
     name: str = "empirical"
     share: float = 1.0
+    planned_iterations: Optional[int] = None
+    by_place: Mapping[str, tuple[tuple[float, float], ...]] = field(
+        default_factory=lambda: dict(END_OF_TRAINING_REDUCTION))
+
+    def rho(self, f: float, predictor: str) -> tuple[Optional[float], Optional[float]]:
+        """(rho, the failure's place in the planned run or None where rho does not depend on it)."""
+        profile = self.by_place.get(predictor)
+        if profile and self.planned_iterations and self.planned_iterations > 0 and math.isfinite(f):
+            place = f / self.planned_iterations
+            places, reductions = zip(*profile)
+            return float(np.interp(place, places, reductions)), place
+        return self.reduction.get(predictor), None
 
     def estimate(self, f: int, c: int, predictor: str) -> Estimate:
         d = _lost(self.name, f, c)
         if isinstance(d, Estimate):
             return d
-        rho = self.reduction.get(predictor)
+        rho, place = self.rho(f, predictor)
         if rho is None or not math.isfinite(rho):
             return Estimate(self.name, None, {"d": d},
                             f"no measured reduction for predictor {predictor!r} (known: {', '.join(sorted(self.reduction))})")
         if not 0.0 <= self.share <= 1.0:
             return Estimate(self.name, None, {"d": d, "rho": rho}, f"the share predicted, {self.share}, is not in [0, 1]")
-        inputs = {"d": d, "rho": rho, **({} if self.share == 1.0 else {"share": self.share})}
+        inputs = {"d": d, "rho": rho, **({} if place is None else {"place": place}),
+                  **({} if self.share == 1.0 else {"share": self.share})}
         return Estimate(self.name, (1.0 - rho) * d * self.share, inputs)
 
 
@@ -194,6 +222,12 @@ class Choice:
     estimate: Estimate
     guard_lag: Optional[float] = None
     loss_excess: Optional[float] = None
+
+
+def _where(estimate: Estimate) -> str:
+    """Where rho depends on the failure's place in the planned run, that place and its rho."""
+    place = estimate.inputs.get("place")
+    return "" if place is None else f" (rho {estimate.inputs['rho']:.2f} at {place:.0%} of the planned run)"
 
 
 def recovery_choice(estimate: Estimate, d: int, excess_at: Callable[[float], Optional[float]],
@@ -223,7 +257,7 @@ def recovery_choice(estimate: Estimate, d: int, excess_at: Callable[[float], Opt
         if _unusable(value):
             return recompute(f"{name} is {value}: no comparison to make")
     if not estimate.lag < d:
-        return recompute(f"{estimate.model} estimates a lag of {estimate.lag:.1f} iterations, "
+        return recompute(f"{estimate.model} estimates a lag of {estimate.lag:.1f} iterations{_where(estimate)}, "
                          f"not below the {d} recomputing costs")
     lag = pessimism * (carried + estimate.lag)
     excess = excess_at(lag)
@@ -235,7 +269,8 @@ def recovery_choice(estimate: Estimate, d: int, excess_at: Callable[[float], Opt
         return recompute(f"a lag of {lag:.1f} iterations{earlier} would leave the loss {excess:.2%} higher, "
                          f"above max_loss_excess {max_loss_excess:.2%}", lag, excess)
     guard = "" if excess is None else f", loss excess at a lag of {lag:.1f}: {excess:.2%}"
-    return Choice(PREDICT, f"{estimate.model} estimates a lag of {estimate.lag:.1f} of {d} iterations{guard}",
+    return Choice(PREDICT, f"{estimate.model} estimates a lag of {estimate.lag:.1f} of {d} iterations"
+                  f"{_where(estimate)}{guard}",
                   estimate, lag, excess)
 
 

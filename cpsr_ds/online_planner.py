@@ -28,7 +28,6 @@ from typing import Callable, Optional, Sequence
 from cpsr_ds import planner
 from cpsr_ds.cost_model import (
     DISTANCE_EXPONENT,
-    MEASURED_REDUCTION,
     PESSIMISM,
     RECOMPUTE,
     SKIP,
@@ -258,15 +257,26 @@ def drift(before: dict, now: dict, threshold: float) -> list[str]:
     return moved
 
 
-def watched(lambda_per_hour: float, stages: Sequence[StageInputs]) -> dict:
-    """The measured inputs whose drift re-plans: lambda, the iteration time, each stage's T_s and persist time."""
+def watched(lambda_per_hour: float, stages: Sequence[StageInputs], lag_per_lost_iteration: Optional[float] = None) -> dict:
+    """The inputs whose drift re-plans: lambda, the iteration time, each stage's T_s and persist time, and where
+    the empirical model's rho depends on the run's place (:func:`place_lag`), the lag per iteration lost."""
     values = {"lambda_per_hour": lambda_per_hour}
+    if lag_per_lost_iteration is not None:
+        values["lag_per_lost_iteration"] = lag_per_lost_iteration
     for s in stages:
         if s.measured:
             values.setdefault("iteration_time_s", s.iteration_time_s)
             values[f"slowdown_s/stage{s.stage}"] = s.slowdown_s
             values[f"persist_s/stage{s.stage}"] = s.persist_s
     return values
+
+
+def place_lag(model: str, predictor: str, iteration: int, planned_iterations: Optional[int]) -> Optional[float]:
+    """1 - rho at ``iteration`` where the empirical model's rho depends on the run's place; None elsewhere."""
+    if model != "empirical":
+        return None
+    rho, place = EmpiricalModel(planned_iterations=planned_iterations).rho(iteration, predictor)
+    return None if place is None else 1.0 - rho
 
 
 def replan_reason(planned: Optional[dict], phase: int, planned_phase: int, measured: bool, drifted: Sequence[str],
@@ -314,6 +324,11 @@ class JobInputs:
     failures: int = 0
     hours: float = 0.0
     carried_lag: float = 0.0
+    planned_iterations: Optional[int] = None
+
+    def empirical(self) -> EmpiricalModel:
+        """The empirical model of this run: rho by its place in the planned run where it has a planned end."""
+        return EmpiricalModel(planned_iterations=self.planned_iterations)
 
 
 @dataclass(frozen=True)
@@ -362,7 +377,8 @@ def _inputs(job: JobInputs, stages: Sequence[StageInputs], lam: Optional[float],
             "tau1": per_stage(lambda s: fitted(s, "tau1")), "tau2": per_stage(lambda s: fitted(s, "tau2")),
             "tau_T_c": per_stage(lambda s: fitted(s, "T_c")), "xi": per_stage(lambda s: s.xi),
             "N_p": per_stage(lambda s: s.n_p), "relative_error": per_stage(lambda s: s.relative_error),
-            "loss_fit": job.loss.reason if not job.loss else "", "carried_lag": job.carried_lag}
+            "loss_fit": job.loss.reason if not job.loss else "", "carried_lag": job.carried_lag,
+            "planned_iterations": job.planned_iterations}
 
 
 def _stage_costs(stages: Sequence[StageInputs], iteration_time_s: float) -> list[StageCosts]:
@@ -418,7 +434,7 @@ def guard(job: JobInputs, stages: Sequence[StageInputs], d: int,
                     f"{job.max_relative_error}")
     f = job.iteration
     if job.model == "empirical":
-        models = [(None, EmpiricalModel(), predictor) for predictor in sorted({stage_predictor(job, s) for s in stages})]
+        models = [(None, job.empirical(), predictor) for predictor in sorted({stage_predictor(job, s) for s in stages})]
     else:
         models = [(s.stage, paper_model(job.loss, _accuracy(s), _curvature(s), exact=job.model == "paper"),
                    job.predictor) for s in stages]
@@ -441,8 +457,9 @@ def plan(job: JobInputs, stages: Sequence[StageInputs],
     """The interval for the job from every stage's measured inputs (iterations, in [1, max_interval]).
 
     Predicting-based where recovery would predict: the empirical model minimises
-    planner.guarded_cost_rate with rho = MEASURED_REDUCTION of each stage's predictor
-    (:func:`stage_predictor`: ``skip`` for a stage whose predictor diverges) and the longest
+    planner.guarded_cost_rate with rho of each stage's predictor (MEASURED_REDUCTION, or at the
+    plan's place in the planned run: EmpiricalModel.rho; :func:`stage_predictor`: ``skip`` for a stage
+    whose predictor diverges) and the longest
     distance from the durable checkpoint at which :func:`guard` lets a failure predict, d_max
     (a failure beyond it recomputes, and it lies up to T_c plus one persist away), the paper models
     planner.plan_job with each stage's PbrParams (t from the plan's iteration; both "paper"
@@ -487,15 +504,15 @@ def _plan(job: JobInputs, stages: Sequence[StageInputs], excess_at, lam: float, 
         return recompute("recovery.mode is recompute")
     if job.model == "empirical":
         predictors = [stage_predictor(job, s) for s in stages]
-        unmeasured = sorted({p for p in predictors if p not in MEASURED_REDUCTION})
+        rho = [job.empirical().rho(job.iteration, p)[0] for p in predictors]
+        unmeasured = sorted({p for p, r in zip(predictors, rho) if not _finite(r)})
         if unmeasured:
             return recompute(f"no measured reduction for predictor {unmeasured[0]!r}")
         skipping = [s.stage for s, p in zip(stages, predictors) if p != job.predictor]
         note = "" if not skipping else (
             f"stage{'s' * (len(skipping) > 1)} {', '.join(map(str, skipping))}: held-out error not below "
             f"max_relative_error {job.max_relative_error}, planned for {SKIP} (c's state at f)")
-        return _plan_guarded(job, stages, costs, [MEASURED_REDUCTION[p] for p in predictors], excess_at, lam,
-                             recompute, inputs, note)
+        return _plan_guarded(job, stages, costs, rho, excess_at, lam, recompute, {**inputs, "rho": rho}, note)
     params, missing = _paper_params(job, stages)
     if missing:
         return recompute(f"{job.model} model: " + "; ".join(missing))

@@ -57,6 +57,7 @@ from cpsr_ds.online_planner import (
     drift,
     failure_rate_per_hour,
     failures,
+    place_lag,
     plan,
     replan_reason,
     running_hours,
@@ -74,7 +75,8 @@ from cpsr_ds.recovery import (
     own_share,
     recover,
 )
-from cpsr_ds.recovery.engine_io import data_parallel, replicas_read_once, stage_sums, weights_from_partitions
+from cpsr_ds.recovery.engine_io import (data_parallel, planned_iterations, replicas_read_once, stage_sums,
+                                       weights_from_partitions)
 from cpsr_ds.recovery.sources import summaries
 from cpsr_ds.rundir import RunDirLock, claim
 from cpsr_ds.runlog import CostRow, PlanRow, StateRow
@@ -471,7 +473,10 @@ class Runtime:
         stages = sorted({s.stage: s for s in gathered if s is not None}.values(), key=lambda s: s.stage)
         measured = len(stages) == engine.num_stages and all(s.measured for s in stages)
         lambda_per_hour, n, hours = self._failure_rate()
-        now = watched(lambda_per_hour, stages)
+        cfg = self.cfg
+        planned_length = planned_iterations(engine)
+        now = watched(lambda_per_hour, stages,
+                      place_lag(cfg.planner.cost_model, cfg.predictor.name, iteration, planned_length))
         phase = max((s.phase for s in stages), default=0)
         moved = drift(self.planned, now, self.cfg.planner.replan_drift) if self.planned is not None else []
         reason = replan_reason(self.planned, phase, self.planned_phase, measured, moved, start)
@@ -480,13 +485,12 @@ class Runtime:
                 self._write_plan(iteration, "warm-up", phase, Planned(self.interval, "recompute", {}, [],
                                                                      "nothing measured yet: planner.first_interval"))
             return self.interval, None
-        cfg = self.cfg
         # Only the recent window is ever fitted again (a later plan's starts later): the rest is let go.
         losses = self.losses = recent_losses(self.losses, iteration)
         job = JobInputs(iteration, lambda_per_hour, fit_loss_o(losses, iteration), cfg.planner.cost_model,
                         cfg.predictor.name, cfg.recovery.mode, cfg.recovery.max_relative_error,
                         cfg.recovery.max_loss_excess, cfg.planner.max_interval, self.interval, n, hours,
-                        self.history.carried_lag)
+                        self.history.carried_lag, planned_length)
         # The guard's curve is fitted once: the plan asks it at many intervals.
         planned = plan(job, stages, excess_at(losses, iteration))
         if moved:

@@ -264,6 +264,16 @@ def test_the_decision_uses_the_model_planner_cost_model_names(tmp_path, name, la
     assert f"{name} estimates a lag of {lag:.1f}" in report.reason
 
 
+@pytest.mark.parametrize("planned, method, rho", [(4 * F, "recompute", -0.343), (4 * F // 3, "predict", 0.906)])
+def test_under_a_schedule_with_a_planned_end_the_decision_takes_rho_at_the_failures_place(tmp_path, planned,
+                                                                                           method, rho):
+    engine = small_engine()
+    engine.lr_scheduler = WarmupCosineLR(engine.optimizer, total_num_steps=planned, warmup_num_steps=10)
+    report = decide(run_dir(tmp_path), "empirical", engine)
+    assert report.method == method and report.estimated_cost == pytest.approx((1 - rho) * (F - C))
+    assert f"(rho {rho:.2f} at {F / planned:.0%} of the planned run)" in report.reason
+
+
 @pytest.mark.parametrize("errors, stage, second_moment, why", [
     ([], 0, 0.01, "0 held-out errors of trend for stage 0 up to iteration 400"),  # no measurements file
     (None, 1, 0.01, "0 held-out errors of trend for stage 1"),  # another stage's only

@@ -1,5 +1,6 @@
 """The recovery cost model (Eq. 13-14, the empirical model), its loss-excess guard and its check against measured lags."""
 
+import json
 import math
 import os
 import re
@@ -8,6 +9,7 @@ import numpy as np
 import pytest
 
 from cpsr_ds.cost_model import (
+    END_OF_TRAINING_REDUCTION,
     MEASURED_REDUCTION,
     PREDICT,
     RECOMPUTE,
@@ -90,6 +92,39 @@ def test_empirical_model_is_one_minus_rho_times_d_per_predictor():
     assert model.estimate(1100, 1000, "skip").inputs == {"d": 100, "rho": 0.191}
     unknown = model.estimate(1100, 1000, "oracle")
     assert not unknown and "'oracle'" in unknown.reason and "trend" in unknown.reason
+
+
+def test_empirical_model_takes_rho_by_the_failures_place_in_a_run_with_a_planned_end():
+    model = EmpiricalModel(planned_iterations=2000)
+    early, middle, late = (model.estimate(f, f - 100, "trend") for f in (500, 1000, 1500))
+    assert early.lag == pytest.approx(134.3) and early.inputs == {"d": 100, "rho": -0.343, "place": 0.25}
+    assert middle.lag == pytest.approx(38.5) and late.lag == pytest.approx(9.4)
+    # Linear between the measured places, constant beyond them.
+    assert model.estimate(750, 650, "trend").inputs["rho"] == pytest.approx((-0.343 + 0.615) / 2)
+    assert model.estimate(100, 50, "trend").inputs["rho"] == -0.343
+    assert model.estimate(2000, 1950, "trend").inputs["rho"] == 0.906
+    # A predictor with no profile, or a run with no planned end, keeps the rho over [2d, 4d].
+    assert model.estimate(500, 400, "linear").inputs == {"d": 100, "rho": 0.484}
+    assert EmpiricalModel().estimate(500, 400, "trend").inputs == {"d": 100, "rho": 0.69}
+    assert EmpiricalModel(planned_iterations=0).estimate(500, 400, "trend").inputs == {"d": 100, "rho": 0.69}
+
+
+def test_early_in_a_decaying_run_the_empirical_model_recomputes_and_says_where():
+    model = EmpiricalModel(planned_iterations=2000)
+    early = recovery_choice(model.estimate(500, 450, "trend"), 50, lambda lag: 0.0, 0.005, 1.6)
+    assert early.method == RECOMPUTE
+    assert early.reason == ("empirical estimates a lag of 67.2 iterations (rho -0.34 at 25% of the planned run), "
+                            "not below the 50 recomputing costs")
+    late = recovery_choice(model.estimate(1500, 1450, "trend"), 50, lambda lag: 0.0, 0.005, 1.6)
+    assert late.method == PREDICT and "(rho 0.91 at 75% of the planned run)" in late.reason
+
+
+def test_end_of_training_reductions_are_those_of_the_recovery_benchmark():
+    with open(os.path.join(ROOT, "benchmarks", "results", "bench_recovery.json")) as fh:
+        table = json.load(fh)["end_of_training"]
+    measured = tuple((int(share.split()[0]) / 100, round(row["end"]["mean"], 3))
+                     for share, row in table.items() if share != "all")
+    assert END_OF_TRAINING_REDUCTION == {"trend": measured}
 
 
 def test_empirical_model_scales_with_the_share_of_the_parameters_predicted():

@@ -113,6 +113,29 @@ def test_drift_names_the_inputs_that_moved_beyond_the_threshold():
     assert op.drift(before, {"iteration_time_s": math.nan}, 0.2) == []
 
 
+def test_in_a_run_with_a_planned_end_the_lag_per_lost_iteration_is_watched():
+    def watched_at(iteration, model="empirical", predictor="trend", planned=2000):
+        return op.watched(0.08, [stage()], op.place_lag(model, predictor, iteration, planned))
+
+    assert watched_at(1000)["lag_per_lost_iteration"] == pytest.approx(1 - 0.615)
+    # 1 - rho falls from 0.385 at 50 % of the run to 0.327 at 55 % (15 %) and 0.269 at 60 % (30 %).
+    assert op.drift(watched_at(1000), watched_at(1100), 0.2) == []
+    assert [m.split()[0] for m in op.drift(watched_at(1000), watched_at(1200), 0.2)] == ["lag_per_lost_iteration"]
+    for kw in ({"model": "paper"}, {"predictor": "linear"}, {"planned": None}):
+        assert "lag_per_lost_iteration" not in watched_at(1000, **kw), kw
+
+
+def test_a_run_with_a_planned_end_plans_for_recomputing_early_and_for_predicting_later():
+    recompute = op.plan(job(mode="recompute"), [stage()])
+    early = op.plan(job(iteration=500, planned_iterations=2000), [stage()])
+    assert early.recovery == "recompute" and early.T_c == recompute.T_c
+    assert "(rho -0.34 at 25% of the planned run)" in early.fallback and early.inputs["planned_iterations"] == 2000
+    middle, late = (op.plan(job(iteration=i, planned_iterations=2000), [stage()]) for i in (1000, 1500))
+    assert middle.recovery == late.recovery == "predict"
+    assert middle.inputs["rho"] == [0.615] and late.inputs["rho"] == [0.906]
+    assert recompute.T_c < middle.T_c < late.T_c
+
+
 def test_replan_reasons():
     assert op.replan_reason(None, 0, 0, False, [], False) is None  # nothing measured
     assert op.replan_reason(None, 0, 0, True, [], False) == "first"
