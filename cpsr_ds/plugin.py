@@ -153,7 +153,9 @@ class Runtime:
         self.predictor = new_predictor(cfg, data_parallel(engine).size)
         self.recovery = recover(engine, cfg, self.predictor, attempt=self.attempt)
         self.learning = hasattr(self.predictor, "step")
-        self.summaries = summaries.Writer(throttle.shared(cfg.checkpoint.write_mbps))
+        persisted = getattr(engine.checkpoint_engine, "wait_persisted", None)
+        self.summaries = summaries.Writer(throttle.shared(cfg.checkpoint.write_mbps),
+                                          persisted and partial(persisted, cfg.checkpoint.commit_timeout_s))
         # With a pipeline the work goes in its bubbles. Without one a learning predictor's goes to a low-priority
         # thread; a simple predictor's (copies and reductions, milliseconds per checkpoint) costs the training loop
         # less at the checkpoint than on that thread, which shares the interpreter's lock and the cores with it.
@@ -276,7 +278,9 @@ class Runtime:
         Every rank saves (DeepSpeed's save is collective); the ranks of stages not ``due`` write nothing.
         """
         part = self.stage in due
-        share = self._share(engine, iteration) if part and (self.observing or self.learning) else None
+        # Work done here, before the engine steps again, may read the engine's own tensors; the coordinator's later.
+        share = (self._share(engine, iteration, copy=self.coordinator is not None)
+                 if part and (self.observing or self.learning) else None)
         client_state = {}
         if self.coordinator is not None:
             # The last checkpoint's work is done before the predictor sees this one.
@@ -301,11 +305,11 @@ class Runtime:
             self._run(job)
 
     @staticmethod
-    def _share(engine: PipelineEngine, iteration: int) -> dict | None:
-        """This rank's share of the stage's state (own_share), the predictor's; None before the optimizer's
-        first step."""
+    def _share(engine: PipelineEngine, iteration: int, copy: bool) -> dict | None:
+        """This rank's share of the stage's state (own_share; ``copy`` False: the engine's own host tensors where
+        they are), the predictor's; None before the optimizer's first step."""
         try:
-            return own_share(engine)
+            return own_share(engine, copy)
         except KeyError as err:  # the same on every rank: no step has made Adam's moments yet
             logger.warning("cpsr: no state recorded at the checkpoint of iteration %d: the optimizer has no %s yet",
                            iteration, err)

@@ -388,7 +388,7 @@ def test_a_rank_that_gives_up_tells_the_committer_at_once(tmp_path, engines, cap
 
 @pytest.fixture
 def hung_storage(monkeypatch):
-    """``hang()`` makes every later file write wait until the test ends (or ``answer.set()``)."""
+    """``hang()`` makes every later file write wait until the test ends or the function it returns is called."""
     answer = threading.Event()
     write_atomic = store.write_atomic
 
@@ -396,7 +396,11 @@ def hung_storage(monkeypatch):
         answer.wait()
         return write_atomic(*args, **kw)
 
-    yield lambda: monkeypatch.setattr(store, "write_atomic", hung)
+    def hang():
+        monkeypatch.setattr(store, "write_atomic", hung)
+        return answer.set
+
+    yield hang
     answer.set()
 
 
@@ -413,6 +417,24 @@ def test_cleanup_waits_for_hung_storage_at_most_commit_timeout_s(tmp_path, engin
     took = time.monotonic() - t0
     assert not closing.is_alive() and took < 5
     assert "global_step1" in caplog.text and "abandoned" in caplog.text
+
+
+def test_another_thread_waits_for_the_checkpoints_in_flight_without_sealing_the_open_one(tmp_path, engines,
+                                                                                         hung_storage):
+    d = str(tmp_path)
+    eng = engines(d, strategy="pccheck")  # two in flight: the next checkpoint opens while the first persists
+    release = hung_storage()
+    checkpoint(eng, d, 1, states())
+    waited = []
+    waiter = threading.Thread(target=lambda: waited.append(eng.wait_persisted(timeout_s=30)), daemon=True)
+    waiter.start()
+    assert not eng.wait_persisted(timeout_s=0.05)  # the persist hangs
+    # The training loop opens the next checkpoint meanwhile: the waiting thread leaves it open.
+    eng.create(CheckpointCommitInfo(tag="global_step2", save_dir=d, save_latest=True))
+    assert eng._job is not None and waiter.is_alive()
+    release()
+    waiter.join(30)
+    assert waited == [True] and eng._job is not None
 
 
 # ---------------------------------------------------------------- SIGKILL during persist

@@ -2,6 +2,7 @@
 atomically, read back only when whole and of the same checkpoint, the newest few kept."""
 
 import os
+import threading
 import time
 
 import torch
@@ -74,3 +75,14 @@ def test_a_summary_the_writer_cannot_serialise_is_logged_and_the_next_one_writte
     assert "summary of iteration 5 was not written" in caplog.text
     assert summaries.read(str(tmp_path), 0, 5, 1) == (None, 0)
     assert summaries.read(str(tmp_path), 0, 10, 1)[0] is not None
+
+
+def test_the_writer_waits_for_the_checkpoints_in_flight_before_each_summary(tmp_path):
+    persisted = threading.Event()
+    writer = summaries.Writer(after=persisted.wait)
+    writer.submit(str(tmp_path), 0, 5, 1, summary(0.5), keep=4)
+    assert not writer.flush(timeout_s=0.2)
+    assert summaries.read(str(tmp_path), 0, 5, 1) == (None, 0)
+    persisted.set()
+    assert writer.close(timeout_s=30)
+    assert summaries.read(str(tmp_path), 0, 5, 1)[0]["iteration"] == 7

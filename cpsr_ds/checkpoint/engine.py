@@ -226,6 +226,11 @@ class AsyncCheckpointEngine(CheckpointEngine):
         """Seal the open checkpoint and wait until all are persisted (and on rank 0 committed or given up)."""
         if self._job is not None:
             self._seal()
+        return self.wait_persisted(timeout_s)
+
+    def wait_persisted(self, timeout_s: Optional[float] = None) -> bool:
+        """Wait until the checkpoints in flight now are persisted (or given up); False where ``timeout_s`` ran out.
+        Seals nothing, so other threads may wait here while the training loop saves."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._lock:
             jobs = list(self._jobs)

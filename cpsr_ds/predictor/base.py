@@ -38,7 +38,8 @@ class ValidationResult:
 
     ``relative`` is ||x_hat - x|| / ||x_prev - x|| over the predicted kinds: the
     error relative to restarting from the previous checkpoint (< 1 beats it;
-    exactly 1 when nothing is predicted). ``mse`` is Eq. 9 per kind.
+    exactly 1 when nothing is predicted). ``mse`` is Eq. 9 per predicted kind and for the
+    parameters (Eq. 9's own), predicted or not.
     """
 
     iteration: int
@@ -170,7 +171,8 @@ def holdout_error(iteration: int, horizon: int, pred: dict[str, torch.Tensor], t
     err = base = 0.0
     mse = {}
     for kind in KINDS:
-        if kind not in truth:
+        # A kind kept from the newest checkpoint costs two passes over its share for nothing but the parameters'.
+        if kind not in truth or (kind not in kinds and kind != "param"):
             continue
         e = squared_distance(pred[kind], truth[kind])
         mse[kind] = e / max(truth[kind].numel(), 1)

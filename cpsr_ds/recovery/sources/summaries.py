@@ -25,7 +25,7 @@ import logging
 import os
 import queue
 import threading
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -67,10 +67,17 @@ def write(directory: str, rank: int, iteration: int, attempt: int, summary: dict
 
 class Writer:
     """:func:`write` on a daemon thread of its own, in the order submitted, waiting on ``throttle``; a daemon
-    so that storage that hangs cannot hold the process at exit (as the checkpoint engine's writers)."""
+    so that storage that hangs cannot hold the process at exit (as the checkpoint engine's writers).
 
-    def __init__(self, throttle: Optional[Throttle] = None):
+    ``after``: called before each write, to wait until the checkpoints in flight have persisted: a summary
+    written beside its checkpoint's persist would share its storage bandwidth (``checkpoint.write_mbps``) and
+    make the checkpoint durable later, while the storage idles between checkpoints. A summary is only an
+    accelerator: a restart from a checkpoint without one reads the history instead.
+    """
+
+    def __init__(self, throttle: Optional[Throttle] = None, after: Optional[Callable[[], object]] = None):
         self._throttle = throttle
+        self._after = after
         self._jobs: queue.Queue = queue.Queue()
         self._idle = threading.Condition()
         self._pending = 0
@@ -87,6 +94,8 @@ class Writer:
     def _run(self) -> None:
         for job in iter(self._jobs.get, None):
             try:
+                if self._after is not None:
+                    self._after()
                 write(*job, throttle=self._throttle)
             except Exception:  # a summary that cannot even be serialised: the restart reads the full history
                 log.exception("cpsr: the predictor's summary of iteration %d was not written", job[2])
