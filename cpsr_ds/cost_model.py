@@ -180,12 +180,21 @@ class EmpiricalModel:
     one left at the end of training, which ``reduction`` (measured over [2d, 4d] after f)
     does not see. Without a planned end (a constant or warm-up-only schedule) rho is
     ``reduction``'s.
+
+    ``horizon``: how far ahead the predictor's held-out check predicted (c minus the
+    checkpoint before it), the distance rho holds to: bench_recovery measured it at d < T_c.
+    A failure farther from c (one during the next checkpoint's persist, or again before a
+    checkpoint after a predicted restart) is extrapolated beyond anything checked, and its lag
+    is taken to grow as the paper model's does, as (d / T_c)^DISTANCE_EXPONENT: by
+    (d / horizon)^(DISTANCE_EXPONENT - 1) over (1 - rho) d, continuous at d = horizon.
+    None: no such bound (the planner's, where failures lie within an interval and a persist).
     """
 
     reduction: Mapping[str, float] = field(default_factory=lambda: dict(MEASURED_REDUCTION))
     name: str = "empirical"
     share: float = 1.0
     planned_iterations: Optional[int] = None
+    horizon: Optional[float] = None
     by_place: Mapping[str, tuple[tuple[float, float], ...]] = field(
         default_factory=lambda: dict(END_OF_TRAINING_REDUCTION))
 
@@ -208,9 +217,12 @@ class EmpiricalModel:
                             f"no measured reduction for predictor {predictor!r} (known: {', '.join(sorted(self.reduction))})")
         if not 0.0 <= self.share <= 1.0:
             return Estimate(self.name, None, {"d": d, "rho": rho}, f"the share predicted, {self.share}, is not in [0, 1]")
+        reach = d / self.horizon if self.horizon and self.horizon > 0 and d > self.horizon else None
         inputs = {"d": d, "rho": rho, **({} if place is None else {"place": place}),
-                  **({} if self.share == 1.0 else {"share": self.share})}
-        return Estimate(self.name, (1.0 - rho) * d * self.share, inputs)
+                  **({} if self.share == 1.0 else {"share": self.share}),
+                  **({} if reach is None else {"horizon": self.horizon})}
+        beyond = 1.0 if reach is None else reach ** (DISTANCE_EXPONENT - 1)
+        return Estimate(self.name, (1.0 - rho) * d * self.share * beyond, inputs)
 
 
 @dataclass(frozen=True)
@@ -225,9 +237,15 @@ class Choice:
 
 
 def _where(estimate: Estimate) -> str:
-    """Where rho depends on the failure's place in the planned run, that place and its rho."""
-    place = estimate.inputs.get("place")
-    return "" if place is None else f" (rho {estimate.inputs['rho']:.2f} at {place:.0%} of the planned run)"
+    """Where rho depends on the failure's place in the planned run, that place and its rho; where d is beyond
+    the predictor's checked horizon, both."""
+    said = []
+    if estimate.inputs.get("place") is not None:
+        said.append(f"rho {estimate.inputs['rho']:.2f} at {estimate.inputs['place']:.0%} of the planned run")
+    if estimate.inputs.get("horizon") is not None:
+        said.append(f"{estimate.inputs['d']} iterations ahead, beyond the {estimate.inputs['horizon']:g} its "
+                    f"held-out check predicted")
+    return f" ({'; '.join(said)})" if said else ""
 
 
 def recovery_choice(estimate: Estimate, d: int, excess_at: Callable[[float], Optional[float]],

@@ -216,18 +216,19 @@ def test_every_node_takes_rank_0s_losses_from_the_agreed_progress(tmp_path):
 
 
 class FixedPredictor:
-    """A ready predictor whose prediction is ``state``; held-out error r = 0.5."""
+    """A ready predictor whose prediction is ``state``; held-out error r = 0.5, checked ``horizon`` iterations
+    ahead."""
 
     name = "trend"
 
-    def __init__(self, state):
-        self.state = state
+    def __init__(self, state, horizon=50):
+        self.state, self.horizon = state, horizon
 
     def ready(self):
         return True
 
     def validation_error(self):
-        return SimpleNamespace(relative=0.5)
+        return SimpleNamespace(relative=0.5, horizon=self.horizon)
 
     def predict(self, f, kept_views=False):
         return {key: value.clone() for key, value in self.state.items()}
@@ -243,12 +244,12 @@ def small_engine(stage=0):
                            global_samples=C * 8, train_batch_size=lambda: 8)
 
 
-def decide(directory, name, engine=None, state=None):
+def decide(directory, name, engine=None, state=None, horizon=50):
     cfg = CPSRConfig.parse_block({"checkpoint": {"dir": directory}, "planner": {"cost_model": name}})
     state = stage_state() if state is None else state
     progress = read_progress(directory)  # rank 0's journal, up to F
     assert progress.reached == F
-    return _decide(engine or small_engine(), cfg, FixedPredictor(state), progress, C, stage_xi(state))
+    return _decide(engine or small_engine(), cfg, FixedPredictor(state, horizon), progress, C, stage_xi(state))
 
 
 @pytest.mark.parametrize("name, lag", [
@@ -272,6 +273,13 @@ def test_under_a_schedule_with_a_planned_end_the_decision_takes_rho_at_the_failu
     report = decide(run_dir(tmp_path), "empirical", engine)
     assert report.method == method and report.estimated_cost == pytest.approx((1 - rho) * (F - C))
     assert f"(rho {rho:.2f} at {F / planned:.0%} of the planned run)" in report.reason
+
+
+def test_a_failure_beyond_the_horizon_the_predictor_was_checked_at_is_estimated_a_longer_lag(tmp_path):
+    report = decide(run_dir(tmp_path), "empirical", horizon=(F - C) // 2)
+    assert report.method == "predict"
+    assert report.estimated_cost == pytest.approx((1 - MEASURED_REDUCTION["trend"]) * (F - C) * 2)
+    assert "(20 iterations ahead, beyond the 10 its held-out check predicted)" in report.reason
 
 
 @pytest.mark.parametrize("errors, stage, second_moment, why", [

@@ -119,6 +119,17 @@ def test_early_in_a_decaying_run_the_empirical_model_recomputes_and_says_where()
     assert late.method == PREDICT and "(rho 0.91 at 75% of the planned run)" in late.reason
 
 
+def test_beyond_the_horizon_the_predictor_was_checked_at_the_empirical_lag_grows_as_the_paper_models():
+    model = EmpiricalModel(horizon=50)
+    assert model.estimate(1050, 1000, "trend").lag == pytest.approx(15.5)  # d = horizon: (1 - rho) d
+    far = model.estimate(1100, 1000, "trend")
+    # (d / T_c)^DISTANCE_EXPONENT in the paper's model: twice the distance, four times the lag at d = horizon.
+    assert far.lag == pytest.approx(4 * 15.5) and far.inputs == {"d": 100, "rho": 0.69, "horizon": 50}
+    choice = recovery_choice(far, 100, lambda lag: 0.0, 0.005, 1.6)
+    assert "(100 iterations ahead, beyond the 50 its held-out check predicted)" in choice.reason
+    assert EmpiricalModel(horizon=None).estimate(1100, 1000, "trend").lag == pytest.approx(31.0)
+
+
 def test_end_of_training_reductions_are_those_of_the_recovery_benchmark():
     with open(os.path.join(ROOT, "benchmarks", "results", "bench_recovery.json")) as fh:
         table = json.load(fh)["end_of_training"]

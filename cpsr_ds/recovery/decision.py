@@ -256,7 +256,8 @@ def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int, curv
                         f"{cfg.recovery.max_relative_error}: {SKIP}, c's state at f")
             predictor = checkpoint_as_prediction(predictor)
         model = recovery_model(cfg.planner.cost_model, cfg.checkpoint.dir, losses, engine.stage_id, predictor.name,
-                               f, c, curvature, share, planned_iterations(engine))
+                               f, c, curvature, share, planned_iterations(engine),
+                               held_out.horizon if held_out is not None else None)
         carried = carried_lag(earlier_reports(cfg.checkpoint.dir), c)
         choice = recovery_choice(model.estimate(f, c, predictor.name), d, excess_at(losses, f),
                                  cfg.recovery.max_loss_excess, PESSIMISM, carried)
@@ -384,7 +385,7 @@ def predicted_share_of_job(engine, predicting: bool) -> float:
 
 def recovery_model(name: str, directory: str, losses: dict[int, float], stage: int, predictor: str, f: int, c: int,
                    curvature: StageCurvature | NoFit, share: float = 1.0,
-                   planned: int | None = None) -> CostModel:
+                   planned: int | None = None, horizon: int | None = None) -> CostModel:
     """The recovery cost model ``planner.cost_model`` names, for a failure at f restored from checkpoint c.
 
     The paper's (Eq. 13; Eq. 14 for ``paper-eq14``) is built from the run's own records:
@@ -398,10 +399,11 @@ def recovery_model(name: str, directory: str, losses: dict[int, float], stage: i
     without params, and its estimate says why. The empirical model's is scaled by ``share``,
     the share of the job's parameters predicted (:func:`predicted_share_of_job`); the paper's
     N_p is the stage's already. ``planned``: the run's planned length (engine_io.planned_iterations),
-    where the empirical model's rho depends on the failure's place in it.
+    where the empirical model's rho depends on the failure's place in it; ``horizon``: how far ahead
+    the predictor's held-out check predicted, beyond which the empirical lag grows faster.
     """
     if name == "empirical":
-        return EmpiricalModel(share=share, planned_iterations=planned)
+        return EmpiricalModel(share=share, planned_iterations=planned, horizon=horizon)
     if name not in ("paper", "paper-eq14"):
         raise ValueError(f"planner.cost_model {name!r}: not a recovery cost model (empirical, paper, paper-eq14)")
     rows, problems = read_measurements(directory)
