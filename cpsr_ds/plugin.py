@@ -11,6 +11,7 @@ Without the block it is ``deepspeed.initialize`` itself.
 
 from __future__ import annotations
 
+import atexit
 import copy
 import inspect
 import logging
@@ -18,6 +19,7 @@ import math
 import os
 import sys
 import time
+import weakref
 from contextlib import contextmanager
 from dataclasses import replace
 from functools import partial
@@ -156,6 +158,8 @@ class Runtime:
         persisted = getattr(engine.checkpoint_engine, "wait_persisted", None)
         self.summaries = summaries.Writer(throttle.shared(cfg.checkpoint.write_mbps),
                                           persisted and partial(persisted, cfg.checkpoint.commit_timeout_s))
+        ref = weakref.ref(self)
+        atexit.register(lambda: ref() is not None and ref()._close_summaries())
         # With a pipeline the work goes in its bubbles. Without one a learning predictor's goes to a low-priority
         # thread; a simple predictor's (copies and reductions, milliseconds per checkpoint) costs the training loop
         # less at the checkpoint than on that thread, which shares the interpreter's lock and the cores with it.
@@ -242,13 +246,22 @@ class Runtime:
         """
         if self.coordinator is not None:
             self.coordinator.drop()
+        self._close_summaries()
+        self.journal.close()
+        if self.lock is not None:
+            self.lock.release()
+
+    def _close_summaries(self) -> None:
+        """Write the summaries still queued, bounded as checkpoints' commits are (a failing process: the exit grace).
+
+        Also at exit (registered in __init__, so it runs before the checkpoint engine's own cleanup), where a
+        training script need not destroy its engine: each summary waits for its checkpoint's persist, and one
+        still being written by the daemon thread while the interpreter tears down would abort the process.
+        """
         bound_s = self.cfg.checkpoint.commit_timeout_s if exiting.reason() is None else exiting.EXIT_GRACE_S
         if not self.summaries.close(bound_s):
             logger.warning("cpsr: the predictor's summaries were not all written within %g s; a restart from the "
                            "newest checkpoints reads their full history instead", bound_s)
-        self.journal.close()
-        if self.lock is not None:
-            self.lock.release()
 
     def monitor_recovery(self) -> None:
         """The recovery decision of this start, to DeepSpeed's monitor."""

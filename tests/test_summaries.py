@@ -7,6 +7,8 @@ import time
 
 import torch
 
+from conftest import run_job, tiny_config
+from cpsr_ds.checkpoint import store
 from cpsr_ds.checkpoint.throttle import Throttle
 from cpsr_ds.recovery.sources import summaries
 
@@ -86,3 +88,15 @@ def test_the_writer_waits_for_the_checkpoints_in_flight_before_each_summary(tmp_
     persisted.set()
     assert writer.close(timeout_s=30)
     assert summaries.read(str(tmp_path), 0, 5, 1)[0]["iteration"] == 7
+
+
+def test_a_script_that_exits_without_destroying_its_engine_still_writes_the_last_summary(tmp_path):
+    """train_gpt.py leaves its engine to the interpreter's exit, and the last checkpoint (the write limit makes its
+    persist outlast the script) is still persisting then: its summary is written before the interpreter tears down."""
+    run_dir = tmp_path / "run"
+    config = tiny_config(run_dir, stages=1)
+    config["cpsr"]["checkpoint"].update(interval=5, write_mbps=1.0)
+    run_job(tmp_path, config, "--train-iters", 20, "--eval-interval", 20, nprocs=1)
+    assert store.read_latest(str(run_dir)) == "global_step20"
+    written = os.listdir(os.path.dirname(summaries.path(str(run_dir), 0, 20, 0)))
+    assert any(name.startswith("000000020-") for name in written), written

@@ -229,11 +229,12 @@ class AsyncCheckpointEngine(CheckpointEngine):
         return self.wait_persisted(timeout_s)
 
     def wait_persisted(self, timeout_s: Optional[float] = None) -> bool:
-        """Wait until the checkpoints in flight now are persisted (or given up); False where ``timeout_s`` ran out.
-        Seals nothing, so other threads may wait here while the training loop saves."""
+        """Wait until the sealed checkpoints in flight now are persisted (or given up); False where ``timeout_s``
+        ran out. Seals nothing and waits for no open checkpoint, so other threads may wait here while the
+        training loop saves."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._lock:
-            jobs = list(self._jobs)
+            jobs = [job for job in self._jobs if job is not self._job]
         for job in jobs:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not job.finished.wait(left):
