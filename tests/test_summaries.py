@@ -1,5 +1,6 @@
 """The predictor's summaries kept beside the checkpoints (cpsr_ds/recovery/sources/summaries.py): written
-atomically, read back only when whole and of the same checkpoint, the newest few kept."""
+atomically, after the checkpoints in flight have persisted and before the process exits, read back only when whole
+and of the same checkpoint, the newest few kept."""
 
 import os
 import threading
