@@ -495,7 +495,7 @@ class Runtime:
         now = watched(lambda_per_hour, stages,
                       place_lag(cfg.planner.cost_model, cfg.predictor.name, iteration, planned_length))
         phase = max((s.phase for s in stages), default=0)
-        moved = drift(self.planned, now, self.cfg.planner.replan_drift) if self.planned is not None else []
+        moved = drift(self.planned, now, cfg.planner.replan_drift) if self.planned is not None else []
         reason = replan_reason(self.planned, phase, self.planned_phase, measured, moved, start)
         if reason is None:
             if start:
