@@ -206,10 +206,8 @@ class RecoveryConfig(_Strict):
         0.005, ge=0.0,
         description="auto: PB-R only if the loss the run had a pessimistic lag (the cost model's estimate plus the "
         "estimated lags of the earlier predictions the run carries, times cost_model.PESSIMISM) before the failure "
-        "is at most this share above the loss at the failure (by the job's loss curve), or, where the lag is the "
-        "one left at the end of training (the empirical model under a schedule with a planned end), above the "
-        "loss at that end (the curve extrapolated there): under a decaying learning rate a lag stays as a loss "
-        "excess to the end of training, and the lags of several predictions add up.",
+        "is at most this share above the loss at the failure (by the job's loss curve): under a decaying learning "
+        "rate a lag stays as a loss excess to the end of training, and the lags of several predictions add up.",
     )
 
 

@@ -40,10 +40,8 @@ grows as N_p shrinks and is 900 to 1300 on that benchmark, and the measured loss
 
 The loss-excess guard belongs to the model: :func:`recovery_choice` predicts only where
 the estimate is below d and a pessimistic lag (``pessimism`` times the estimate) leaves
-a relative loss excess (by the job's loss curve: fitter.loss_excess) of at most the
-limit where the lag is left: at f, or, for a lag counted at the end of training (the
-empirical model's by place), at the planned end, on the curve extrapolated there, which has
-flattened (the final loss is what the excess costs); a missing or NaN input recomputes. :func:`evaluate` checks the models against
+a relative loss excess at f (by the job's loss curve: fitter.loss_excess) of at most the
+limit; a missing or NaN input recomputes. :func:`evaluate` checks the models against
 measured lags: Spearman rank correlation and median ratio estimate / measured.
 """
 
@@ -96,7 +94,6 @@ class Estimate:
     lag: Optional[float]
     inputs: Mapping[str, float | str] = field(default_factory=dict)
     reason: str = ""
-    counted_at: Optional[int] = None  # the iteration the lag is left at (the planned end of training); None: f
 
     def __bool__(self) -> bool:
         return self.lag is not None
@@ -225,13 +222,7 @@ class EmpiricalModel:
                   **({} if self.share == 1.0 else {"share": self.share}),
                   **({} if reach is None else {"horizon": self.horizon})}
         beyond = 1.0 if reach is None else reach ** (DISTANCE_EXPONENT - 1)
-        return Estimate(self.name, (1.0 - rho) * d * self.share * beyond, inputs,
-                        counted_at=None if place is None else self.planned_iterations)
-
-
-# (lag, at) -> the relative loss excess a lag of ``lag`` iterations leaves at iteration ``at`` (None: at the
-# failure), by the job's loss curve; None where there is no curve (recovery.decision.excess_at).
-ExcessAt = Callable[[float, Optional[int]], Optional[float]]
+        return Estimate(self.name, (1.0 - rho) * d * self.share * beyond, inputs)
 
 
 @dataclass(frozen=True)
@@ -257,14 +248,13 @@ def _where(estimate: Estimate) -> str:
     return f" ({'; '.join(said)})" if said else ""
 
 
-def recovery_choice(estimate: Estimate, d: int, excess_at: ExcessAt,
+def recovery_choice(estimate: Estimate, d: int, excess_at: Callable[[float], Optional[float]],
                     max_loss_excess: float, pessimism: float, carried: float = 0.0) -> Choice:
     """PREDICT or RECOMPUTE for a failure that lost d iterations, by ``estimate``.
 
-    ``excess_at(lag, at)``: the relative loss excess a lag of ``lag`` iterations leaves at iteration
-    ``at`` (fitter.loss_excess on the job's curve; None where the journal is too short to fit,
-    which does not stop a prediction), taken where the estimate's lag is left: at the planned end of
-    training for a lag counted there (``estimate.counted_at``), else at f. The guard's lag is ``pessimism`` times the sum of
+    ``excess_at(lag)``: the relative loss excess a lag of ``lag`` iterations leaves at f
+    (fitter.loss_excess on the job's curve; None where the journal is too short to fit,
+    which does not stop a prediction). The guard's lag is ``pessimism`` times the sum of
     the estimate and ``carried`` (the estimated lag, in iterations, the run already carries
     from its earlier predictions: lags add up, and under a decaying learning rate they stay
     to the end of training): one recovery's lag varies far more than the mean, and the
@@ -288,16 +278,15 @@ def recovery_choice(estimate: Estimate, d: int, excess_at: ExcessAt,
         return recompute(f"{estimate.model} estimates a lag of {estimate.lag:.1f} iterations{_where(estimate)}, "
                          f"not below the {d} recomputing costs")
     lag = pessimism * (carried + estimate.lag)
-    excess = excess_at(lag, estimate.counted_at)
-    at = "" if estimate.counted_at is None else f" at the end of training (iteration {estimate.counted_at})"
+    excess = excess_at(lag)
     if excess is not None and not math.isfinite(excess):
         return recompute(f"the loss excess a lag of {lag:.1f} iterations leaves is {excess} "
                          "(non-finite losses in the journal)", lag, excess)
     if excess is not None and not excess <= max_loss_excess:
         earlier = f" ({pessimism * carried:.1f} of them carried from earlier predictions)" if carried else ""
-        return recompute(f"a lag of {lag:.1f} iterations{earlier} would leave the loss {excess:.2%} higher{at}, "
+        return recompute(f"a lag of {lag:.1f} iterations{earlier} would leave the loss {excess:.2%} higher, "
                          f"above max_loss_excess {max_loss_excess:.2%}", lag, excess)
-    guard = "" if excess is None else f", loss excess at a lag of {lag:.1f}{at}: {excess:.2%}"
+    guard = "" if excess is None else f", loss excess at a lag of {lag:.1f}: {excess:.2%}"
     return Choice(PREDICT, f"{estimate.model} estimates a lag of {estimate.lag:.1f} of {d} iterations"
                   f"{_where(estimate)}{guard}",
                   estimate, lag, excess)

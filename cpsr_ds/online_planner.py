@@ -32,7 +32,6 @@ from cpsr_ds.cost_model import (
     RECOMPUTE,
     SKIP,
     EmpiricalModel,
-    ExcessAt,
     diverging,
     paper_model,
     recovery_choice,
@@ -423,7 +422,7 @@ def stage_predictor(job: JobInputs, s: StageInputs) -> str:
 
 
 def guard(job: JobInputs, stages: Sequence[StageInputs], d: int,
-          excess_at: ExcessAt) -> Optional[str]:
+          excess_at: Callable[[float], Optional[float]]) -> Optional[str]:
     """Why recovery would recompute a failure d iterations after a checkpoint at the plan's iteration (None:
     it would predict): the diverging-prediction guard on r, and cost_model.recovery_choice with the
     configured model for every stage with the predictor it would use (one stage's recompute is the job's)."""
@@ -454,7 +453,7 @@ def _stage_dicts(job_plan: planner.JobPlan, stages: Sequence[StageInputs], costs
 
 
 def plan(job: JobInputs, stages: Sequence[StageInputs],
-         excess_at: ExcessAt = lambda lag, at=None: None) -> Planned:
+         excess_at: Callable[[float], Optional[float]] = lambda lag: None) -> Planned:
     """The interval for the job from every stage's measured inputs (iterations, in [1, max_interval]).
 
     Predicting-based where recovery would predict: the empirical model minimises

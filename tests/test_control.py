@@ -13,7 +13,7 @@ from cpsr_ds import runlog
 from cpsr_ds.checkpoint.journal import Entry, ProgressJournal, Progress, read_progress
 from cpsr_ds.checkpoint.layout import combine_progress
 from cpsr_ds.config import CPSRConfig, RecoveryConfig
-from cpsr_ds.cost_model import MEASURED_REDUCTION, PESSIMISM, PREDICT, EmpiricalModel, Estimate, recovery_choice
+from cpsr_ds.cost_model import MEASURED_REDUCTION, PESSIMISM, EmpiricalModel, Estimate, recovery_choice
 from cpsr_ds.fitter import MIN_POINTS, fit_recent, loss_excess, stage_xi
 from cpsr_ds.lag import CurveFit
 from cpsr_ds.recovery import (
@@ -21,7 +21,6 @@ from cpsr_ds.recovery import (
     advance_counters,
     append_report,
     carried_lag,
-    excess_at,
     expected_loss_excess,
     fallback_reason,
     implausible_reach,
@@ -62,32 +61,6 @@ def test_expected_loss_excess_reads_the_jobs_loss_curve(tmp_path):
     assert expected_loss_excess(directory, 200, 20) > expected_loss_excess(directory, 800, 20)
 
 
-def test_the_excess_a_lag_leaves_at_the_planned_end_is_read_on_the_curve_extrapolated_there():
-    def flat(i):
-        return 3.0 - 0.2 * math.log(i)  # positive to e^15 ~ 3.3e6
-
-    excess = excess_at({i: flat(i) for i in range(1, 801)}, 800)
-    at_f = (flat(780) - flat(800)) / flat(800)
-    assert excess(20) == excess(20, 700) == pytest.approx(at_f, rel=1e-3)  # at f, and at an iteration before it
-    # The curve fitted on f/2..f, extrapolated: flatter at 2400, so the same lag leaves less there.
-    assert excess(20, 2400) == pytest.approx((flat(2380) - flat(2400)) / flat(2400), rel=1e-3)
-    assert excess(20, 2400) < at_f / 2
-    # Where the extrapolation gives no positive loss, it says nothing of the end: at f.
-    assert excess(20, 4_000_000) == pytest.approx(at_f, rel=1e-3)
-
-
-def test_a_lag_left_at_the_end_of_training_is_guarded_by_the_excess_it_leaves_there():
-    excess = excess_at({i: 4.0 - 0.25 * math.log(i) for i in range(1, 1001)}, 1000)
-    limit = RecoveryConfig().max_loss_excess
-    estimate = EmpiricalModel(planned_iterations=2000).estimate(1000, 900, "trend")  # rho 0.615 at 50 %
-    assert estimate.counted_at == 2000 and EmpiricalModel().estimate(1000, 900, "trend").counted_at is None
-    choice = recovery_choice(estimate, 100, excess, limit, PESSIMISM)
-    assert choice.method == PREDICT and choice.loss_excess == pytest.approx(excess(choice.guard_lag, 2000))
-    assert "at the end of training (iteration 2000)" in choice.reason
-    # The same lag taken at f, where the curve falls twice as fast, would have recomputed.
-    assert excess(choice.guard_lag) > limit
-
-
 def test_a_rerun_iteration_counts_once_and_a_short_journal_gives_no_estimate(tmp_path):
     losses = {i: curve(i) for i in range(1, 401)}
     directory = journal(tmp_path, {**losses, **{i: 99.0 for i in range(300, 350)}})
@@ -98,7 +71,7 @@ def test_a_rerun_iteration_counts_once_and_a_short_journal_gives_no_estimate(tmp
 
 def choice(excess):
     """The empirical model's choice for a failure that lost 25 iterations, the guard's excess given."""
-    return recovery_choice(Estimate("empirical", 7.75), 25, lambda lag, at=None: excess, RecoveryConfig().max_loss_excess,
+    return recovery_choice(Estimate("empirical", 7.75), 25, lambda lag: excess, RecoveryConfig().max_loss_excess,
                            PESSIMISM)
 
 

@@ -81,7 +81,7 @@ def test_paper_model_without_a_fit_gives_no_estimate_and_says_which_fit_is_missi
     est = model.estimate(1050, 1000, "trend")
     assert not est and est.lag is None
     assert "loss curve (Eq. 11): losses do not fall measurably" in est.reason and "xi (Eq. 7)" in est.reason
-    choice = recovery_choice(est, 50, lambda lag, at=None: 0.0, 0.005, 1.5)
+    choice = recovery_choice(est, 50, lambda lag: 0.0, 0.005, 1.5)
     assert choice.method == RECOMPUTE and "losses do not fall measurably" in choice.reason
 
 
@@ -111,11 +111,11 @@ def test_empirical_model_takes_rho_by_the_failures_place_in_a_run_with_a_planned
 
 def test_early_in_a_decaying_run_the_empirical_model_recomputes_and_says_where():
     model = EmpiricalModel(planned_iterations=2000)
-    early = recovery_choice(model.estimate(500, 450, "trend"), 50, lambda lag, at=None: 0.0, 0.005, 1.6)
+    early = recovery_choice(model.estimate(500, 450, "trend"), 50, lambda lag: 0.0, 0.005, 1.6)
     assert early.method == RECOMPUTE
     assert early.reason == ("empirical estimates a lag of 67.2 iterations (rho -0.34 at 25% of the planned run), "
                             "not below the 50 recomputing costs")
-    late = recovery_choice(model.estimate(1500, 1450, "trend"), 50, lambda lag, at=None: 0.0, 0.005, 1.6)
+    late = recovery_choice(model.estimate(1500, 1450, "trend"), 50, lambda lag: 0.0, 0.005, 1.6)
     assert late.method == PREDICT and "(rho 0.91 at 75% of the planned run)" in late.reason
 
 
@@ -125,7 +125,7 @@ def test_beyond_the_horizon_the_predictor_was_checked_at_the_empirical_lag_grows
     far = model.estimate(1100, 1000, "trend")
     # (d / T_c)^DISTANCE_EXPONENT in the paper's model: twice the distance, four times the lag at d = horizon.
     assert far.lag == pytest.approx(4 * 15.5) and far.inputs == {"d": 100, "rho": 0.69, "horizon": 50}
-    choice = recovery_choice(far, 100, lambda lag, at=None: 0.0, 0.005, 1.6)
+    choice = recovery_choice(far, 100, lambda lag: 0.0, 0.005, 1.6)
     assert "(100 iterations ahead, beyond the 50 its held-out check predicted)" in choice.reason
     assert EmpiricalModel(horizon=None).estimate(1100, 1000, "trend").lag == pytest.approx(31.0)
 
@@ -171,37 +171,37 @@ def sqrt_curve_losses(n=2000):
 def test_choice_predicts_late_and_recomputes_early_by_the_jobs_own_loss_curve():
     losses = sqrt_curve_losses()
     est = EmpiricalModel().estimate(2000, 1900, "trend")  # lag 31 of 100
-    late = recovery_choice(est, 100, lambda lag, at=None: loss_excess(fit_recent(losses, 2000), 2000, lag), 0.005, 1.6)
+    late = recovery_choice(est, 100, lambda lag: loss_excess(fit_recent(losses, 2000), 2000, lag), 0.005, 1.6)
     assert late.method == PREDICT and late.guard_lag == pytest.approx(1.6 * 31.0)
     assert 0 < late.loss_excess <= 0.005
     est = EmpiricalModel().estimate(200, 100, "trend")
-    early = recovery_choice(est, 100, lambda lag, at=None: loss_excess(fit_recent(losses, 200), 200, lag), 0.005, 1.6)
+    early = recovery_choice(est, 100, lambda lag: loss_excess(fit_recent(losses, 200), 200, lag), 0.005, 1.6)
     assert early.method == RECOMPUTE and early.loss_excess > 0.005 and "above max_loss_excess" in early.reason
 
 
 def test_choice_asks_the_curve_about_the_pessimistic_lag():
     asked = []
-    choice = recovery_choice(Estimate("m", 20.0), 100, lambda lag, at=None: asked.append(lag) or 0.001, 0.005, 2.5)
+    choice = recovery_choice(Estimate("m", 20.0), 100, lambda lag: asked.append(lag) or 0.001, 0.005, 2.5)
     assert asked == [50.0] and choice.method == PREDICT and choice.loss_excess == 0.001
 
 
 def test_the_lag_a_run_carries_adds_to_the_guards():
     asked = []
-    choice = recovery_choice(Estimate("m", 20.0), 100, lambda lag, at=None: asked.append(lag) or 0.001, 0.005, 2.5, 30.0)
+    choice = recovery_choice(Estimate("m", 20.0), 100, lambda lag: asked.append(lag) or 0.001, 0.005, 2.5, 30.0)
     # The carried estimates are taken as pessimistically as the new one: 2.5 * (30 + 20).
     assert asked == [125.0] and choice.method == PREDICT and choice.guard_lag == 125.0
-    choice = recovery_choice(Estimate("m", 20.0), 100, lambda lag, at=None: lag / 20_000, 0.005, 2.5, 30.0)
+    choice = recovery_choice(Estimate("m", 20.0), 100, lambda lag: lag / 20_000, 0.005, 2.5, 30.0)
     assert choice.method == RECOMPUTE and "75.0 of them carried" in choice.reason
-    assert recovery_choice(Estimate("m", 20.0), 100, lambda lag, at=None: lag / 20_000, 0.005, 2.5).method == PREDICT
+    assert recovery_choice(Estimate("m", 20.0), 100, lambda lag: lag / 20_000, 0.005, 2.5).method == PREDICT
 
 
 def test_choice_predicts_where_the_journal_is_too_short_to_fit():
-    choice = recovery_choice(Estimate("m", 20.0), 100, lambda lag, at=None: None, 0.005, 1.5)
+    choice = recovery_choice(Estimate("m", 20.0), 100, lambda lag: None, 0.005, 1.5)
     assert choice.method == PREDICT and choice.loss_excess is None
 
 
 def test_choice_recomputes_where_the_estimate_is_not_below_d():
-    choice = recovery_choice(Estimate("paper", 120.0), 100, lambda lag, at=None: 0.0, 0.005, 1.5)
+    choice = recovery_choice(Estimate("paper", 120.0), 100, lambda lag: 0.0, 0.005, 1.5)
     assert choice.method == RECOMPUTE and "120.0" in choice.reason and "100" in choice.reason
 
 
@@ -211,7 +211,7 @@ def test_choice_recomputes_where_the_estimate_is_not_below_d():
     (20.0, 0.005, 1.5, math.inf, 0.0), (20.0, 0.005, 1.5, 0.0, math.nan), (20.0, 0.005, 1.5, 0.0, None),
 ])
 def test_choice_recomputes_on_nan_or_missing_inputs(lag, limit, pessimism, excess, carried):
-    choice = recovery_choice(Estimate("m", lag), 100, lambda lag, at=None: excess, limit, pessimism, carried)
+    choice = recovery_choice(Estimate("m", lag), 100, lambda _: excess, limit, pessimism, carried)
     assert choice.method == RECOMPUTE and choice.reason
 
 

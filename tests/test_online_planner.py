@@ -136,25 +136,6 @@ def test_a_run_with_a_planned_end_plans_for_recomputing_early_and_for_predicting
     assert recompute.T_c < middle.T_c < late.T_c
 
 
-def test_in_a_run_with_a_planned_end_the_guard_takes_the_excess_where_the_lag_is_left():
-    """The lag by place is the one left at the end of training: the guard asks the curve there (``at``)."""
-    asked = []
-
-    def excess(lag, at=None):
-        asked.append(at)
-        return lag * (1e-4 if at == 2000 else 1e-3)  # the curve flatter at the end than at the plan's iteration
-
-    at_end = op.plan(job(iteration=1000, planned_iterations=2000), [stage()], excess_at=excess)
-    assert set(asked) == {2000}
-    asked.clear()
-    at_f = op.plan(job(iteration=1000), [stage()], excess_at=excess)
-    assert set(asked) == {None}
-    # 0.005 allows a pessimistic lag of 50 at the end, 5 at the plan's iteration.
-    assert at_end.inputs["d_max"] == math.floor(50 / PESSIMISM / (1 - 0.615))
-    assert at_f.inputs["d_max"] == math.floor(5 / PESSIMISM / (1 - MEASURED_REDUCTION["trend"]))
-    assert at_end.T_c > at_f.T_c
-
-
 def test_replan_reasons():
     assert op.replan_reason(None, 0, 0, False, [], False) is None  # nothing measured
     assert op.replan_reason(None, 0, 0, True, [], False) == "first"
@@ -212,7 +193,7 @@ def test_the_empirical_plan_predicts_and_checkpoints_less_often_than_recomputing
 
 def test_where_recovery_would_recompute_the_phase_is_planned_for_recomputing():
     # The loss-excess guard: a lag of a few iterations leaves 1 % of loss.
-    guarded = op.plan(job(), [stage()], excess_at=lambda lag, at=None: 0.01)
+    guarded = op.plan(job(), [stage()], excess_at=lambda lag: 0.01)
     assert guarded.recovery == "recompute" and "max_loss_excess" in guarded.fallback
     assert guarded.T_c == op.plan(job(mode="recompute"), [stage()]).T_c
     # A diverging predictor: recovery takes c's state at f instead (skip), which the empirical model plans with,
@@ -224,7 +205,7 @@ def test_where_recovery_would_recompute_the_phase_is_planned_for_recomputing():
     paper = op.plan(job(model="paper"), [stage(relative_error=2.0)])
     assert paper.recovery == "recompute" and "max_relative_error" in paper.fallback, paper
     # Earlier predictions' lags leave a new one less room.
-    excess = lambda lag, at=None: lag / 20_000  # noqa: E731
+    excess = lambda lag: lag / 20_000  # noqa: E731
     assert op.plan(job(), [stage()], excess_at=excess).recovery == "predict"
     # The guard's lag is PESSIMISM * (carried + the new estimate), and excess allows at most 100.
     carrying = op.plan(job(carried_lag=97.0 / PESSIMISM), [stage()], excess_at=excess)
@@ -232,7 +213,7 @@ def test_where_recovery_would_recompute_the_phase_is_planned_for_recomputing():
     assert carrying.recovery == "predict" and carrying.T_c < op.plan(job(), [stage()], excess_at=excess).T_c
     assert op.plan(job(carried_lag=100.0 / PESSIMISM), [stage()], excess_at=excess).recovery == "recompute"
     # recovery.mode predict has no guard.
-    assert op.plan(job(mode="predict"), [stage()], excess_at=lambda lag, at=None: 0.01).recovery == "predict"
+    assert op.plan(job(mode="predict"), [stage()], excess_at=lambda lag: 0.01).recovery == "predict"
 
 
 def test_where_the_guard_binds_the_plan_counts_the_failures_it_would_recompute():
@@ -241,7 +222,7 @@ def test_where_the_guard_binds_the_plan_counts_the_failures_it_would_recompute()
     recompute = op.plan(job(lambda_per_hour=3.6, mode="recompute"), [stage()])
     unguarded = op.plan(job(lambda_per_hour=3.6), [stage()])
     # The guard's excess grows with the lag: a failure predicts up to 10 iterations behind the durable checkpoint.
-    bounded = op.plan(job(lambda_per_hour=3.6), [stage()], excess_at=lambda lag, at=None: lag * 1e-3)
+    bounded = op.plan(job(lambda_per_hour=3.6), [stage()], excess_at=lambda lag: lag * 1e-3)
     assert bounded.recovery == "predict" and bounded.inputs["d_max"] == 10
     assert "up to 10 iterations behind" in bounded.fallback and "max_loss_excess" in bounded.fallback
     assert bounded.T_c < unguarded.T_c
@@ -249,7 +230,7 @@ def test_where_the_guard_binds_the_plan_counts_the_failures_it_would_recompute()
     assert (planner.guarded_cost_rate(bounded.T_c, lam, 0.5, rho, 10, 3.0)
             < planner.guarded_cost_rate(recompute.T_c, lam, 0.5, rho, 0, 3.0))
     # Where recovery would predict only failures closer than a persist, nothing predicts: recomputing is planned.
-    tight = op.plan(job(lambda_per_hour=3.6), [stage()], excess_at=lambda lag, at=None: lag * 1e-2)
+    tight = op.plan(job(lambda_per_hour=3.6), [stage()], excess_at=lambda lag: lag * 1e-2)
     assert tight.recovery == "recompute" and tight.T_c == recompute.T_c
     assert "costs no less than recomputing" in tight.fallback
 

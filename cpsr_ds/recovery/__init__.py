@@ -15,10 +15,9 @@ checkpoint is c <= f, d = f - c iterations were lost. Two ways back (Section IV)
 ``planner.cost_model`` names) and logged with its numbers: PB-R when its estimated lag
 T_p is below d and a pessimistic lag (cost_model.PESSIMISM times the sum of T_p and
 the lags the run's earlier predictions left: :func:`carried_lag`) leaves a loss excess
-of at most ``max_loss_excess`` by the job's own loss curve, at f, or at the planned end
-of training for a lag counted there (under a decaying learning rate a lag stays as a
-loss excess to the end of training; early in training, where the loss falls fast, this
-means RB-R). The predictor's held-out error
+at f of at most ``max_loss_excess`` by the job's own loss curve (under a decaying
+learning rate a lag stays as a loss excess to the end of training; early in
+training, where the loss falls fast, this means RB-R). The predictor's held-out error
 ``r`` (predicting the newest retained checkpoint from the older ones, relative to not
 predicting at all) did not predict the measured lag on the recovery benchmark
 (correlation -0.01 over 96 cases), so it serves as a guard against a diverging

@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import math
 import os
+from functools import partial
 from statistics import median
 from typing import Callable, NamedTuple
 
@@ -23,7 +24,6 @@ from cpsr_ds.cost_model import (
     Choice,
     CostModel,
     EmpiricalModel,
-    ExcessAt,
     diverging,
     paper_model,
     recovery_choice,
@@ -356,30 +356,21 @@ def progress_losses(progress: Progress) -> dict[int, float]:
     return {e.iteration: e.loss for e in progress.entries.get(0, ())}
 
 
-def excess_at(losses: dict[int, float], f: int) -> ExcessAt:
-    """(lag, at) -> the relative loss excess a lag of that many iterations leaves at iteration ``at`` (None: at f),
-    by the curve of ``losses`` (by iteration) before f, fitted once; None where there are too few losses to fit.
+def excess_at(losses: dict[int, float], f: int) -> Callable[[float], float | None]:
+    """lag -> the relative loss excess a lag of that many iterations costs at f, by ``losses`` (by
+    iteration), fitted once; None where there are too few losses to fit.
 
-    A later ``at`` (the planned end of training, where a lag counted there is left) takes the fit extrapolated
-    there, flatter than at f as a loss curve is (a + b ln t falls by -b / t); where it gives no positive loss
-    there, it says nothing of the end, and the excess is taken at f. A non-finite loss where the fit looks gives
-    NaN, not a fit: the run diverged there.
+    A non-finite loss where the fit looks gives NaN, not a fit: the run diverged there.
     """
     recent = recent_losses(losses, f)
     if not all(math.isfinite(loss) for loss in recent.values()):
-        return lambda lag, at=None: math.nan
+        return lambda lag: math.nan
     curve = fit_recent(recent, f)
-    if curve is None:
-        return lambda lag, at=None: None
-
-    def excess(lag: float, at: int | None = None) -> float:
-        return loss_excess(curve, at if at is not None and at > f and float(curve(at)) > 0 else f, lag)
-
-    return excess
+    return (lambda lag: None) if curve is None else partial(loss_excess, curve, f)
 
 
 def expected_loss_excess(directory: str, f: int, lag: float) -> float | None:
-    """:func:`excess_at` f by the run's journal (rank 0's)."""
+    """:func:`excess_at` by the run's journal (rank 0's)."""
     return excess_at(journal_losses(directory), f)(lag)
 
 
