@@ -11,7 +11,6 @@ Without the block it is ``deepspeed.initialize`` itself.
 
 from __future__ import annotations
 
-import atexit
 import copy
 import inspect
 import logging
@@ -19,7 +18,6 @@ import math
 import os
 import sys
 import time
-import weakref
 from contextlib import contextmanager
 from dataclasses import replace
 from functools import partial
@@ -158,8 +156,7 @@ class Runtime:
         persisted = getattr(engine.checkpoint_engine, "wait_persisted", None)
         self.summaries = summaries.Writer(throttle.shared(cfg.checkpoint.write_mbps),
                                           persisted and partial(persisted, cfg.checkpoint.commit_timeout_s))
-        ref = weakref.ref(self)
-        atexit.register(lambda: ref() is not None and ref()._close_summaries())
+        exiting.at_exit(self, "_close_summaries")
         # With a pipeline the work goes in its bubbles. Without one a learning predictor's goes to a low-priority
         # thread; a simple predictor's (copies and reductions, milliseconds per checkpoint) costs the training loop
         # less at the checkpoint than on that thread, which shares the interpreter's lock and the cores with it.

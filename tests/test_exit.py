@@ -99,6 +99,25 @@ def test_a_healthy_exit_still_waits_for_the_other_ranks(tmp_path, engines, monke
     assert store.read_latest(d) == "global_step5"
 
 
+def test_at_exit_closes_what_still_lives_and_keeps_nothing_alive(monkeypatch):
+    registered = []
+    monkeypatch.setattr(exiting.atexit, "register", registered.append)
+
+    class Owner:
+        closed = 0
+
+        def close(self):
+            Owner.closed += 1
+
+    kept, dropped = Owner(), Owner()
+    exiting.at_exit(kept, "close")
+    exiting.at_exit(dropped, "close")
+    del dropped  # the hook holds no reference: the object goes, and its hook does nothing
+    for hook in registered:
+        hook()
+    assert Owner.closed == 1 and kept is not None
+
+
 def test_an_exception_marks_the_process_failing_first_reason_kept(monkeypatch):
     monkeypatch.setattr(exiting, "_reason", None)
     with pytest.raises(RuntimeError):

@@ -12,13 +12,11 @@ host buffers is skipped: its ``save`` and ``commit`` do nothing and training goe
 
 from __future__ import annotations
 
-import atexit
 import errno
 import logging
 import os
 import threading
 import time
-import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Collection, Optional
@@ -110,8 +108,7 @@ class AsyncCheckpointEngine(CheckpointEngine):
                               self._persisted, throttle.shared(cfg.write_mbps), self.layout)
         self._closed = False
         # A script that ends without cleanup() still gets its last checkpoint committed.
-        ref = weakref.ref(self)
-        atexit.register(lambda: ref() is not None and ref().cleanup())
+        exiting.at_exit(self, "cleanup")
 
     # ------------------------------------------------------------ DeepSpeed interface
 

@@ -16,7 +16,9 @@ then is abandoned, never committed, and ``latest`` stays on the last committed c
 
 from __future__ import annotations
 
+import atexit
 import sys
+import weakref
 from contextlib import contextmanager
 from typing import Optional
 
@@ -37,6 +39,19 @@ def mark(reason: str) -> None:
 def reason() -> Optional[str]:
     """Why this process is failing; None while it is not."""
     return _reason
+
+
+def at_exit(owner: object, method: str) -> None:
+    """Call ``owner.<method>()`` at interpreter exit where ``owner`` still lives then, without keeping it alive:
+    a script need not close what it leaves to the exit. atexit runs the latest registered first."""
+    ref = weakref.ref(owner)
+
+    def call() -> None:
+        alive = ref()
+        if alive is not None:
+            getattr(alive, method)()
+
+    atexit.register(call)
 
 
 @contextmanager

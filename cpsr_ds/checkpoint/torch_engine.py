@@ -14,14 +14,12 @@ DeepSpeed's engine, so a failed write is not retried: the checkpoint is given up
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import errno
 import io
 import logging
 import os
 import time
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -76,8 +74,7 @@ class TorchEngine(TorchCheckpointEngine):
         self.stats = CheckpointStats()
         self._stall_s = 0.0
         # A script that ends without cleanup() still gets its last checkpoint committed.
-        ref = weakref.ref(self)
-        atexit.register(lambda: ref() is not None and ref().cleanup())
+        exiting.at_exit(self, "cleanup")
 
     # ------------------------------------------------------------ DeepSpeed interface
 
