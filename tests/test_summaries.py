@@ -54,15 +54,18 @@ def test_a_failed_write_is_logged_not_raised(tmp_path, caplog):
     assert "was not written" in caplog.text
 
 
+BIG = {"name": "trend", "iteration": 7, "slope": {"param": torch.ones(100_000, dtype=torch.bfloat16)}}  # 200 kB
+
+
 def test_the_writer_leaves_the_caller_at_once_and_writes_each_summary_at_the_write_limit(tmp_path):
-    big = {"name": "trend", "iteration": 7, "slope": {"param": torch.ones(100_000, dtype=torch.bfloat16)}}
-    writer = summaries.Writer(Throttle(400_000))  # 200 kB a summary: half a second each
+    writer = summaries.Writer(Throttle(400_000))  # half a second a summary
     t0 = time.monotonic()
     for iteration in (5, 10):
-        writer.submit(str(tmp_path), 0, iteration, 1, big, keep=1)
-    assert time.monotonic() - t0 < 0.2
-    assert not writer.flush(timeout_s=0.05)
-    assert writer.flush(timeout_s=30)
+        submitted = time.monotonic()
+        writer.submit(str(tmp_path), 0, iteration, 1, BIG, keep=1)
+        assert time.monotonic() - submitted < 0.1
+        assert not writer.flush(timeout_s=0.05)
+        assert writer.flush(timeout_s=30)
     assert time.monotonic() - t0 >= 0.8  # both through the limit
     kept = os.listdir(os.path.dirname(summaries.path(str(tmp_path), 0, 5, 1)))
     assert kept == ["000000010-1.pt"]  # keep=1: the newest only
@@ -73,6 +76,7 @@ def test_the_writer_leaves_the_caller_at_once_and_writes_each_summary_at_the_wri
 def test_a_summary_the_writer_cannot_serialise_is_logged_and_the_next_one_written(tmp_path, caplog):
     writer = summaries.Writer()
     writer.submit(str(tmp_path), 0, 5, 1, {"name": "trend", "slope": lambda: None}, keep=4)
+    assert writer.flush(timeout_s=30)  # before the next: it would supersede this one
     writer.submit(str(tmp_path), 0, 10, 1, summary(0.5), keep=4)
     assert writer.close(timeout_s=30)
     assert "summary of iteration 5 was not written" in caplog.text
@@ -101,3 +105,47 @@ def test_a_script_that_exits_without_destroying_its_engine_still_writes_the_last
     assert store.read_latest(str(run_dir)) == "global_step20"
     written = os.listdir(os.path.dirname(summaries.path(str(run_dir), 0, 20, 0)))
     assert any(name.startswith("000000020-") for name in written), written
+
+
+def test_a_checkpoint_that_starts_persisting_during_a_summary_waits_for_one_piece_of_it_not_all(tmp_path):
+    """Both share the write limit; the summary yields before each of its pieces (PIECE_S of the rate) to the
+    checkpoints in flight, so the checkpoint persists at the full rate and the summary ends after it."""
+    limit = Throttle(400_000)
+    idle = threading.Event()  # no checkpoint in flight
+    idle.set()
+    writer = summaries.Writer(limit, after=idle.wait)
+    t0 = time.monotonic()
+    writer.submit(str(tmp_path), 0, 5, 1, BIG, keep=4)  # 0.5 s alone
+    time.sleep(0.1)
+    idle.clear()
+    started = time.monotonic()
+    store.write_atomic(str(tmp_path / "checkpoint"), [bytes(100_000)], throttle=limit)  # 0.25 s alone
+    persisted_s = time.monotonic() - started
+    idle.set()
+    assert writer.close(timeout_s=30)
+    # Sharing the rate piece by piece, the checkpoint would have taken about 0.5 s.
+    assert persisted_s < 0.4, persisted_s
+    assert time.monotonic() - t0 >= 0.7  # the summary waited for the checkpoint, then went on
+    assert summaries.read(str(tmp_path), 0, 5, 1)[0]["iteration"] == 7
+
+
+def test_a_summary_superseded_before_or_while_it_is_written_is_dropped_and_leaves_no_file(tmp_path, caplog):
+    persisted = threading.Event()
+    writer = summaries.Writer(after=persisted.wait)
+    writer.submit(str(tmp_path), 0, 5, 1, summary(0.5), keep=4)  # waits for the checkpoint in flight
+    writer.submit(str(tmp_path), 0, 10, 1, summary(1.0), keep=4)
+    persisted.set()
+    assert writer.flush(timeout_s=30)
+    assert summaries.read(str(tmp_path), 0, 5, 1) == (None, 0)
+    assert summaries.read(str(tmp_path), 0, 10, 1)[0] is not None
+
+    slow = summaries.Writer(Throttle(400_000))
+    slow.submit(str(tmp_path), 0, 15, 1, BIG, keep=4)  # half a second at the limit
+    time.sleep(0.1)
+    slow.submit(str(tmp_path), 0, 20, 1, summary(2.0), keep=4)
+    assert slow.close(timeout_s=30)
+    assert summaries.read(str(tmp_path), 0, 15, 1) == (None, 0)
+    assert summaries.read(str(tmp_path), 0, 20, 1)[0] is not None
+    directory = os.path.dirname(summaries.path(str(tmp_path), 0, 5, 1))
+    assert sorted(os.listdir(directory)) == ["000000010-1.pt", "000000020-1.pt"]  # no temporary file left
+    assert "not written" not in caplog.text  # dropping is not a failure

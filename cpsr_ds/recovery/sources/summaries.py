@@ -13,7 +13,12 @@ attempt or layout) means the full history, as before.
 :class:`Writer` writes them on a thread of its own, through the storage write limit the
 checkpoints share (``checkpoint.write_mbps``): a summary is a sixth of the checkpoint's bytes
 (2 of 12 per parameter), and written in the training loop it stalled training for its write
-and two fsyncs. One not yet written when the job dies is missing, as above.
+and two fsyncs. The checkpoints come first: a summary is written in short pieces, each after
+the checkpoints in flight have persisted, and one whose checkpoint a newer checkpoint's summary
+has superseded is dropped, even half written. So on storage the checkpoints keep busy (an
+interval close to the persist time) summaries are missing rather than checkpoints late: with
+every piece of a summary beside a persist, a checkpoint at the persist time's interval waited
+for the one before it. One not yet written when the job dies is missing, as above.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import logging
 import os
 import queue
 import threading
+from functools import partial
 from typing import Callable, Optional
 
 import torch
@@ -35,6 +41,11 @@ from cpsr_ds.checkpoint.throttle import Throttle
 log = logging.getLogger(__name__)
 
 SUMMARIES_DIR = "predictor_summaries"
+PIECE_S = 0.01  # a summary's piece, in seconds of the write limit: the most it delays a checkpoint starting to persist
+
+
+class Superseded(Exception):
+    """A newer checkpoint's summary was submitted: a restart would read that one, so this one is not written."""
 
 
 def path(directory: str, rank: int, iteration: int, attempt: int) -> str:
@@ -65,14 +76,29 @@ def write(directory: str, rank: int, iteration: int, attempt: int, summary: dict
             pass
 
 
+class _Deferring:
+    """The write limit for one summary: pieces of PIECE_S of ``throttle``'s rate, each taken only after
+    ``before`` (which waits for the checkpoints in flight, or raises :class:`Superseded`)."""
+
+    def __init__(self, throttle: Throttle, before: Callable[[], None]):
+        self._throttle = throttle
+        self._before = before
+        self.burst = max(1, int(throttle.bytes_per_s * PIECE_S))
+
+    def take(self, nbytes: int) -> float:
+        self._before()
+        return self._throttle.take(nbytes)
+
+
 class Writer:
     """:func:`write` on a daemon thread of its own, in the order submitted, waiting on ``throttle``; a daemon
     so that storage that hangs cannot hold the process at exit (as the checkpoint engine's writers).
 
-    ``after``: called before each write, to wait until the checkpoints in flight have persisted: a summary
-    written beside its checkpoint's persist would share its storage bandwidth (``checkpoint.write_mbps``) and
-    make the checkpoint durable later, while the storage idles between checkpoints. A summary is only an
-    accelerator: a restart from a checkpoint without one reads the history instead.
+    ``after``: called before each write and each piece of it, to wait until the checkpoints in flight have
+    persisted: a summary written beside a checkpoint's persist would share its storage bandwidth
+    (``checkpoint.write_mbps``) and make the checkpoint durable later, while the storage idles between
+    checkpoints. A summary not yet written when the next one is submitted is dropped (:class:`Superseded`):
+    it is only an accelerator, and a restart from a checkpoint without one reads the history instead.
     """
 
     def __init__(self, throttle: Optional[Throttle] = None, after: Optional[Callable[[], object]] = None):
@@ -81,22 +107,34 @@ class Writer:
         self._jobs: queue.Queue = queue.Queue()
         self._idle = threading.Condition()
         self._pending = 0
+        self._submitted = 0  # summaries submitted so far; the newest is the only one not superseded
         self._thread: Optional[threading.Thread] = None
 
     def submit(self, directory: str, rank: int, iteration: int, attempt: int, summary: dict, keep: int) -> None:
         with self._idle:
             self._pending += 1
+            self._submitted += 1
+            number = self._submitted
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="cpsr-summaries", daemon=True)
             self._thread.start()
-        self._jobs.put((directory, rank, iteration, attempt, summary, keep))
+        self._jobs.put((number, (directory, rank, iteration, attempt, summary, keep)))
+
+    def _before(self, number: int) -> None:
+        if self._after is not None:
+            self._after()
+        with self._idle:
+            if number != self._submitted:
+                raise Superseded
 
     def _run(self) -> None:
-        for job in iter(self._jobs.get, None):
+        for number, job in iter(self._jobs.get, None):
+            before = partial(self._before, number)
             try:
-                if self._after is not None:
-                    self._after()
-                write(*job, throttle=self._throttle)
+                before()
+                write(*job, throttle=self._throttle and _Deferring(self._throttle, before))
+            except Superseded:
+                log.debug("cpsr: the predictor's summary of iteration %d is superseded, not written", job[2])
             except Exception:  # a summary that cannot even be serialised: the restart reads the full history
                 log.exception("cpsr: the predictor's summary of iteration %d was not written", job[2])
             finally:
