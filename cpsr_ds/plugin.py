@@ -154,8 +154,10 @@ class Runtime:
         self.recovery = recover(engine, cfg, self.predictor, attempt=self.attempt)
         self.learning = hasattr(self.predictor, "step")
         persisted = getattr(engine.checkpoint_engine, "wait_persisted", None)
+        self._flush_checkpoints = getattr(engine.checkpoint_engine, "flush", None)
         self.summaries = summaries.Writer(throttle.shared(cfg.checkpoint.write_mbps),
                                           persisted and partial(persisted, cfg.checkpoint.commit_timeout_s))
+        self._held_summary = None  # the arguments of summaries.submit for the newest checkpoint, until it is sealed
         exiting.at_exit(self, "_close_summaries")
         # With a pipeline the work goes in its bubbles. Without one a learning predictor's goes to a low-priority
         # thread; a simple predictor's (copies and reductions, milliseconds per checkpoint) costs the training loop
@@ -199,6 +201,7 @@ class Runtime:
         now = time.perf_counter()
         if self._started is not None:
             self.meter.iteration(now - self._started)
+        self._submit_summary()
         iteration = engine.global_steps
         self.journal.append(iteration, loss)
         if self.losses is not None:
@@ -253,12 +256,22 @@ class Runtime:
 
         Also at exit (registered in __init__, so it runs before the checkpoint engine's own cleanup), where a
         training script need not destroy its engine: each summary waits for its checkpoint's persist, and one
-        still being written by the daemon thread while the interpreter tears down would abort the process.
+        still being written by the daemon thread while the interpreter tears down would abort the process. The
+        last checkpoint may still be open there (no optimizer step sealed it): it is sealed and persisted first,
+        so that its summary does not share the storage with it.
         """
         bound_s = self.cfg.checkpoint.commit_timeout_s if exiting.reason() is None else exiting.EXIT_GRACE_S
+        if self._held_summary is not None and self._flush_checkpoints is not None:
+            self._flush_checkpoints(bound_s)
+        self._submit_summary()
         if not self.summaries.close(bound_s):
             logger.warning("cpsr: the predictor's summaries were not all written within %g s; a restart from the "
                            "newest checkpoints reads their full history instead", bound_s)
+
+    def _submit_summary(self) -> None:
+        if self._held_summary is not None:
+            self.summaries.submit(*self._held_summary)
+            self._held_summary = None
 
     def monitor_recovery(self) -> None:
         """The recovery decision of this start, to DeepSpeed's monitor."""
@@ -353,7 +366,9 @@ class Runtime:
         if summarize:
             summary = self.predictor.summary(held_out)
             if summary is not None:
-                self.summaries.submit(self.directory, self.rank, iteration, self.attempt, summary,
+                # Held until the checkpoint is sealed (the next optimizer step commits it), so that the writer
+                # waits for its persist instead of sharing the storage with it.
+                self._held_summary = (self.directory, self.rank, iteration, self.attempt, summary,
                                       self.cfg.checkpoint.keep_last)
         if not self.measuring:
             return
