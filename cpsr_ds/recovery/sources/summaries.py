@@ -15,10 +15,10 @@ checkpoints share (``checkpoint.write_mbps``): a summary is a sixth of the check
 (2 of 12 per parameter), and written in the training loop it stalled training for its write
 and two fsyncs. The checkpoints come first: a summary is written in short pieces, each after
 the checkpoints in flight have persisted, and one whose checkpoint a newer checkpoint's summary
-has superseded is dropped, even half written. So on storage the checkpoints keep busy (an
-interval close to the persist time) summaries are missing rather than checkpoints late: with
-every piece of a summary beside a persist, a checkpoint at the persist time's interval waited
-for the one before it. One not yet written when the job dies is missing, as above.
+has superseded is dropped, even half written. So where the checkpoints keep the storage busy
+(an interval close to the persist time), summaries go missing rather than checkpoints late;
+written beside the persists, they made each checkpoint at such an interval wait for the one
+before it. One not yet written when the job dies is missing, as above.
 """
 
 from __future__ import annotations
