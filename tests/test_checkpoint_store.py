@@ -11,10 +11,12 @@ import torch
 
 from cpsr_ds.__main__ import main
 from cpsr_ds.checkpoint import store
-from cpsr_ds.checkpoint.checkfreq import profiled_interval
+from cpsr_ds.checkpoint.checkfreq import measured_interval, profiled_interval
+from cpsr_ds.checkpoint.engine import CheckpointStats
 from cpsr_ds.checkpoint.fileformat import ALIGN, CheckpointError, TensorRef, flatten, layout, read_snapshot, unflatten
 from cpsr_ds.checkpoint.persist import RetryPolicy, with_retries
 from cpsr_ds.checkpoint.store import describe_error
+from cpsr_ds.config import CheckpointConfig
 from cpsr_ds.checkpoint.snapshot import HostBuffers, plan, snapshot_file
 
 Pair = collections.namedtuple("Pair", "a b")
@@ -182,6 +184,22 @@ def test_profiled_interval_respects_budget_and_persist_rate():
     assert profiled_interval(10.0, stall_s=0.0, persist_s=0.0, budget=0.02, in_flight=1) == 1
     # Storage writes one checkpoint in 5 s however many persist at once.
     assert profiled_interval(0.1, stall_s=0.001, persist_s=5.0, budget=0.02, in_flight=2, storage_s=5.0) == 50
+
+
+def test_the_budget_rule_follows_the_median_of_the_last_checkpoints_not_one_stall_a_busy_host_stretched():
+    cfg = CheckpointConfig(strategy="checkfreq", overhead_budget=0.02)
+    stats = CheckpointStats()
+    assert measured_interval(cfg, stats, 0.025, 1) is None  # nothing measured: "auto" has no interval yet
+    for i, (stall_s, persist_s) in enumerate([(0.5, 9.0), (0.002, 0.4), (0.002, 0.4), (0.002, 0.4), (0.002, 0.4),
+                                              (0.15, 0.4)]):
+        stats.stalled(stall_s)
+        stats.recent.append((f"global_step{i}", 1000, persist_s))
+    # The first checkpoint is out of the window; of the last five, the spike is one: 0.002 / (0.02 * 0.025) = 4, and
+    # persisting (0.4 s) takes 16 iterations. The last stall alone would give 300.
+    assert measured_interval(cfg, stats, 0.025, 1) == 16
+    for _ in range(3):
+        stats.stalled(0.15)
+    assert measured_interval(cfg, stats, 0.025, 1) == 300  # most of the last five stalled that long: it is the cost
 
 
 # ---------------------------------------------------------------- directories of checkpoints

@@ -44,6 +44,8 @@ class CheckpointStats:
     # Not started: storage was failing and no host buffers were free.
     skipped: int = 0
     last_stall_s: Optional[float] = None
+    # The stalls of the last checkpoints, oldest first.
+    stalls: deque = field(default_factory=lambda: deque(maxlen=64))
     # From the first file write to durable (see persist.Job); on rank 0 until ``latest`` moved.
     last_persist_s: Optional[float] = None
     last_bytes: int = 0
@@ -59,6 +61,10 @@ class CheckpointStats:
         if found:
             return found[-1]
         return False if tag in tuple(self.given_up) else None
+
+    def stalled(self, stall_s: float) -> None:
+        self.last_stall_s = stall_s
+        self.stalls.append(stall_s)
 
 
 def fixed_interval(cfg: CheckpointConfig) -> Optional[int]:
@@ -160,7 +166,7 @@ class AsyncCheckpointEngine(CheckpointEngine):
             self._seal()
         self.wait_snapshot()
         if job is None or job.writes:
-            self.stats.last_stall_s = self._stall_s + time.perf_counter() - t0
+            self.stats.stalled(self._stall_s + time.perf_counter() - t0)
         self._stall_s = 0.0
         return True
 

@@ -148,7 +148,7 @@ class TorchEngine(TorchCheckpointEngine):
     # ------------------------------------------------------------ internals
 
     def _settle(self, tag: str, problem: Optional[str], nbytes: int, stall_s: float) -> None:
-        self.stats.last_stall_s = stall_s
+        self.stats.stalled(stall_s)
         self._stall_s = 0.0
         if problem is not None:
             self.stats.failed += 1
