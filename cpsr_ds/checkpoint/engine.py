@@ -43,7 +43,6 @@ class CheckpointStats:
     failed: int = 0
     # Not started: storage was failing and no host buffers were free.
     skipped: int = 0
-    last_stall_s: Optional[float] = None
     # The stalls of the last checkpoints, oldest first.
     stalls: deque = field(default_factory=lambda: deque(maxlen=64))
     # From the first file write to durable (see persist.Job); on rank 0 until ``latest`` moved.
@@ -62,8 +61,11 @@ class CheckpointStats:
             return found[-1]
         return False if tag in tuple(self.given_up) else None
 
+    @property
+    def last_stall_s(self) -> Optional[float]:
+        return self.stalls[-1] if self.stalls else None
+
     def stalled(self, stall_s: float) -> None:
-        self.last_stall_s = stall_s
         self.stalls.append(stall_s)
 
 
