@@ -2,6 +2,11 @@
 
 import logging
 import os
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
@@ -9,6 +14,7 @@ import torch.distributed as dist
 from cpsr_ds.checkpoint import exiting, layout, store
 from cpsr_ds.checkpoint.factory import create_engine
 from cpsr_ds.checkpoint.journal import Entry, Progress
+from conftest import free_port
 from cpsr_ds.config import ConfigError
 from test_checkpoint_engine import checkpoint, config, states
 from test_exit import open_checkpoint, timed_cleanup
@@ -30,7 +36,8 @@ def node_engines(tmp_path):
         return dirs, made[-2:]
 
     yield make
-    for eng in made:
+    # Rank 0 ends only once the others released the store, so they go first.
+    for eng in reversed(made):
         eng.cleanup()
 
 
@@ -94,6 +101,71 @@ def test_a_failing_follower_leaves_within_the_grace_and_keeps_its_part(node_engi
     exiting.mark("RuntimeError in train_batch: Connection closed by peer")
     assert timed_cleanup(rank1) < exiting.EXIT_GRACE_S + 1
     assert store.read_manifests(os.path.join(dirs[1], "global_step10")).keys() == {1}
+
+
+def test_rank_0_ends_only_once_the_other_ranks_no_longer_need_the_store_it_holds(node_engines):
+    dirs, (rank0, rank1) = node_engines(commit_timeout_s=30.0)
+    both((rank0, rank1), dirs, 5)
+    closing = threading.Thread(target=rank0.cleanup, daemon=True)
+    closing.start()
+    closing.join(0.5)
+    assert closing.is_alive(), "rank 0 ended while rank 1 could still be waiting for its decisions"
+    timed_cleanup(rank1)
+    closing.join(5)
+    assert not closing.is_alive()
+
+
+def test_rank_0_waits_for_the_others_no_longer_than_the_commit_timeout(node_engines, caplog):
+    dirs, (rank0, _) = node_engines(commit_timeout_s=1.0)
+    with caplog.at_level(logging.WARNING):
+        took = timed_cleanup(rank0)
+    assert 0.9 < took < 5 and "1 of 2 ranks' checkpoints still needed the job after 1.0 s" in caplog.text
+
+
+@pytest.fixture
+def store_process():
+    """A TCPStore served by a process of its own, as rank 0's process serves DeepSpeed's: (port, kill it)."""
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time, torch.distributed as dist\n"
+        f"s = dist.TCPStore('127.0.0.1', {port}, None, True, wait_for_workers=False)\n"
+        "print('serving', flush=True)\n"
+        "time.sleep(600)\n")], stdout=subprocess.PIPE, text=True)
+    assert server.stdout.readline().strip() == "serving"
+
+    def kill():
+        server.kill()
+        server.wait()
+
+    yield port, kill
+    kill()
+
+
+@pytest.mark.parametrize("gone", ["before its manifest", "before the decision"])
+def test_a_rank_that_loses_the_store_keeps_its_part_for_recovery(tmp_path, store_process, gone, caplog):
+    """Rank 0 SIGKILLed with the store its process held: rank 0 may have committed the checkpoint (on its own
+    node) before this rank heard so, so this rank's part must stay for a recovery that finds every part sound."""
+    port, kill_store = store_process
+    kv = dist.TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=10))
+    d = str(tmp_path / "node1")
+    cfg = config(d, storage="node_local", commit_timeout_s=600.0)
+    rank1 = create_engine(cfg, 1, 2, layout=layout.make_layout(cfg, 1, 2, kv=kv, nodes=TWO_NODES))
+    keys = kv.num_keys()
+    if gone == "before its manifest":
+        kill_store()
+    open_checkpoint(rank1, d, 10, rank=1)
+    rank1.commit(rank1.get_commit_info())
+    if gone == "before the decision":
+        deadline = time.monotonic() + 30
+        while kv.num_keys() == keys:  # its summary is in the store, rank 0 could decide now
+            assert time.monotonic() < deadline, "rank 1 never published its manifest"
+            time.sleep(0.02)
+        kill_store()
+    with caplog.at_level(logging.INFO):
+        assert rank1.flush(30), "rank 1's checkpoint still pending 30 s after the store went"
+        assert timed_cleanup(rank1) < 5
+    assert store.read_manifests(os.path.join(d, "global_step10")).keys() == {1}
+    assert store.read_latest(d) is None and "its part here stays, uncommitted on this node" in caplog.text
 
 
 def test_shared_storage_not_shared_is_refused_naming_the_setting(tmp_path):

@@ -206,6 +206,13 @@ class AsyncCheckpointEngine(CheckpointEngine):
         if failure is not None and self._committer is not None:
             self._committer.stop_waiting(failure)
         bound_s = self.cfg.commit_timeout_s if failure is None else exiting.EXIT_GRACE_S
+        deadline = time.monotonic() + bound_s
+        try:
+            self._close(bound_s, failure)
+        finally:
+            self.layout.release(max(0.0, deadline - time.monotonic()))
+
+    def _close(self, bound_s: float, failure: Optional[str]) -> None:
         if not self.flush(bound_s):
             with self._lock:
                 tags = [job.tag for job in self._jobs]

@@ -28,6 +28,7 @@ import dataclasses
 import json
 import logging
 import os
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -41,6 +42,7 @@ from cpsr_ds.config import CheckpointConfig, ConfigError
 log = logging.getLogger(__name__)
 
 TOKENS = ".cpsr_ranks"  # hidden: no scan or retention looks at it
+_POLL_S = 0.02
 
 
 @dataclass(frozen=True)
@@ -133,6 +135,9 @@ class SharedLayout:
         """Finish the work left after the commits, for at most ``timeout_s``; whether it finished."""
         return True
 
+    def release(self, timeout_s: float) -> None:
+        """This rank's checkpoints need the job no more (at exit, whether they finished or not)."""
+
 
 class NodeLocalLayout(SharedLayout):
     """One directory per node; manifests' summaries and decisions go through ``kv`` (a torch.distributed Store)."""
@@ -207,6 +212,28 @@ class NodeLocalLayout(SharedLayout):
 
     def close(self, timeout_s: float) -> bool:
         return self._replicator is None or self._replicator.stop(timeout_s)
+
+    def release(self, timeout_s: float) -> None:
+        """Say so in the store; rank 0 then waits, for at most ``timeout_s``, until every rank has.
+
+        DeepSpeed's launch starts the store in rank 0's process: had rank 0 ended right after its
+        last commit, a rank still polling for that decision or its replicas' confirmation would
+        lose the store and leave its node without the record and ``latest`` of a committed checkpoint.
+        """
+        key = f"cpsr/{self.nodes.run}/released"
+        try:
+            released = self._kv.add(key, 1)
+            deadline = time.monotonic() + timeout_s
+            while self.decides and released < self.nodes.world_size:
+                if time.monotonic() >= deadline:
+                    log.warning("%d of %d ranks' checkpoints still needed the job after %.1f s; this process "
+                                "ends without them", self.nodes.world_size - released, self.nodes.world_size,
+                                timeout_s)
+                    return
+                time.sleep(_POLL_S)
+                released = self._kv.add(key, 0)
+        except RuntimeError as err:  # torch's DistError: the store's process ended, nobody to wait for
+            log.info("the job's store is gone (%s); nothing to release", err)
 
 
 # ---------------------------------------------------------------- at start

@@ -259,7 +259,7 @@ class Writer:
         if job.ok:
             manifest = self._attempt(job, f"writing {name}", lambda: self._write_manifest(job, entries, name))
             if manifest is not None:
-                self.layout.publish(job.key, manifest)
+                self._publish(job, manifest)
         if not job.ok and self.rank != 0:
             self._report_failure(job, entries, name)
         job.durable = time.perf_counter()
@@ -353,10 +353,17 @@ class Writer:
         store.write_json_atomic(os.path.join(job.tag_dir, name), manifest)
         return manifest
 
+    def _publish(self, job: Job, manifest: dict) -> None:
+        """Tell rank 0 what this rank's manifest says (node_local: through the job's store)."""
+        try:
+            self.layout.publish(job.key, manifest)
+        except RuntimeError as err:  # torch's DistError: the store went with the process that held it
+            log.error("checkpoint %s: rank %d could not tell rank 0 about its part: %s", job.tag, self.rank, err)
+
     def _report_failure(self, job: Job, entries: dict, name: str) -> None:
         """Tell rank 0 at once, by a manifest saying ``failed``, that this rank's part will not come; failing
         that, take the part away."""
-        self.layout.publish(job.key, self._manifest(job, entries, job.error))
+        self._publish(job, self._manifest(job, entries, job.error))
         if job.removed():
             return
         try:
@@ -447,7 +454,11 @@ class Committer:
         except Exception as err:
             # Whatever went wrong, the checkpoint must not stay pending: exit waits for it.
             log.exception("checkpoint %s: commit failed", job.tag)
-            return self._give_up(job, f"the commit failed: {err!r}")
+            if self.layout.decides and job.decided is None:
+                return self._give_up(job, f"the commit failed: {err!r}")
+            # Rank 0 may have committed it (the store it decides through is gone with rank 0's process, say):
+            # this part may be what recovery needs, so it stays.
+            return self._leave(job, f"the commit failed: {err!r}", logging.ERROR)
 
     def _try_commit(self, job: Job, deadline: float) -> bool:
         if job.decided is None:
