@@ -62,12 +62,14 @@ Host $hosts
   LogLevel ERROR
 CONF
 
+# Made whole, then renamed into place: whoever waits for bin/ssh to appear may run it at once.
 mkdir -p "$dir/bin"
-cat > "$dir/bin/ssh" <<CONF
+cat > "$dir/bin/ssh.tmp" <<CONF
 #!/bin/sh
 exec $(command -v ssh) -F "$dir/ssh_config" "\$@"
 CONF
-chmod +x "$dir/bin/ssh"
+chmod +x "$dir/bin/ssh.tmp"
+mv "$dir/bin/ssh.tmp" "$dir/bin/ssh"
 
 # sshd insists on an absolute path, and on its privilege-separation directory.
 [ -d /run/sshd ] || mkdir -p /run/sshd 2>/dev/null || true
