@@ -219,12 +219,15 @@ class NodeLocalLayout(SharedLayout):
         DeepSpeed's launch starts the store in rank 0's process: had rank 0 ended right after its
         last commit, a rank still polling for that decision or its replicas' confirmation would
         lose the store and leave its node without the record and ``latest`` of a committed checkpoint.
+        Once replication broke (a node lost) nothing commits any more, and a rank that lost the store
+        keeps its part all the same: rank 0 waits for nobody then.
         """
         key = f"cpsr/{self.nodes.run}/released"
+        broken = self._replicator is not None and self._replicator.broken
         try:
             released = self._kv.add(key, 1)
             deadline = time.monotonic() + timeout_s
-            while self.decides and released < self.nodes.world_size:
+            while self.decides and not broken and released < self.nodes.world_size:
                 if time.monotonic() >= deadline:
                     log.warning("%d of %d ranks' checkpoints still needed the job after %.1f s; this process "
                                 "ends without them", self.nodes.world_size - released, self.nodes.world_size,

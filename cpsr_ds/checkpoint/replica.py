@@ -164,6 +164,8 @@ class Replicator:
         self._dst, self._srcs = peers(nodes, rank)
         self._keeps = nodes.ranks(nodes.node_of(rank) - 1)
         self._queue: queue.Queue = queue.Queue()
+        # Why replication stopped (a peer died or its storage failed); None while it works.
+        self.broken: Optional[str] = None
         self._thread = threading.Thread(target=self._run, name="cpsr-replicator", daemon=True)
         self._thread.start()
 
@@ -181,17 +183,16 @@ class Replicator:
         return not self._thread.is_alive()
 
     def _run(self) -> None:
-        broken = None
         for tag, ckpt_dir, record, done in iter(self._queue.get, None):
-            if broken is None:
+            if self.broken is None:
                 try:
                     self._replicate(tag, ckpt_dir, record)
                 except Exception as err:
                     # The peer died or its storage failed. Sends and receives pair up only while every
                     # rank replicates the same checkpoints, so no later one is tried either.
-                    broken = f"replication to rank {self._dst} stopped at checkpoint {tag}: {err}"
-                    log.error("%s; no checkpoint commits from now on", broken)
-            done(broken)
+                    self.broken = f"replication to rank {self._dst} stopped at checkpoint {tag}: {err}"
+                    log.error("%s; no checkpoint commits from now on", self.broken)
+            done(self.broken)
 
     def _replicate(self, tag: str, ckpt_dir: str, record: dict) -> None:
         # Sends first: gloo buffers them, so a ring of ranks all sending then receiving does not deadlock.
