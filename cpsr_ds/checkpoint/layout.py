@@ -42,7 +42,6 @@ from cpsr_ds.config import CheckpointConfig, ConfigError
 log = logging.getLogger(__name__)
 
 TOKENS = ".cpsr_ranks"  # hidden: no scan or retention looks at it
-_POLL_S = 0.02
 
 
 @dataclass(frozen=True)
@@ -233,7 +232,7 @@ class NodeLocalLayout(SharedLayout):
                                 "ends without them", self.nodes.world_size - released, self.nodes.world_size,
                                 timeout_s)
                     return
-                time.sleep(_POLL_S)
+                time.sleep(store.POLL_S)
                 released = self._kv.add(key, 0)
         except RuntimeError as err:  # torch's DistError: the store's process ended, nobody to wait for
             log.info("the job's store is gone (%s); nothing to release", err)

@@ -41,7 +41,6 @@ from cpsr_ds.checkpoint.throttle import Throttle
 
 log = logging.getLogger(__name__)
 
-_POLL_S = 0.02
 
 
 @dataclass(frozen=True)
@@ -445,7 +444,7 @@ class Committer:
             for job in done:
                 self._done(job)
             if len(done) < len(pending):
-                time.sleep(_POLL_S)
+                time.sleep(store.POLL_S)
 
     def _settle(self, job: Job, deadline: float) -> bool:
         """True when the job needs no more attention: committed or given up."""

@@ -55,6 +55,7 @@ TEMP_RE = re.compile(r"^\..+\.tmp(\d+)$")
 TRASH_PREFIX = ".trash-"
 # Other nodes' parts kept for them (node-local storage): a checkpoint directory of its own, see replica.py.
 REPLICAS = "replicas"
+POLL_S = 0.02  # how often a thread waiting on other ranks' files or word looks again
 DEEPSPEED_FILE_RE = re.compile(r".*(model_states|optim_states)\.pt$")
 _MAX_TAG = 4096
 Checksum = CheckpointConfig.model_fields["checksum"].annotation  # the algorithms the config allows

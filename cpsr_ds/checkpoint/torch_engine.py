@@ -36,7 +36,6 @@ from cpsr_ds.config import CheckpointConfig
 
 log = logging.getLogger(__name__)
 
-_POLL_S = 0.02
 
 
 @dataclass
@@ -236,7 +235,7 @@ class TorchEngine(TorchCheckpointEngine):
             if time.monotonic() >= deadline:
                 return manifests, (f"rank manifests {missing} missing after {self.cfg.commit_timeout_s:.0f} s"
                                    + (f" ({cause})" if cause else ""))
-            time.sleep(_POLL_S)
+            time.sleep(store.POLL_S)
 
 
 def _refusal(manifests: dict[int, dict]) -> Optional[str]:
