@@ -196,8 +196,20 @@ def train(job: Job) -> None:
         print(json.dumps({"final_iteration": engine.global_steps, "recovery": engine.cpsr.recovery.method}), flush=True)
 
 
+def finish(job: Job) -> None:
+    """End a job that trained to the end: its checkpoints persisted and committed (``engine.destroy``), then its
+    process group destroyed while the interpreter still runs. Gloo's threads left to the interpreter's teardown
+    can abort a process that finished cleanly ("terminate called without an active exception"). A job that
+    failed skips this: a peer still inside a collective would keep the destroy waiting."""
+    job.engine.destroy()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def main(argv=None) -> None:
-    train(setup(argv))
+    job = setup(argv)
+    train(job)
+    finish(job)
 
 
 if __name__ == "__main__":

@@ -101,6 +101,11 @@ def run_job(tmp_path, config: dict, *args, supervised: bool = False, nprocs: int
     return result
 
 
+def probe_rows(stdout: str) -> list[dict]:
+    """tests/end_probe.py's line of each rank."""
+    return [json.loads(line[len("probe "):]) for line in stdout.splitlines() if line.startswith("probe ")]
+
+
 def start(command, log_path, env):
     """``command`` in a session of its own (so that :func:`finish` can kill all it started), output to ``log_path``."""
     with open(log_path, "w") as out:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import cpsr_ds
-from conftest import TEST_MODEL, free_port, run_job, tiny_config, train_on_random_tokens
+from conftest import ROOT, TEST_MODEL, free_port, probe_rows, run_job, tiny_config, train_on_random_tokens
 from cpsr_ds.checkpoint.journal import journal_path, read_journal
 from cpsr_ds.config import CoordinatorConfig
 from cpsr_ds.coordinator import Background, CallJob, FillJob, PieceCost, read_records
@@ -175,8 +175,12 @@ def test_the_record_says_what_ran_in_the_background_and_inline(runs):
 
 def test_a_job_that_ends_without_destroy_exits_cleanly_with_work_on_the_thread(tmp_path):
     """DP = 2, one stage: the last checkpoint's vitp training is still on the background thread when the script
-    returns (train_gpt.py does not call engine.destroy()); the processes must still exit 0."""
+    returns without engine.destroy() (tests/end_probe.py, PROBE_END=train); the processes must still exit 0."""
     config = tiny_config(tmp_path / "run", stages=1,
                          predictor={"name": "vitp", "history": 6, "train_steps": 4, "train_budget_s": None})
     config["cpsr"]["checkpoint"].update(interval=2, keep_last=6)
-    run_job(tmp_path, config, "--train-iters", 14, "--eval-interval", 14)
+    result = run_job(tmp_path, config, "--train-iters", 14, "--eval-interval", 14,
+                     script=os.path.join(ROOT, "tests", "end_probe.py"), env={"PROBE_END": "train"})
+    rows = probe_rows(result.stdout)
+    assert len(rows) == 2 and all(row["process_group"] for row in rows), rows
+    assert all("cpsr-predictor-rank" + str(row["rank"]) in row["threads"] for row in rows), rows

@@ -11,7 +11,7 @@ import time
 import pytest
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
 
-from conftest import ROOT, free_port, tiny_config
+from conftest import ROOT, free_port, probe_rows, run_job, tiny_config
 from cpsr_ds.checkpoint import exiting, store
 from test_checkpoint_engine import checkpoint, engines, hung_storage, optim, states  # noqa: F401 (fixtures)
 
@@ -192,3 +192,19 @@ def test_rank_killed_during_a_checkpoint_the_other_exits_within_seconds(tmp_path
     latest = store.read_latest(str(run_dir))
     valid = [c.tag for c in store.list_checkpoints(str(run_dir)) if c.valid]
     assert latest in valid and latest != f"global_step{KILL_AT - 1}", (latest, valid, log0[-3000:])
+
+
+def test_a_job_that_trains_to_the_end_leaves_neither_process_group_nor_checkpoint_thread_to_the_teardown(tmp_path):
+    """Gloo's threads left to the interpreter's teardown once aborted a rank that had finished cleanly
+    ("terminate called without an active exception"); train_gpt.py's clean end destroys the engine, which commits
+    the last checkpoint and stops its threads, then the process group."""
+    run_dir = tmp_path / "run"
+    config = tiny_config(run_dir, stages=1)
+    config["cpsr"]["checkpoint"].update(interval=2)
+    result = run_job(tmp_path, config, "--train-iters", 6, "--eval-interval", 100,
+                     script=os.path.join(ROOT, "tests", "end_probe.py"), env={"PROBE_END": "main"})
+    rows = probe_rows(result.stdout)
+    assert sorted(row["rank"] for row in rows) == [0, 1], result.stdout[-3000:]
+    # The signal watcher reads a pipe, outside torch: nothing to abort there.
+    assert all(not row["process_group"] and row["threads"] == ["cpsr-signals"] for row in rows), rows
+    assert store.read_latest(str(run_dir)) == "global_step6"
