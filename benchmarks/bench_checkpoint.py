@@ -539,6 +539,8 @@ def main() -> None:
             sizes[label] = measure(label, root, repeats, compute_s, args.strategies, spec, args.toy)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    # Left to the interpreter's teardown, gloo's threads can abort a process that finished (see train_gpt.finish).
+    torch.distributed.destroy_process_group()
     for label, row in sizes.items():
         print_table(label, row)
     large = sizes[args.states[-1]]
