@@ -168,6 +168,44 @@ def test_a_rank_that_loses_the_store_keeps_its_part_for_recovery(tmp_path, store
     assert store.read_latest(d) is None and "its part here stays, uncommitted on this node" in caplog.text
 
 
+class DiesAfterSetting:
+    """A real store client whose server is killed right after a key ending in ``suffix`` is set through it."""
+
+    def __init__(self, kv, suffix: str, kill):
+        self._kv, self._suffix, self._kill = kv, suffix, kill
+
+    def set(self, key, value):
+        self._kv.set(key, value)
+        if key.endswith(self._suffix):
+            self._kill()
+
+    def __getattr__(self, name):
+        return getattr(self._kv, name)
+
+
+def test_rank_0_that_loses_the_store_after_announcing_a_commit_keeps_its_part(tmp_path, store_process, caplog):
+    """The other ranks may have read the decision and committed their parts: rank 0's part may be what a
+    recovery needs, as a follower's is."""
+    port, kill_store = store_process
+    dirs = [str(tmp_path / f"node{n}") for n in (0, 1)]
+    engines = []
+    for rank, d in enumerate(dirs):
+        kv = dist.TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=10))
+        if rank == 0:
+            kv = DiesAfterSetting(kv, "/decision", kill_store)
+        cfg = config(d, storage="node_local", commit_timeout_s=600.0)
+        engines.append(create_engine(cfg, rank, 2, layout=layout.make_layout(cfg, rank, 2, kv=kv, nodes=TWO_NODES)))
+    for rank, (eng, d) in enumerate(zip(engines, dirs)):
+        open_checkpoint(eng, d, 10, rank=rank)
+        eng.commit(eng.get_commit_info())
+    with caplog.at_level(logging.INFO):
+        assert engines[0].flush(30), "rank 0's checkpoint still pending 30 s after the store went"
+        for eng in reversed(engines):
+            assert timed_cleanup(eng) < 15
+    assert store.read_manifests(os.path.join(dirs[0], "global_step10")).keys() == {0}
+    assert "its part here stays, uncommitted on this node" in caplog.text
+
+
 def test_shared_storage_not_shared_is_refused_naming_the_setting(tmp_path):
     with pytest.raises(ConfigError, match=r"checkpoint.storage is shared.*rank 0 sees the files of ranks \[0\] only.*node_local"):
         layout.check_nodes("shared", "/ckpt", [[0], [1]], "run")

@@ -455,8 +455,8 @@ class Committer:
             log.exception("checkpoint %s: commit failed", job.tag)
             if self.layout.decides and job.decided is None:
                 return self._give_up(job, f"the commit failed: {err!r}")
-            # Rank 0 may have committed it (the store it decides through is gone with rank 0's process, say):
-            # this part may be what recovery needs, so it stays.
+            # Once rank 0 decided to commit, some rank may have committed it (the store the decision goes through
+            # is gone with rank 0's process, say): this part may be what recovery needs, so it stays.
             return self._leave(job, f"the commit failed: {err!r}", logging.ERROR)
 
     def _try_commit(self, job: Job, deadline: float) -> bool:
@@ -487,6 +487,9 @@ class Committer:
         if self.layout.decides:
             decision = self._decide(job, deadline)
             if decision is not None:
+                # Decided before announced: once part of an announcement is out, a follower may have committed,
+                # and an error in the rest must leave this part for recovery (see _settle).
+                job.decided = decision.record
                 self.layout.announce(job.key, decision)
             return decision
         if job.ok:
