@@ -341,6 +341,7 @@ def train(config: str, iters: int, eval_from: int, every: int, valid_sequences: 
     train_gpt.train(job)
     job.args.train_iters, job.args.eval_interval = iters, every
     train_gpt.train(job)
+    train_gpt.finish(job)
 
 
 def ds_config(iters: int, run_dir: str, cpsr: dict) -> dict:

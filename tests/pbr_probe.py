@@ -71,6 +71,7 @@ def main() -> None:
             engine.load_checkpoint(job.cpsr_cfg.checkpoint.dir, tag=ck.tag)
             probe["history"][ck.iteration] = engine_state(engine)
     torch.save(probe, os.path.join(os.environ["PROBE_OUT"], f"rank{engine.global_rank}.pt"))
+    train_gpt.finish(job)
 
 
 if __name__ == "__main__":

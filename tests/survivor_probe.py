@@ -46,6 +46,7 @@ def main() -> None:
             tmp = probe_path(engine.global_steps) + ".tmp"
             torch.save(engine_state(engine), tmp)
             os.replace(tmp, probe_path(engine.global_steps))
+    train_gpt.finish(job)
 
 
 if __name__ == "__main__":

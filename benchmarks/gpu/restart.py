@@ -141,6 +141,7 @@ def job() -> None:
                 if hasattr(runtime.predictor, what):
                     setattr(runtime.predictor, what, _gpu_measured(getattr(runtime.predictor, what), what, engine, out))
         train_gpt.train(run)
+        train_gpt.finish(run)
         return
     t0 = time.time()
     engine.train_batch(iter(run.batches.micro_batches(engine.global_steps)))
