@@ -5,6 +5,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import re
 import signal
 import shutil
 import socket
@@ -102,8 +103,8 @@ def run_job(tmp_path, config: dict, *args, supervised: bool = False, nprocs: int
 
 
 def probe_rows(stdout: str) -> list[dict]:
-    """tests/end_probe.py's line of each rank."""
-    return [json.loads(line[len("probe "):]) for line in stdout.splitlines() if line.startswith("probe ")]
+    """tests/end_probe.py's row of each rank (another rank's unfinished line may run into it)."""
+    return [json.loads(row) for row in re.findall(r"probe (\{[^{}]*\})", stdout)]
 
 
 def start(command, log_path, env):
