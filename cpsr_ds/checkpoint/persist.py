@@ -42,7 +42,6 @@ from cpsr_ds.checkpoint.throttle import Throttle
 log = logging.getLogger(__name__)
 
 
-
 @dataclass(frozen=True)
 class RetryPolicy:
     retries: int

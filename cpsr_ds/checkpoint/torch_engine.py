@@ -37,7 +37,6 @@ from cpsr_ds.config import CheckpointConfig
 log = logging.getLogger(__name__)
 
 
-
 @dataclass
 class _Open:
     """This rank's part of a checkpoint between ``create`` and ``commit``."""
