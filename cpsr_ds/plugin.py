@@ -201,8 +201,8 @@ class Runtime:
         now = time.perf_counter()
         if self._started is not None:
             self.meter.iteration(now - self._started)
-        self._submit_summary()
         iteration = engine.global_steps
+        self._submit_summary(iteration)
         self.journal.append(iteration, loss)
         if self.losses is not None:
             self.losses[iteration] = loss
@@ -268,10 +268,21 @@ class Runtime:
             logger.warning("cpsr: the predictor's summaries were not all written within %g s; a restart from the "
                            "newest checkpoints reads their full history instead", bound_s)
 
-    def _submit_summary(self) -> None:
+    def _submit_summary(self, iteration: int | None = None) -> None:
+        """The held summary to the writer, which must not delay the next checkpoint (reckoned from ``iteration``,
+        the one just trained; None: no checkpoint follows)."""
         if self._held_summary is not None:
-            self.summaries.submit(*self._held_summary)
+            self.summaries.submit(*self._held_summary, deadline=self._next_checkpoint_at(iteration))
             self._held_summary = None
+
+    def _next_checkpoint_at(self, iteration: int | None) -> float | None:
+        """When (time.monotonic()) the checkpoint after ``iteration`` will begin, at the baseline iteration time;
+        None where that is not known."""
+        baseline = self.meter.baseline()
+        if iteration is None or baseline is None:
+            return None
+        ahead = iterations_to_checkpoint(iteration, self.cfg.checkpoint.interval, self.next_checkpoint)
+        return time.monotonic() + ahead * baseline
 
     def monitor_recovery(self) -> None:
         """The recovery decision of this start, to DeepSpeed's monitor."""
@@ -667,6 +678,13 @@ class CPSRPipelineEngine(PipelineEngine):
     _INSTRUCTION_MAP = {**PipelineEngine._INSTRUCTION_MAP, schedule.OptimizerStep: _exec_optimizer_step,
                         schedule.RecvActivation: _exec_recv_activations, schedule.RecvGrad: _exec_recv_grads,
                         PredictorWork: _exec_predictor_work}
+
+
+def iterations_to_checkpoint(iteration: int, interval, auto_next: int) -> int:
+    """Iterations after ``iteration`` until the next checkpoint: at the multiples of a fixed ``interval``, or with
+    "auto" at ``auto_next`` (the one the schedule set); 0 where it is due already."""
+    due = auto_next if interval == "auto" else (iteration // interval + 1) * interval
+    return max(due - iteration, 0)
 
 
 def host_copy(obj):

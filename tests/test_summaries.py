@@ -10,6 +10,7 @@ import time
 import torch
 
 from conftest import run_job, tiny_config
+from cpsr_ds import plugin
 from cpsr_ds.checkpoint import store
 from cpsr_ds.checkpoint.throttle import Throttle
 from cpsr_ds.recovery.sources import summaries
@@ -20,7 +21,7 @@ def summary(value: float) -> dict:
 
 
 def test_a_summary_reads_back_for_its_iteration_and_attempt_only(tmp_path):
-    summaries.write(str(tmp_path), 3, 7, 2, summary(0.5), keep=4)
+    summaries.write(str(tmp_path), 3, 7, 2, summaries.encode(summary(0.5)), keep=4)
     got, size = summaries.read(str(tmp_path), 3, 7, 2)
     assert size == os.path.getsize(summaries.path(str(tmp_path), 3, 7, 2))
     torch.testing.assert_close(got["slope"]["param"], summary(0.5)["slope"]["param"], rtol=0, atol=0)
@@ -29,7 +30,7 @@ def test_a_summary_reads_back_for_its_iteration_and_attempt_only(tmp_path):
 
 
 def test_a_damaged_summary_is_refused(tmp_path, caplog):
-    summaries.write(str(tmp_path), 0, 7, 1, summary(0.5), keep=4)
+    summaries.write(str(tmp_path), 0, 7, 1, summaries.encode(summary(0.5)), keep=4)
     path = summaries.path(str(tmp_path), 0, 7, 1)
     data = bytearray(open(path, "rb").read())
     data[len(data) // 2] ^= 0x01
@@ -42,8 +43,9 @@ def test_a_damaged_summary_is_refused(tmp_path, caplog):
 
 def test_only_the_newest_summaries_are_kept(tmp_path):
     for iteration in (5, 10, 15, 20, 25):
-        summaries.write(str(tmp_path), 0, iteration, 1, summary(iteration), keep=3)
-    summaries.write(str(tmp_path), 0, 25, 2, summary(25.0), keep=3)  # a later attempt orders after
+        summaries.write(str(tmp_path), 0, iteration, 1, summaries.encode(summary(iteration)), keep=3)
+    # A later attempt orders after.
+    summaries.write(str(tmp_path), 0, 25, 2, summaries.encode(summary(25.0)), keep=3)
     kept = sorted(os.listdir(os.path.dirname(summaries.path(str(tmp_path), 0, 5, 1))))
     assert kept == ["000000020-1.pt", "000000025-1.pt", "000000025-2.pt"]
 
@@ -51,7 +53,7 @@ def test_only_the_newest_summaries_are_kept(tmp_path):
 def test_a_failed_write_is_logged_not_raised(tmp_path, caplog):
     blocker = tmp_path / "predictor_summaries"
     blocker.write_text("a file where the directory should be")
-    summaries.write(str(tmp_path), 0, 7, 1, summary(0.5), keep=4)
+    summaries.write(str(tmp_path), 0, 7, 1, summaries.encode(summary(0.5)), keep=4)
     assert "was not written" in caplog.text
 
 
@@ -72,6 +74,37 @@ def test_the_writer_leaves_the_caller_at_once_and_writes_each_summary_at_the_wri
     assert kept == ["000000010-1.pt"]  # keep=1: the newest only
     assert summaries.read(str(tmp_path), 0, 10, 1)[0]["iteration"] == 7
     assert writer.close(timeout_s=1)
+
+
+def test_a_summary_that_would_not_be_written_before_the_next_checkpoint_begins_takes_nothing_of_the_limit(tmp_path):
+    """The next checkpoint's persist starts with the write limit's burst: a summary that would not be written, the
+    burst refilled, by then is dropped before its first piece; one with room is written."""
+    throttle = Throttle(400_000)  # BIG: half a second, the burst 50 ms
+    writer = summaries.Writer(throttle)
+    writer.submit(str(tmp_path), 0, 5, 1, BIG, keep=4, deadline=time.monotonic() + 0.5)
+    assert writer.flush(timeout_s=30)
+    assert summaries.read(str(tmp_path), 0, 5, 1) == (None, 0)
+    assert throttle.take(throttle.burst) == 0  # the burst is still there
+    writer.submit(str(tmp_path), 0, 10, 1, BIG, keep=4, deadline=time.monotonic() + 5)
+    assert writer.close(timeout_s=30)
+    assert summaries.read(str(tmp_path), 0, 10, 1)[0]["iteration"] == 7
+
+
+def test_a_summary_whose_room_a_slow_persist_took_is_dropped(tmp_path):
+    """The room is reckoned after the checkpoints in flight persisted, not when the summary was submitted."""
+    persisted = threading.Event()
+    writer = summaries.Writer(Throttle(400_000), after=persisted.wait)
+    writer.submit(str(tmp_path), 0, 5, 1, BIG, keep=4, deadline=time.monotonic() + 1.0)
+    time.sleep(0.6)  # 0.4 s left: not enough for 0.5 s of writing
+    persisted.set()
+    assert writer.close(timeout_s=30)
+    assert summaries.read(str(tmp_path), 0, 5, 1) == (None, 0)
+
+
+def test_the_next_checkpoint_is_reckoned_from_the_fixed_interval_or_the_schedule():
+    assert [plugin.iterations_to_checkpoint(i, 18, 0) for i in (18, 19, 35, 36)] == [18, 17, 1, 18]
+    assert plugin.iterations_to_checkpoint(19, "auto", 54) == 35
+    assert plugin.iterations_to_checkpoint(60, "auto", 54) == 0  # overdue: due now
 
 
 def test_a_summary_the_writer_cannot_serialise_is_logged_and_the_next_one_written(tmp_path, caplog):

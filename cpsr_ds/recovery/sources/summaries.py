@@ -15,10 +15,14 @@ checkpoints share (``checkpoint.write_mbps``): a summary is a sixth of the check
 (2 of 12 per parameter), and written in the training loop it stalled training for its write
 and two fsyncs. The checkpoints come first: a summary is written in short pieces, each after
 the checkpoints in flight have persisted, and one whose checkpoint a newer checkpoint's summary
-has superseded is dropped, even half written. So where the checkpoints keep the storage busy
-(an interval close to the persist time), summaries go missing rather than checkpoints late;
-written beside the persists, they made each checkpoint at such an interval wait for the one
-before it. One not yet written when the job dies is missing, as above.
+has superseded is dropped, even half written, and so is one that would not be written, with
+the write limit's burst refilled, before the next checkpoint begins (:class:`NoRoom`). So where
+the checkpoints keep the storage busy (an interval close to the persist time), summaries go
+missing rather than checkpoints late: written beside the persists, they made each checkpoint at
+such an interval wait for the one before it, and written in the gaps between persists they took
+the burst the next checkpoint's persist starts with (at bench_ftcost's write limit and interval 18,
+trend's checkpoints waited 53 ms each for free buffers, skip's, which keeps no summary, not at
+all). One not yet written when the job dies is missing, as above.
 """
 
 from __future__ import annotations
@@ -30,8 +34,9 @@ import logging
 import os
 import queue
 import threading
+import time
 from functools import partial
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -48,23 +53,33 @@ class Superseded(Exception):
     """A newer checkpoint's summary was submitted: a restart would read that one, so this one is not written."""
 
 
+class NoRoom(Exception):
+    """The rest of the summary would not be written before the next checkpoint begins: it is not written."""
+
+
 def path(directory: str, rank: int, iteration: int, attempt: int) -> str:
     return os.path.join(directory, SUMMARIES_DIR, f"rank{rank:05d}", f"{iteration:09d}-{attempt}.pt")
 
 
-def write(directory: str, rank: int, iteration: int, attempt: int, summary: dict, keep: int,
-          throttle: Optional[Throttle] = None) -> None:
-    """Write ``summary`` for the checkpoint of ``iteration``; keep this rank's ``keep`` newest.
+def encode(summary: dict) -> list[bytes]:
+    """The file's bytes: the SHA-256 of the payload on a line of its own, then the payload (``summary`` saved)."""
+    buffer = io.BytesIO()
+    torch.save(summary, buffer)
+    payload = buffer.getvalue()
+    return [hashlib.sha256(payload).hexdigest().encode() + b"\n", payload]
+
+
+def write(directory: str, rank: int, iteration: int, attempt: int, data: list[bytes], keep: int,
+          throttle=None) -> None:
+    """Write a summary (``data``: :func:`encode`'s) for the checkpoint of ``iteration``; keep this rank's ``keep``
+    newest. ``throttle``: a :class:`Throttle`, or a :class:`_Deferring` of one.
 
     A failed write costs a later restart its shortcut, not training: it is logged, not raised.
     """
     target = path(directory, rank, iteration, attempt)
-    buffer = io.BytesIO()
-    torch.save(summary, buffer)
-    payload = buffer.getvalue()
     try:
         os.makedirs(os.path.dirname(target), exist_ok=True)
-        write_atomic(target, [hashlib.sha256(payload).hexdigest().encode() + b"\n", payload], throttle=throttle)
+        write_atomic(target, data, throttle=throttle)
     except OSError as err:
         log.warning("cpsr: the predictor's summary of iteration %d was not written: %s", iteration,
                     describe_error(err))
@@ -77,17 +92,38 @@ def write(directory: str, rank: int, iteration: int, attempt: int, summary: dict
 
 
 class _Deferring:
-    """The write limit for one summary: pieces of PIECE_S of ``throttle``'s rate, each taken only after
-    ``before`` (which waits for the checkpoints in flight, or raises :class:`Superseded`)."""
+    """The write limit for one summary of ``nbytes``: pieces of PIECE_S of ``throttle``'s rate, each taken only
+    after ``before`` (which waits for the checkpoints in flight, or raises :class:`Superseded`), and only while
+    the rest of the summary and then the throttle's burst fit before ``deadline`` (time.monotonic(); None: no
+    checkpoint follows), else :class:`NoRoom`. The next checkpoint's persist starts with that burst: a summary
+    that took it would make the persist as much longer."""
 
-    def __init__(self, throttle: Throttle, before: Callable[[], None]):
+    def __init__(self, throttle: Throttle, before: Callable[[], None], nbytes: int, deadline: Optional[float]):
         self._throttle = throttle
         self._before = before
+        self._left = nbytes
+        self._deadline = deadline
         self.burst = max(1, int(throttle.bytes_per_s * PIECE_S))
 
     def take(self, nbytes: int) -> float:
         self._before()
+        if self._deadline is not None:
+            needed_s = (self._left + self._throttle.burst) / self._throttle.bytes_per_s
+            if time.monotonic() + needed_s > self._deadline:
+                raise NoRoom
+        self._left -= nbytes
         return self._throttle.take(nbytes)
+
+
+class _Job(NamedTuple):
+    number: int  # of the summaries submitted: the newest is the only one not superseded
+    deadline: Optional[float]  # when the next checkpoint begins (time.monotonic()); None: none follows
+    directory: str
+    rank: int
+    iteration: int
+    attempt: int
+    summary: dict
+    keep: int
 
 
 class Writer:
@@ -98,7 +134,8 @@ class Writer:
     persisted: a summary written beside a checkpoint's persist would share its storage bandwidth
     (``checkpoint.write_mbps``) and make the checkpoint durable later, while the storage idles between
     checkpoints. A summary not yet written when the next one is submitted is dropped (:class:`Superseded`):
-    it is only an accelerator, and a restart from a checkpoint without one reads the history instead.
+    it is only an accelerator, and a restart from a checkpoint without one reads the history instead; so is one
+    that would not be written before its ``deadline`` (:class:`_Deferring`).
     """
 
     def __init__(self, throttle: Optional[Throttle] = None, after: Optional[Callable[[], object]] = None):
@@ -110,7 +147,10 @@ class Writer:
         self._submitted = 0  # summaries submitted so far; the newest is the only one not superseded
         self._thread: Optional[threading.Thread] = None
 
-    def submit(self, directory: str, rank: int, iteration: int, attempt: int, summary: dict, keep: int) -> None:
+    def submit(self, directory: str, rank: int, iteration: int, attempt: int, summary: dict, keep: int,
+               deadline: Optional[float] = None) -> None:
+        """``deadline``: when the next checkpoint begins (time.monotonic()), which the summary must not delay;
+        None: no checkpoint follows."""
         with self._idle:
             self._pending += 1
             self._submitted += 1
@@ -118,7 +158,7 @@ class Writer:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="cpsr-summaries", daemon=True)
             self._thread.start()
-        self._jobs.put((number, (directory, rank, iteration, attempt, summary, keep)))
+        self._jobs.put(_Job(number, deadline, directory, rank, iteration, attempt, summary, keep))
 
     def _before(self, number: int) -> None:
         if self._after is not None:
@@ -128,15 +168,20 @@ class Writer:
                 raise Superseded
 
     def _run(self) -> None:
-        for number, job in iter(self._jobs.get, None):
-            before = partial(self._before, number)
+        for job in iter(self._jobs.get, None):
+            before = partial(self._before, job.number)
             try:
                 before()
-                write(*job, throttle=self._throttle and _Deferring(self._throttle, before))
+                data = encode(job.summary)
+                pacing = self._throttle and _Deferring(self._throttle, before, sum(map(len, data)), job.deadline)
+                write(job.directory, job.rank, job.iteration, job.attempt, data, job.keep, pacing)
             except Superseded:
-                log.debug("cpsr: the predictor's summary of iteration %d is superseded, not written", job[2])
+                log.debug("cpsr: the predictor's summary of iteration %d is superseded, not written", job.iteration)
+            except NoRoom:
+                log.debug("cpsr: the predictor's summary of iteration %d is not written: it would not be written "
+                          "before the next checkpoint begins", job.iteration)
             except Exception:  # a summary that cannot even be serialised: the restart reads the full history
-                log.exception("cpsr: the predictor's summary of iteration %d was not written", job[2])
+                log.exception("cpsr: the predictor's summary of iteration %d was not written", job.iteration)
             finally:
                 with self._idle:
                     self._pending -= 1
