@@ -70,7 +70,7 @@ def encode(summary: dict) -> list[bytes]:
 
 
 def write(directory: str, rank: int, iteration: int, attempt: int, data: list[bytes], keep: int,
-          throttle=None) -> None:
+          throttle: Throttle | _Deferring | None = None) -> None:
     """Write a summary (``data``: :func:`encode`'s) for the checkpoint of ``iteration``; keep this rank's ``keep``
     newest. ``throttle``: a :class:`Throttle`, or a :class:`_Deferring` of one.
 
