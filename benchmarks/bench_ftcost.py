@@ -92,6 +92,7 @@ from cpsr_ds.cost_model import MEASURED_REDUCTION  # noqa: E402
 from cpsr_ds.lag import Unmeasurable, fit_curve, late_lag  # noqa: E402
 from cpsr_ds.lag import summarize as summarize_values  # noqa: E402
 from cpsr_ds.recovery import read_reports  # noqa: E402
+from cpsr_ds.recovery.sources.in_flight import SOURCE as IN_FLIGHT  # noqa: E402
 from cpsr_ds.runlog import CostRow, measurements_path, read_measurements  # noqa: E402
 
 STRATEGIES = ("torch", "checkfreq", "pccheck", "cpsr", "cpsr_fix")
@@ -204,12 +205,14 @@ def used_interval(rows: list[CostRow]) -> int:
 
 def recoveries(reports) -> dict:
     """From recovery.jsonl's reports (the first is the job's fresh start): failures, the iterations RB-R
-    recomputed (a restart without a checkpoint recomputes from 0), all iterations lost (d summed), PB-R count."""
+    recomputed (a restart without a checkpoint recomputes from 0), all iterations lost (d summed, from the state
+    restored), PB-R count, and how many recomputed from the parameters of the checkpoint in flight (not exact)."""
     after = reports[1:]
     recomputing = [r for r in after if r.method in ("recompute", "restart")]
     return {"n_failures": len(after), "recomputed_iters": sum(r.lost_iterations for r in recomputing),
             "lost_iters": sum(r.lost_iterations for r in after),
-            "predicted": sum(r.method == "predict" for r in after)}
+            "predicted": sum(r.method == "predict" for r in after),
+            "in_flight": sum(IN_FLIGHT in (r.sources or {}).values() for r in after)}
 
 
 def downtimes(entries, trace: list[int]) -> list[float]:
@@ -482,11 +485,11 @@ def run_summary(run_dir: str, strategy: str, trace: list[int], reference: dict, 
         raise RuntimeError(f"{run_dir}: recovery.jsonl has {recovered['n_failures']} restarts, the trace "
                            f"{len(trace)} failures")
     validation = read_validation(run_dir)
-    if recovered["predicted"]:
+    if recovered["predicted"] or recovered["in_flight"]:
         lag = end_lag(reference, validation, iters)
     else:
-        lag = {"lag_iters": 0.0, "lag_paired_iters": 0.0, "unmeasurable": "",
-               "unmeasurable_reason": "", "lag_note": "no PB-R recovery: the reference from each restored checkpoint on"}
+        lag = {"lag_iters": 0.0, "lag_paired_iters": 0.0, "unmeasurable": "", "unmeasurable_reason": "",
+               "lag_note": "only exact recoveries: the reference from each restored checkpoint on"}
     cost = ft_cost(checkpoint_s, recovered["recomputed_iters"], lag["lag_iters"], iteration_s, failure_free_s)
     saved = None if lag["lag_iters"] is None or not recovered["lost_iters"] else \
         1 - (recovered["recomputed_iters"] + lag["lag_iters"]) / recovered["lost_iters"]
@@ -590,17 +593,18 @@ def print_result(result: dict) -> None:
     print(f"\nfailure-free: {result['failure_free_s']:.1f} s ({result['settings']['iters']} iterations of "
           f"{result['iteration_time_s'] * 1e3:.2f} ms); reference final validation loss "
           f"{result['final_val_loss']['reference']:.4f}")
-    head = (f"{'strategy':9s} | {'T_c':>5s} {'ckpts':>5s} {'fails':>5s} {'PB-R':>4s} | {'ckpt s':>7s} "
+    head = (f"{'strategy':9s} | {'T_c':>5s} {'ckpts':>5s} {'fails':>5s} {'PB-R':>4s} {'infl':>4s} | {'ckpt s':>7s} "
             f"{'recomp':>6s} {'lag it':>7s} {'recov s':>7s} | {'T_l s':>7s} {'T_l %':>6s} | {'down s':>6s} | "
             f"final loss (vs ref)")
-    print("T_c: the interval used (median gap between checkpoints); recomp: iterations recomputed; lag it: the lag "
-          "at the end; recov s: both at the iteration time; down s: restart downtime, beside T_l")
+    print("T_c: the interval used (median gap between checkpoints); infl: recoveries from the parameters of the "
+          "checkpoint in flight; recomp: iterations recomputed; lag it: the lag at the end; recov s: both at the "
+          "iteration time; down s: restart downtime, beside T_l")
     for number, trace in enumerate(result["traces"]):
         print(f"\ntrace {number} (seed {trace['seed']}), failures after {trace['failures']}")
         print(head)
         for s, r in trace["runs"].items():
             lag = f"{'unmeas.':>7s}" if r["unmeasurable"] else num(r["lag_iters"], ".1f", 7)
-            print(f"{s:9s} | {num(r['used_interval'], 'd', 5)} {r['checkpoints']:5d} {r['n_failures']:5d} {r['predicted']:4d} | "
+            print(f"{s:9s} | {num(r['used_interval'], 'd', 5)} {r['checkpoints']:5d} {r['n_failures']:5d} {r['predicted']:4d} {r['in_flight']:4d} | "
                   f"{r['checkpoint_cost_s']:7.2f} {r['recomputed_iters']:6d} {lag} {num(r['recovery_cost_s'], '.2f', 7)}"
                   f" | {num(r['ft_cost_s'], '.2f', 7)} {num(r['ft_cost_pct'], '.2f', 6)} | "
                   f"{r['restart_downtime_s']:6.1f} | {r['final_val_loss']:.4f} ({r['final_loss_excess']:+.3%})"

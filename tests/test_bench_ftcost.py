@@ -85,7 +85,17 @@ def test_a_run_without_cost_rows_is_an_error_naming_the_file(bench, tmp_path):
 def test_recoveries_count_recomputed_and_lost_iterations(bench, run_dir):
     got = bench.recoveries(read_reports(run_dir))
     # recompute: d = 7; restart without a checkpoint: recomputes 4 from 0; predict: d = 15, not recomputed.
-    assert got == {"n_failures": 3, "recomputed_iters": 11, "lost_iters": 26, "predicted": 1}
+    assert got == {"n_failures": 3, "recomputed_iters": 11, "lost_iters": 26, "predicted": 1, "in_flight": 0}
+
+
+def test_a_recovery_from_the_parameters_in_flight_is_counted_as_not_exact(bench, tmp_path):
+    d = str(tmp_path)
+    for report in (RecoveryReport("fresh", None, None, 0),
+                   RecoveryReport("recompute", 37, 32, 32, sources={"0": "in flight", "1": "in flight"}),
+                   RecoveryReport("recompute", 57, 48, 48, sources={"0": "host snapshot", "1": "host snapshot"})):
+        append_report(d, report)
+    got = bench.recoveries(read_reports(d))
+    assert got == {"n_failures": 2, "recomputed_iters": 14, "lost_iters": 14, "predicted": 0, "in_flight": 1}
 
 
 def test_ft_cost_adds_checkpoint_cost_recomputation_and_lag_at_the_iteration_time(bench):

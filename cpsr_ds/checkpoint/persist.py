@@ -257,6 +257,7 @@ class Writer:
         if job.ok:
             manifest = self._attempt(job, f"writing {name}", lambda: self._write_manifest(job, entries, name))
             if manifest is not None:
+                store.forget_progress(job.tag_dir, self.rank)
                 self._publish(job, manifest)
         if not job.ok and self.rank != 0:
             self._report_failure(job, entries, name)
@@ -283,11 +284,20 @@ class Writer:
             if entry is not None:
                 entries[snap.rel] = entry
                 job.nbytes += entry["size"]
+                self._record_progress(job, snap.rel, entry, first=len(entries) == 1)
         # The buffers go back to the next checkpoint only once nothing copies into them.
         for snap in snaps:
             snap.wait_quietly()
         self._pool.give(job.buffers)
         return entries
+
+    def _record_progress(self, job: Job, rel: str, entry: dict, first: bool) -> None:
+        """The landed file to the progress record, which only recovery from this checkpoint cut short reads: where
+        it cannot be written, the checkpoint goes on without it."""
+        try:
+            store.record_progress(job.tag_dir, self.rank, rel, entry, job.attempt, self.checksum, first)
+        except OSError as err:
+            log.warning("checkpoint %s: could not record %s as landed: %s", job.tag, rel, describe_error(err))
 
     def _attempt(self, job: Job, what: str, action: Callable):
         """``action()`` with retries; its result, or None once the job is given up (logged)."""

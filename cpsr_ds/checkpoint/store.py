@@ -7,12 +7,17 @@ names them (``global_step100``), and DeepSpeed's plain-text ``latest`` file::
     CKPT_DIR/TAG/<files DeepSpeed saves>      snapshot files (see fileformat.py)
     CKPT_DIR/TAG/cpsr_manifest.rank00003.json rank 3's files: size and xxhash digest each
     CKPT_DIR/TAG/cpsr_commit.json             written by rank 0 once every rank's manifest is there
+    CKPT_DIR/TAG/cpsr_progress.rank00003.jsonl rank 3's files landed so far, while it persists them
 
 Every file is written to a hidden temporary name, fsynced, renamed, and its directory
 fsynced, so a reader sees either nothing or the whole file. A rank writes its
 manifest only after its files are durable; rank 0 writes the commit record only after
 all ``world_size`` manifests exist, and moves ``latest`` only after the commit record
 is durable. Hence ``latest`` never names a checkpoint that is incomplete on any rank.
+Until its manifest is written, a rank records each file as it lands (size, digest and
+attempt, one line each) in its progress record, which the manifest then replaces: the
+landed files of a checkpoint a failure cut short can still be checked (recovery's
+``in_flight`` source reads the parameters there).
 
 Checkpoints are ordered by ``order_key`` (iteration, then the job attempt that wrote
 them), never by a clock: clocks differ between hosts and jump. Nothing read from
@@ -36,7 +41,7 @@ import re
 import shutil
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Collection, Iterable, Iterator, Optional
+from typing import Any, Callable, Collection, Iterable, Iterator, NamedTuple, Optional
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -51,6 +56,7 @@ log = logging.getLogger(__name__)
 LATEST = "latest"
 COMMIT = "cpsr_commit.json"
 MANIFEST_RE = re.compile(r"^cpsr_manifest\.rank(\d{5})\.json$")
+PROGRESS_RE = re.compile(r"^cpsr_progress\.rank(\d{5})\.jsonl$")
 TEMP_RE = re.compile(r"^\..+\.tmp(\d+)$")
 TRASH_PREFIX = ".trash-"
 # Other nodes' parts kept for them (node-local storage): a checkpoint directory of its own, see replica.py.
@@ -67,6 +73,88 @@ class MetadataError(CheckpointError, ValueError):
 
 def manifest_name(rank: int) -> str:
     return f"cpsr_manifest.rank{rank:05d}.json"
+
+
+def progress_name(rank: int) -> str:
+    return f"cpsr_progress.rank{rank:05d}.jsonl"
+
+
+def record_progress(tag_dir: str, rank: int, rel: str, entry: dict, attempt: int, algorithm: str,
+                    first: bool) -> None:
+    """Add file ``rel``, durable on storage with its manifest ``entry``, to ``rank``'s progress record in
+    ``tag_dir`` (``first``: the first file of this attempt's part, which starts the record anew)."""
+    line = json.dumps({"attempt": attempt, "checksum": algorithm, "file": rel, **entry}) + "\n"
+    path = os.path.join(tag_dir, progress_name(rank))
+    with open(path, "w" if first else "a") as f:
+        f.write(line)
+        f.flush()
+        os.fsync(f.fileno())
+    if first:
+        fsync_dir(tag_dir)
+
+
+def forget_progress(tag_dir: str, rank: int) -> None:
+    """Remove ``rank``'s progress record, which its manifest has replaced."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(tag_dir, progress_name(rank)))
+
+
+class Landed(NamedTuple):
+    """One file a rank's progress record says landed: its manifest entry and the algorithm of its digest."""
+
+    entry: dict
+    algorithm: str
+    attempt: int
+
+
+def read_progress(tag_dir: str) -> dict[str, Landed]:
+    """The files every rank's progress record in ``tag_dir`` lists, by path relative to it. Only the lines of a
+    record's newest attempt count (an older attempt's file may have been written again since); a line that is
+    not one (a write cut short) ends its record there."""
+    landed: dict[str, Landed] = {}
+    try:
+        names = sorted(n for n in os.listdir(tag_dir) if PROGRESS_RE.match(n))
+    except FileNotFoundError:
+        return landed
+    for name in names:
+        path = os.path.join(tag_dir, name)
+        try:
+            with open(path, errors="replace") as f:
+                lines = _progress_lines(f)
+        except OSError as err:
+            log.warning("%s: unreadable, skipped: %s", path, _cause(err))
+            continue
+        newest = max((file.attempt for _, file in lines), default=None)
+        landed.update((rel, file) for rel, file in lines if file.attempt == newest)
+    return landed
+
+
+def landed_files(tag_dir: str) -> dict[str, Landed]:
+    """The files of a checkpoint that did not commit known to have landed whole: those its ranks' progress
+    records list (:func:`read_progress`) and those of the sound manifests of the ranks that finished their part
+    (a manifest replaces its rank's record)."""
+    landed = read_progress(tag_dir)
+    try:
+        manifests = _read_manifests(tag_dir).manifests
+    except FileNotFoundError:
+        return landed
+    for man in manifests.values():
+        landed.update((rel, Landed(entry, man["checksum"], man.get("attempt", 0))) for rel, entry in man["files"].items())
+    return landed
+
+
+def _progress_lines(f) -> list[tuple[str, Landed]]:
+    lines = []
+    for text in f:
+        try:
+            line = json.loads(text)
+            entry = {"size": int(line["size"]), "digest": str(line["digest"])}
+            if line.get("nonfinite"):
+                entry["nonfinite"] = list(line["nonfinite"])
+            lines.append((str(line["file"]), Landed(entry, str(line["checksum"]), int(line["attempt"]))))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            break
+    return lines
 
 
 def tag_iteration(tag: str) -> Optional[int]:
@@ -730,7 +818,7 @@ def _data_files(files: Iterable[str]) -> list[str]:
     """The files a checkpoint's manifests must list: all but our metadata and hidden (temporary) files."""
     return sorted(rel for rel in files
                   if not any(part.startswith(".") for part in rel.split(os.sep))
-                  and rel != COMMIT and not MANIFEST_RE.match(rel))
+                  and rel != COMMIT and not MANIFEST_RE.match(rel) and not PROGRESS_RE.match(rel))
 
 
 def _size(path: str) -> int:

@@ -45,8 +45,7 @@ from cpsr_ds.recovery.engine_io import advance_counters, data_parallel, load_own
 from cpsr_ds.recovery.report import RecoveryReport, carried_lag, earlier_reports
 from cpsr_ds.recovery.sources.checkpoint import load_history, restore, stage_history
 from cpsr_ds.recovery.sources.prediction import checkpoint_as_prediction, load_weights, predicted_share
-from cpsr_ds.recovery.sources import host_snapshot, replica, summaries, survivor
-from cpsr_ds.recovery.sources.host_snapshot import agreed_snapshot, resume_from
+from cpsr_ds.recovery.sources import Ahead, host_snapshot, in_flight, replica, summaries, survivor
 from cpsr_ds.recovery.sources.survivor import dump_at, restore_dump
 from cpsr_ds.runlog import MEASUREMENTS_DIR, held_out_errors, read_measurements
 
@@ -79,23 +78,24 @@ def recover(engine, cfg: CPSRConfig, predictor, attempt: int = 0) -> RecoveryRep
         return RecoveryReport("fresh" if reached is None else "restart", reached, None, 0)
     newest = full[-1]
     nothing_lost = reached is None or newest.iteration is None or reached <= newest.iteration
-    memory = agreed_snapshot(cfg.checkpoint, engine, attempt, newest.iteration or 0, reached)
+    ahead = host_snapshot.ahead(cfg.checkpoint, engine, attempt, newest.iteration or 0, reached)
     if nothing_lost or cfg.recovery.mode == "recompute":
         restore(engine, directory, reversed(full))
         c = engine.global_steps
-        if memory is not None:
-            c = resume_from(engine, memory, c)
+        if ahead is not None:
+            c = ahead.resume(engine, c)
         if reached is not None and reached < c:
             # Every rank finished c before it was committed: a journal ending earlier is stale.
             log.error("cpsr recovery: the journals end at iteration %d, before committed checkpoint %d: a journal "
                       "of a rank no longer in the job, or one that lost lines; taking %d", reached, c, c)
             reached = c
         reason = "recovery.mode is recompute" if reached is not None and reached > c else ""
-        return RecoveryReport("recompute", reached, c, c, reason=reason, sources=snapshot_sources(memory))
+        return RecoveryReport("recompute", reached, c, c, reason=reason, sources=ahead_sources(ahead))
     if cfg.checkpoint.per_stage and engine.num_stages > 1:
         return _recover_stages(engine, cfg, predictor, progress, verified, full)
 
     read_before = bytes_loaded()
+    ahead = ahead or in_flight.ahead(cfg.checkpoint, engine, newest.iteration or 0, reached)
     survived = survivors(engine, cfg, attempt, reached)
     history, summary_bytes = _newest_with_summary(engine, cfg, predictor, full, survived.exact)
     if history is None:
@@ -105,7 +105,7 @@ def recover(engine, cfg: CPSRConfig, predictor, attempt: int = 0) -> RecoveryRep
     bytes_read = sum(gathered(bytes_loaded() - read_before + summary_bytes))
     # The newest of the history is c's state, the one the engine holds.
     report = _decide(engine, cfg, predictor, progress, engine.global_steps, history[-1].curvature, attempt=attempt,
-                     memory=memory, survived=survived)
+                     ahead=ahead, survived=survived)
     return dataclasses.replace(report, bytes_read=bytes_read, checkpoint_bytes=newest.size)
 
 
@@ -197,7 +197,8 @@ def survivors(engine, cfg: CPSRConfig, attempt: int, f: int | None, cut: Cut | N
 
 
 def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int, curvature: StageCurvature | NoFit,
-            cut: Cut | None = None, attempt: int = 0, memory=None, survived: Survived | None = None) -> RecoveryReport:
+            cut: Cut | None = None, attempt: int = 0, ahead: Ahead | None = None,
+            survived: Survived | None = None) -> RecoveryReport:
     """PB-R or RB-R for a failure at the journal's f, the engine holding checkpoint c, ``curvature`` its stage_xi.
 
     ``predictor`` holds this data-parallel rank's share of the stage: each rank predicts
@@ -205,8 +206,8 @@ def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int, curv
     so that the stage's ranks decide alike, and each rank writes its predicted share into the
     engine (:func:`load_own_share`: under ZeRO into its own partition, else assembled with the others').
 
-    ``memory`` (:func:`agreed_snapshot`): every rank's host snapshot at one iteration m > c; recomputing
-    resumes there, so PB-R is weighed against d = f - m.
+    ``ahead``: a state at iteration m > c (every rank's host snapshot, or the parameters of the checkpoint in
+    flight: :mod:`cpsr_ds.recovery.sources`); recomputing resumes there, so PB-R is weighed against d = f - m.
 
     ``cut`` (per stage): c is this stage's own; recomputing restores the newest full cut
     and redoes the iterations from there, the cost PB-R is weighed against.
@@ -220,12 +221,12 @@ def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int, curv
     say where each rank's state came from.
     """
     f = progress.reached
-    base = memory.iteration if memory is not None else c if cut is None else cut.iteration
+    base = ahead.iteration if ahead is not None else c if cut is None else cut.iteration
     d = f - base
 
     def recompute(reason: str, **numbers) -> RecoveryReport:
-        restored = (resume_from(engine, memory, c) if memory is not None else c if cut is None else cut.restore())
-        return RecoveryReport("recompute", f, restored, restored, reason=reason, sources=snapshot_sources(memory),
+        restored = ahead.resume(engine, c) if ahead is not None else c if cut is None else cut.restore()
+        return RecoveryReport("recompute", f, restored, restored, reason=reason, sources=ahead_sources(ahead),
                               **numbers)
 
     implausible = implausible_reach(progress, c if cut is None else min(cut.stages), planned_iterations(engine))
@@ -300,12 +301,12 @@ def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int, curv
                           stage_checkpoints=cut and cut.stages, sources=sources if mixed else None, **numbers)
 
 
-def snapshot_sources(memory) -> dict[str, str] | None:
-    """The report's ``sources`` of a resumption from host snapshots: every rank's own."""
-    if memory is None:
+def ahead_sources(ahead: Ahead | None) -> dict[str, str] | None:
+    """The report's ``sources`` of a resumption from a state after c: every rank's from the same source."""
+    if ahead is None:
         return None
     world = dist.get_world_size() if dist.is_initialized() else 1
-    return {str(rank): host_snapshot.SOURCE for rank in range(world)}
+    return {str(rank): ahead.source for rank in range(world)}
 
 
 def worst_error(errors: list[float | None]) -> float | None:

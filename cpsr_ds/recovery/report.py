@@ -30,7 +30,8 @@ class RecoveryReport:
     # PB-R with survivor dumps: where each rank's state came from, by rank ("survivor": its own dump, "replica":
     # a data-parallel replica's, exact at f; "checkpoint": its stage's checkpoint at f; a predictor's name:
     # predicted; "replica+" a predictor's name: under ZeRO, parameters from a replica's dump, moments predicted);
-    # None where no rank had a dump
+    # None where no rank had a dump. RB-R from a state after the last checkpoint: "host snapshot" (exact) or
+    # "in flight" (the parameters of the checkpoint persisting at the failure, Adam's moments the last one's)
     sources: dict[str, str] | None = None
     # PB-R: what every rank read together (checkpoint files and predictor summaries), and c's checkpoint's size
     bytes_read: int | None = None
@@ -70,7 +71,10 @@ class RecoveryReport:
             return "cpsr recovery: no earlier progress, starting at iteration 0"
         if self.method == "restart":
             return f"cpsr recovery: job reached iteration {self.reached} but no checkpoint was committed; restarting from iteration 0"
-        restored = "host snapshots of iteration" if "host snapshot" in (self.sources or {}).values() else "last checkpoint"
+        sources = set((self.sources or {}).values())
+        restored = ("host snapshots of iteration" if "host snapshot" in sources
+                    else "parameters of the checkpoint in flight at iteration" if "in flight" in sources
+                    else "last checkpoint")
         head = f"cpsr recovery: job reached iteration {self.reached}, {restored} {self.checkpoint}; "
         if self.stage_checkpoints:
             head = (f"cpsr recovery: job reached iteration {self.reached}, last full cut {self.checkpoint}, stages' "

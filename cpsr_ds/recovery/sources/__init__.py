@@ -1,5 +1,24 @@
-"""Where recovered state comes from: the retained checkpoints (``checkpoint``) and the predictor
-(``prediction``, PB-R)."""
+"""Where recovered state comes from: the retained checkpoints (``checkpoint``), the predictor
+(``prediction``, PB-R), the ranks' own survivor dumps and their replicas' (``survivor``,
+``replica``), the predictor's summaries (``summaries``), and states after the newest
+checkpoint c that recomputing may start from instead of c (:class:`Ahead`): every rank's
+host snapshot (``host_snapshot``, exact) or the parameters of the checkpoint that was
+still persisting (``in_flight``, Adam's moments c's)."""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
 
 
+class Ahead(NamedTuple):
+    """A state at iteration m > c that recomputing may start from instead of checkpoint c.
 
+    ``resume(engine, c)`` writes it into the engine, which holds c, with the counters of m, and returns m (a
+    collective where the source needs one); ``source`` names it in the recovery report; ``exact``: the
+    failed job's own state at m, as recomputing would reach it (``recovery.mode: recompute`` takes only those).
+    """
+
+    iteration: int
+    source: str
+    exact: bool
+    resume: Callable[[object, int], int]

@@ -13,9 +13,18 @@ from cpsr_ds.checkpoint import host_snapshot as snapshots
 from cpsr_ds.config import CheckpointConfig
 from cpsr_ds.recovery.agree import gathered
 from cpsr_ds.recovery.engine_io import advance_counters
+from cpsr_ds.recovery.sources import Ahead
 from cpsr_ds.recovery.sources.survivor import restore_dump
 
 SOURCE = "host snapshot"
+
+
+def ahead(cfg: CheckpointConfig, engine, attempt: int, c: int, f: int | None) -> Ahead | None:
+    """:func:`agreed_snapshot` as the state recomputing starts from (:func:`resume_from`)."""
+    snap = agreed_snapshot(cfg, engine, attempt, c, f)
+    if snap is None:
+        return None
+    return Ahead(snap.iteration, SOURCE, True, lambda engine, c: resume_from(engine, snap, c))
 
 
 def agreed_snapshot(cfg: CheckpointConfig, engine, attempt: int, c: int,
