@@ -189,8 +189,12 @@ def sum64(a: torch.Tensor) -> float:
 
 
 def squared_distance(a: torch.Tensor, b: torch.Tensor) -> float:
-    """sum((a - b)^2) of two flat tensors, in float64 a chunk at a time (see :func:`sum64`)."""
-    return sum(float((x.double() - y.double()).square_().sum()) for x, y in zip(a.split(CHUNK), b.split(CHUNK)))
+    """sum((a - b)^2) of two flat tensors: the difference and its square in float32, summed in float64 a chunk at a
+    time (see :func:`sum64`). Each square is then within 2^-23 of itself, far inside any prediction error this
+    measures; taking it in float64 copied both chunks into float64 first, which made the held-out check at every
+    checkpoint (two distances over the stage's share) six times as slow (1.6 against 0.26 ms for 170k values)."""
+    return sum(float(torch.sub(x.float(), y.float()).square_().sum(dtype=torch.float64))
+               for x, y in zip(a.split(CHUNK), b.split(CHUNK)))
 
 
 def held_out_error(predictor_output: dict[str, torch.Tensor], truth: dict[str, torch.Tensor]) -> float:

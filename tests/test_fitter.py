@@ -206,9 +206,19 @@ def test_a_xi_that_is_not_finite_and_positive_leaves_the_phase_as_it_was():
 
 
 @pytest.mark.parametrize("chunk", [7, 1 << 20])
-def test_squared_distance_in_chunks_is_the_float64_sum_of_squares(monkeypatch, chunk):
+def test_squared_distance_in_chunks_sums_the_squared_float32_differences_in_float64(monkeypatch, chunk):
     monkeypatch.setattr(fitter, "CHUNK", chunk)
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(100, generator=g), torch.randn(100, generator=g) * 1e-4
-    assert fitter.squared_distance(a, b) == pytest.approx(float((a.double() - b.double()).square().sum()), rel=1e-12)
+    assert fitter.squared_distance(a, b) == pytest.approx(float((a - b).square().double().sum()), rel=1e-12)
+    assert fitter.squared_distance(a, b) == pytest.approx(float((a.double() - b.double()).square().sum()), rel=1e-6)
     assert fitter.squared_distance(a, a) == 0.0
+    # Summed in float64: a float32 sum of 2^24 + 1 unit squares would lose the last one.
+    ones = torch.ones((1 << 24) + 1)
+    assert fitter.squared_distance(ones, torch.zeros_like(ones)) == float((1 << 24) + 1)
+
+
+def test_squared_distance_of_half_precision_tensors_is_taken_in_float32():
+    a = torch.tensor([1.0, 2.0], dtype=torch.bfloat16)
+    b = torch.tensor([1.0 + 2 ** -7, 2.0], dtype=torch.bfloat16)
+    assert fitter.squared_distance(a, b) == 2.0 ** -14

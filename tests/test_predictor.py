@@ -79,7 +79,7 @@ def test_a_checkpoint_observed_a_piece_at_a_time_joins_the_history_whole_after_i
     for _ in pieces.appending(40, state):
         copied += 1
         assert len(pieces) == 0 and not pieces.others
-    assert copied == 2 * (3 + 1)  # each w in three pieces, each b in one
+    assert copied == 2 * 3  # per kind b's 20 values and w's 2 PIECE + 3 in pieces of PIECE values
     assert list(pieces.iterations) == [40] and pieces.others.keys() == whole.others.keys() == {"step"}
     assert all(torch.equal(pieces.flats[0][k], whole.flats[0][k]) for k in ("param", "exp_avg"))
     assert pieces.flats[0]["param"].numel() % 8 == 0

@@ -94,22 +94,41 @@ class Layout:
         return flats, others
 
     def filling(self, state: dict[str, torch.Tensor], flats: dict, others: dict) -> Iterator[None]:
-        """:meth:`flatten` into ``flats`` and ``others``, yielding after each PIECE values copied. Only the
-        alignment padding is zeroed: the entries fill the rest, a piece at a time, instead of the first piece
-        writing a whole share's zeros."""
+        """:meth:`flatten` into ``flats`` and ``others``, yielding after each piece of at most PIECE values copied.
+        Only the alignment padding is zeroed: the entries fill the rest, a piece at a time, instead of the first
+        piece writing a whole share's zeros. A piece holds the next values of a kind, across as many tensors as
+        they come from, in one copy: a stage has many small tensors, and a copy each cost more than the copying
+        (observing a 170k-parameter share of 84 tensors took 1.8 ms that way, 0.9 ms in three pieces)."""
         for kind, n in self.sizes.items():
             flats[kind] = torch.empty(n, dtype=torch.float32)
             flats[kind][sum(e.numel for e in self.of_kind(kind)):].zero_()
         for e in self.entries:
-            t = state[e.key].detach()
             if e.kind == OTHER:
-                others[e.key] = t.to("cpu", copy=True)
-                continue
-            flat = t.reshape(-1)  # a copy once, where t is not contiguous
-            for start in range(0, e.numel, PIECE):
-                end = min(start + PIECE, e.numel)
-                flats[e.kind][e.offset + start:e.offset + end].copy_(flat[start:end])
+                others[e.key] = state[e.key].detach().to("cpu", copy=True)
+        for kind in self.sizes:
+            for offset, end, sources in self._pieces(kind, state):
+                into = flats[kind][offset:end]
+                if all(s.device.type == "cpu" for s in sources):
+                    torch.cat(sources, out=into)
+                else:  # torch.cat copies within one device only
+                    into.copy_(torch.cat([s.to("cpu") for s in sources]))
                 yield
+
+    def _pieces(self, kind: str, state: dict[str, torch.Tensor]) -> Iterator[tuple[int, int, list[torch.Tensor]]]:
+        """(start, end in the kind's vector, the flat parts of its tensors there) for each piece, of PIECE values
+        but the last; a kind's entries lie in its vector in their order, one after the other (:meth:`of`)."""
+        offset, parts, room = 0, [], PIECE
+        for e in self.of_kind(kind):
+            flat, n, start = state[e.key].detach().reshape(-1), e.numel, 0  # reshape: a copy once, where needed
+            while start < n:
+                take = min(room, n - start)
+                parts.append(flat if take == n else flat[start:start + take])
+                start, room = start + take, room - take
+                if room == 0:
+                    yield offset, offset + PIECE, parts
+                    offset, parts, room = offset + PIECE, [], PIECE
+        if parts:
+            yield offset, offset + PIECE - room, parts
 
     def unflatten(self, flats: dict[str, torch.Tensor], others: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The state from per-kind vectors; float32 tensors are views of ``flats``, so a
