@@ -194,7 +194,8 @@ class RecoveryConfig(_Strict):
         description="auto: predict (PB-R) unless the predictor is not ready, its held-out error reaches "
         "max_relative_error (then skip, c's state at f, is weighed instead), the cost model (planner.cost_model) estimates a lag not below the d lost iterations, "
         "or a pessimistic lag would cost more than max_loss_excess, else recompute (RB-R); predict: PB-R whenever "
-        "the predictor is ready; recompute: always RB-R.",
+        "the predictor is ready; both recompute from the parameters of a checkpoint still in flight at the failure "
+        "where they landed (recovery/sources/in_flight.py); recompute: always RB-R, from exact states only.",
     )
     max_relative_error: float = Field(
         1.5, gt=0.0,
