@@ -110,8 +110,8 @@ class Layout:
                 into = flats[kind][offset:end]
                 if all(s.device.type == "cpu" for s in sources):
                     torch.cat(sources, out=into)
-                else:  # torch.cat copies within one device only
-                    into.copy_(torch.cat([s.to("cpu") for s in sources]))
+                else:  # torch.cat writes within its inputs' device: joined there, then one copy to the host
+                    into.copy_(torch.cat(sources))
                 yield
 
     def _pieces(self, kind: str, state: dict[str, torch.Tensor]) -> Iterator[tuple[int, int, list[torch.Tensor]]]:
