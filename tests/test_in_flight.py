@@ -39,9 +39,10 @@ def failed(tmp_path_factory):
     return tmp
 
 
-def restarted(failed, tmp_path, name: str, mode: str = "auto", damage: bool = False):
+def restarted(failed, tmp_path, name: str, mode: str = "auto", damage: bool = False, train_iters: int = REACHED + 5):
     """A copy of the failed run restarted with ``recovery.mode`` ``mode`` (``damage``: a byte of one rank's
-    landed layer file flipped first); (its recovery report, its directory, the job's output)."""
+    landed layer file flipped first) and trained to ``train_iters``; (its recovery report, its directory, the
+    job's output)."""
     run = tmp_path / name
     shutil.copytree(failed / "run", run)
     if damage:
@@ -52,7 +53,7 @@ def restarted(failed, tmp_path, name: str, mode: str = "auto", damage: bool = Fa
     # damped needs three checkpoints, the run has one committed: recovery recomputes, from the newest state it may.
     config = tiny_config(run, stages=2, checkpoint={"dir": str(run), "interval": INTERVAL}, recovery={"mode": mode},
                          predictor={"name": "damped"})
-    result = run_job(tmp_path, config, "--train-iters", REACHED + 5)
+    result = run_job(tmp_path, config, "--train-iters", train_iters)
     return read_reports(str(run))[-1], run, result.stdout + result.stderr
 
 
@@ -74,6 +75,18 @@ def test_a_checkpoint_cut_short_after_its_layer_files_landed_gives_recomputing_i
         assert min(again) == IN_FLIGHT + 1
         # Iteration 17's loss is the forward pass of the parameters of 16: exactly the failed job's.
         assert again[IN_FLIGHT + 1] == first[IN_FLIGHT + 1]
+
+
+def test_a_job_that_fails_again_before_a_new_commit_may_still_predict(failed, tmp_path):
+    # Resumed at 16 from the checkpoint in flight, the job journals 17..22 and ends before its next checkpoint (24):
+    # 8 is still the newest committed one, and the journal covers 17..22 in one run, not 9..22.
+    report, run, _ = restarted(failed, tmp_path, "again", train_iters=REACHED + 3)
+    assert (report.checkpoint, report.sources) == (IN_FLIGHT, {"0": "in flight", "1": "in flight"}), report
+    config = tiny_config(run, stages=2, checkpoint={"dir": str(run), "interval": INTERVAL},
+                         recovery={"mode": "predict"}, predictor={"name": "skip"})
+    run_job(tmp_path, config, "--train-iters", REACHED + 5)
+    again = read_reports(str(run))[-1]
+    assert (again.method, again.reached, again.resume_iteration) == ("predict", REACHED + 3, REACHED + 3), again
 
 
 def test_a_damaged_landed_layer_file_is_not_used(failed, tmp_path):

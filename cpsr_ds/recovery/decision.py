@@ -163,7 +163,8 @@ def _recover_stages(engine, cfg: CPSRConfig, predictor, progress: Progress, veri
 
 
 def implausible_reach(progress: Progress, c: int, planned: int | None) -> str | None:
-    """Why the journal's f is not to be predicted to from checkpoint c; None: it is plausible."""
+    """Why the journal's f is not to be predicted to from the state at c (a checkpoint, or a state ahead of the
+    last one); None: it is plausible."""
     f = progress.reached
     if planned is not None and f > planned:
         return (f"the journal's iteration {f} is beyond the planned training length, {planned} iterations "
@@ -229,7 +230,10 @@ def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int, curv
         return RecoveryReport("recompute", f, restored, restored, reason=reason, sources=ahead_sources(ahead),
                               **numbers)
 
-    implausible = implausible_reach(progress, c if cut is None else min(cut.stages), planned_iterations(engine))
+    # From a state ahead of c the journal need only cover that state's iteration on: a restart that resumed there
+    # journaled from it, not from c.
+    covered_from = base if ahead is not None else c if cut is None else min(cut.stages)
+    implausible = implausible_reach(progress, covered_from, planned_iterations(engine))
     if implausible is not None:
         log.error("cpsr recovery: %s: recomputing from checkpoint %d", implausible, base)
         return recompute(implausible)
