@@ -130,3 +130,11 @@ def test_a_rank_that_finished_its_part_has_its_files_landed_by_its_manifest(tmp_
     assert set(landed) == {"layer_00-model_states.pt", "layer_01-model_states.pt"}
     found = landed["layer_01-model_states.pt"]
     assert (found.entry["size"], found.entry["digest"], found.algorithm, found.attempt) == (3, "ab", "xxh3_64", 2)
+
+
+def test_a_progress_line_naming_a_file_outside_the_checkpoint_ends_its_record(tmp_path):
+    entry = {"size": 3, "digest": "ab"}
+    store.record_progress(str(tmp_path), 0, "a.pt", entry, 1, "xxh3_64", first=True)
+    store.record_progress(str(tmp_path), 0, "../b.pt", entry, 1, "xxh3_64", first=False)
+    store.record_progress(str(tmp_path), 0, "c.pt", {"size": -1, "digest": "ab"}, 1, "xxh3_64", first=False)
+    assert set(store.read_progress(str(tmp_path))) == {"a.pt"}

@@ -147,13 +147,11 @@ def _progress_lines(f) -> list[tuple[str, Landed]]:
     lines = []
     for text in f:
         try:
-            line = json.loads(text)
-            entry = {"size": int(line["size"]), "digest": str(line["digest"])}
-            if line.get("nonfinite"):
-                entry["nonfinite"] = list(line["nonfinite"])
-            lines.append((str(line["file"]), Landed(entry, str(line["checksum"]), int(line["attempt"]))))
-        except (ValueError, KeyError, TypeError, AttributeError):
+            line = ProgressLine.model_validate_json(text)
+        except ValidationError:
             break
+        entry = line.model_dump(include=set(FileEntry.model_fields), exclude_defaults=True)
+        lines.append((line.file, Landed(entry, line.checksum, line.attempt)))
     return lines
 
 
@@ -393,8 +391,7 @@ class Manifest(_Record):
     @classmethod
     def _inside_the_checkpoint(cls, files: dict) -> dict:
         for rel in files:
-            if os.path.isabs(rel) or os.path.normpath(rel).split(os.sep)[0] in ("..", "."):
-                raise ValueError(f"{rel!r} is not a path inside the checkpoint")
+            _inside_the_checkpoint(rel)
         return files
 
     @model_validator(mode="after")
@@ -402,6 +399,25 @@ class Manifest(_Record):
         if self.rank >= self.world_size:
             raise ValueError(f"rank {self.rank} not below world_size {self.world_size}")
         return self
+
+
+class ProgressLine(FileEntry):
+    """One line of ``cpsr_progress.rankNNNNN.jsonl``: a file that landed, with the entry its manifest will list."""
+
+    attempt: int = Field(ge=0)
+    checksum: Checksum
+    file: str
+
+    @field_validator("file")
+    @classmethod
+    def _inside_the_checkpoint(cls, rel: str) -> str:
+        return _inside_the_checkpoint(rel)
+
+
+def _inside_the_checkpoint(rel: str) -> str:
+    if os.path.isabs(rel) or os.path.normpath(rel).split(os.sep)[0] in ("..", "."):
+        raise ValueError(f"{rel!r} is not a path inside the checkpoint")
+    return rel
 
 
 def _read_record(path: str, schema: type[BaseModel]) -> dict:
