@@ -95,6 +95,7 @@ def recover(engine, cfg: CPSRConfig, predictor, attempt: int = 0) -> RecoveryRep
         return _recover_stages(engine, cfg, predictor, progress, verified, full)
 
     read_before = bytes_loaded()
+    # Not exact (Adam's moments are c's), so only here, past recovery.mode recompute.
     ahead = ahead or in_flight.ahead(cfg.checkpoint, engine, newest.iteration or 0, reached)
     survived = survivors(engine, cfg, attempt, reached)
     history, summary_bytes = _newest_with_summary(engine, cfg, predictor, full, survived.exact)

@@ -14,11 +14,10 @@ class Ahead(NamedTuple):
     """A state at iteration m > c that recomputing may start from instead of checkpoint c.
 
     ``resume(engine, c)`` writes it into the engine, which holds c, with the counters of m, and returns m (a
-    collective where the source needs one); ``source`` names it in the recovery report; ``exact``: the
-    failed job's own state at m, as recomputing would reach it (``recovery.mode: recompute`` takes only those).
+    collective where the source needs one); ``source`` names it in the recovery report. ``recovery.mode:
+    recompute`` asks only the exact source, host snapshots (recovery.decision.recover).
     """
 
     iteration: int
     source: str
-    exact: bool
     resume: Callable[[object, int], int]

@@ -24,7 +24,7 @@ def ahead(cfg: CheckpointConfig, engine, attempt: int, c: int, f: int | None) ->
     snap = agreed_snapshot(cfg, engine, attempt, c, f)
     if snap is None:
         return None
-    return Ahead(snap.iteration, SOURCE, True, lambda engine, c: resume_from(engine, snap, c))
+    return Ahead(snap.iteration, SOURCE, lambda engine, c: resume_from(engine, snap, c))
 
 
 def agreed_snapshot(cfg: CheckpointConfig, engine, attempt: int, c: int,

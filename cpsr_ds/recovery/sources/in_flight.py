@@ -61,7 +61,7 @@ def ahead(cfg: CheckpointConfig, engine, c: int, f: int | None) -> Ahead | None:
         found, problem = read_layers(engine, os.path.join(cfg.dir, tag), iteration, tag)
         problems = [p for p in gathered(problem) if p is not None]
         if not problems:
-            return Ahead(iteration, SOURCE, False, lambda engine, c: resume(engine, found, c))
+            return Ahead(iteration, SOURCE, lambda engine, c: resume(engine, found, c))
         log.info("cpsr recovery: the parameters of checkpoint %s, which was persisting when the job failed, are "
                  "not used: %s", tag, problems[0])
     return None
