@@ -188,7 +188,7 @@ def checkpoint_cost(rows: list[CostRow]) -> tuple[float, int]:
     per_checkpoint: dict[tuple[int, int], float] = {}
     for r in rows:
         key = (r.attempt, r.iteration)
-        per_checkpoint[key] = max(per_checkpoint.get(key, 0.0), r.slowdown_s)
+        per_checkpoint[key] = max(per_checkpoint.get(key, -math.inf), r.slowdown_s)
     return sum(per_checkpoint.values()), len(per_checkpoint)
 
 

@@ -40,6 +40,7 @@ from cpsr_ds.fitter import AccuracyFit, LossFit, NoFit, StageCurvature, fit_loss
 from cpsr_ds.planner import PbrParams, StageCosts
 
 BASELINE_WINDOW = 32  # iterations whose median is the baseline iteration time
+BRACKET = 8  # iterations without a checkpoint in flight on each side of a checkpoint's window: its baseline
 SMOOTHING = 9  # the newest measured checkpoints whose median is a stage's current cost ...
 MIN_COSTS = 3  # ... and how many are measured before the first plan
 ACCURACY_WINDOW = 16  # newest held-out errors the accuracy curve is fitted on
@@ -88,25 +89,38 @@ def running_hours(entries: Sequence[tuple[int, float]]) -> float:
 # ---------------------------------------------------------------- measuring a checkpoint
 
 
-def slowdown(block_s: float, times: Sequence[float], baseline: float, stall_s: Optional[float]) -> float:
+def slowdown(block_s: float, times: Sequence[float], baseline: float) -> float:
     """T_s in seconds: the checkpoint's own time in the training loop (``block_s``) plus, over the
-    iterations while it persisted, their time above the baseline. Noise can make the sum
-    fall below the stall measured directly, which it includes; the stall bounds it from below."""
-    excess = block_s + sum(t - baseline for t in times)
-    return max(excess, stall_s or 0.0, 0.0)
+    iterations while it persisted, their time above the baseline.
+
+    An estimate: on a shared host one checkpoint's value is noisy, and may fall below the stall
+    it includes, or below 0. It is not clamped there: a clamp at the stall biases the sum over a run's
+    checkpoints (bench_ftcost's checkpoint cost) upward, by 26 to 76 % per strategy in bench_ftcost's
+    runs at d8db5c9, where a quarter of the checkpoints measured below 0; a median (the planner's
+    smoothed_costs) is unaffected where most checkpoints measure above the stall."""
+    return block_s + sum(t - baseline for t in times)
 
 
 @dataclass
 class Window:
-    """A checkpoint being measured: the iterations after it until it persisted or the next one began."""
+    """A checkpoint being measured: the iterations after it until it persisted or the next one began
+    (``times``), and the iterations without a checkpoint in flight just before it (``before``) and
+    after its persist (``after``), whose median is its baseline."""
 
     iteration: int
     tag: str
     block_s: float
-    baseline: Optional[float]
+    before: list
+    fallback: Optional[float]
     times: list = field(default_factory=list)
+    after: list = field(default_factory=list)
     collecting: bool = True
     stall_s: Optional[float] = None
+    outcome: Optional[tuple[int, float]] = None  # (bytes, persist seconds) once persisted
+
+    def baseline(self) -> Optional[float]:
+        clean = self.before + self.after
+        return median(clean) if clean else self.fallback
 
 
 @dataclass(frozen=True)
@@ -124,58 +138,88 @@ class Cost:
 class CostMeter:
     """Iteration times, the baseline, and the checkpoints being measured (no I/O).
 
-    The baseline is the median of the last BASELINE_WINDOW iterations with no checkpoint
-    in flight (of all recent iterations where every one had one in flight, a persist
-    longer than the interval). A checkpoint's window collects the iterations after it
-    until it has persisted or the next checkpoint begins (which is then measured instead).
+    A checkpoint's window collects the iterations after it until it has persisted or the next
+    checkpoint begins (which is then measured instead). Its baseline brackets the window: the
+    median of up to BRACKET iterations with no checkpoint in flight just before it (among the
+    last BASELINE_WINDOW iterations) and BRACKET after its persist (until the next checkpoint
+    begins); its cost is final then. The host's speed drifts by a third within seconds here, and
+    a baseline from the last iterations without a checkpoint in flight, however old, stayed the
+    same over 300 iterations and a dozen checkpoints where persists took almost the whole interval.
+    Where no such iteration brackets a window (persists overlapping), the baseline is the median
+    of the last BASELINE_WINDOW clean iterations, or, with none, of all recent ones.
     """
 
     def __init__(self):
-        self.clean: deque = deque(maxlen=BASELINE_WINDOW)
+        self.clean: deque = deque(maxlen=BASELINE_WINDOW)  # (iteration count, seconds)
         self.recent: deque = deque(maxlen=BASELINE_WINDOW)
         self.pending: list[Window] = []
+        self.done: list[Cost] = []
+        self.count = 0
 
     def baseline(self) -> Optional[float]:
-        times = self.clean or self.recent
+        times = [t for _, t in self.clean] or self.recent
         return median(times) if times else None
 
     def iteration(self, seconds: float) -> None:
         if not (math.isfinite(seconds) and seconds >= 0):
             return
+        self.count += 1
         self.recent.append(seconds)
-        collecting = [w for w in self.pending if w.collecting]
+        in_flight = [w for w in self.pending if w.outcome is None]
+        collecting = [w for w in in_flight if w.collecting]
         if collecting:
             collecting[-1].times.append(seconds)
-        elif not self.pending:
-            self.clean.append(seconds)
+        if in_flight:
+            return
+        self.clean.append((self.count, seconds))
+        for w in list(self.pending):
+            w.after.append(seconds)
+            if len(w.after) >= BRACKET:
+                self._close(w)
 
     def start(self, iteration: int, tag: str, block_s: float) -> None:
-        for w in self.pending:
+        for w in list(self.pending):
             w.collecting = False
-        self.pending.append(Window(iteration, tag, block_s, self.baseline()))
+            if w.outcome is not None:
+                self._close(w)
+        before = [t for n, t in self.clean if n > self.count - BASELINE_WINDOW][-BRACKET:]
+        self.pending.append(Window(iteration, tag, block_s, before, self.baseline()))
 
     def stalled(self, stall_s: Optional[float]) -> None:
         """The engine's stall, known once the checkpoint after the newest window committed."""
         if self.pending and self.pending[-1].stall_s is None and self.pending[-1].times:
             self.pending[-1].stall_s = stall_s
 
-    def settle(self, tag: str, outcome) -> Optional[Cost]:
-        """Close the window of ``tag`` with its engine outcome ((bytes, persist_s), False: given up, None: pending).
+    def settle(self, tag: str, outcome) -> None:
+        """Record the engine's outcome for ``tag``: (bytes, persist_s) persisted, False given up, None pending.
 
         persist_s None: this rank had a part but wrote no file (a data-parallel rank past the first without
         ZeRO: DeepSpeed writes the module and optimizer from the first), so it has no cost of its own.
+        The cost, once its baseline is bracketed, comes from :meth:`finished`.
         """
-        window = next((w for w in self.pending if w.tag == tag), None)
+        window = next((w for w in self.pending if w.tag == tag and w.outcome is None), None)
         if window is None or outcome is None:
-            return None
+            return
+        if outcome is False or outcome[1] is None:
+            self.pending.remove(window)
+            return
+        window.outcome = (int(outcome[0]), float(outcome[1]))
+        window.collecting = False
+
+    def finished(self) -> list[Cost]:
+        """The costs measured since the last call (a checkpoint's once its baseline is bracketed)."""
+        done, self.done = self.done, []
+        return done
+
+    def _close(self, window: Window) -> None:
         self.pending.remove(window)
-        baseline = window.baseline if window.baseline is not None else self.baseline()
-        if outcome is False or baseline is None or outcome[1] is None:
-            return None
-        nbytes, persist_s = outcome
+        baseline = window.baseline()
+        if baseline is None:
+            return
+        nbytes, persist_s = window.outcome
         stall = window.stall_s if window.stall_s is not None else 0.0
-        return Cost(window.iteration, baseline, stall, slowdown(window.block_s, window.times, baseline, stall),
-                    float(persist_s), int(nbytes))
+        self.done.append(Cost(window.iteration, baseline, stall, slowdown(window.block_s, window.times, baseline),
+                              persist_s, nbytes))
 
 
 # ---------------------------------------------------------------- each stage's inputs

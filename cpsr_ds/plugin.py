@@ -407,15 +407,14 @@ class Runtime:
             self.phase = next_phase(self.phase, row.iteration, row.xi, self.cfg.planner.phase_threshold)
 
     def _settle_costs(self, engine: PipelineEngine) -> None:
-        """Write the costs of the checkpoints that persisted since the last iteration."""
+        """Write the costs of the checkpoints measured since the last iteration."""
         stats = getattr(engine.checkpoint_engine, "stats", None)
         if stats is None:
             return
         self.meter.stalled(stats.last_stall_s)
         for window in list(self.meter.pending):
-            cost = self.meter.settle(window.tag, stats.outcome(window.tag))
-            if cost is None:
-                continue
+            self.meter.settle(window.tag, stats.outcome(window.tag))
+        for cost in self.meter.finished():
             self.costs.append(cost)
             if self.measuring:
                 runlog.append(runlog.measurements_path(self.directory, self.rank),

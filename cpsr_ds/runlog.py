@@ -55,10 +55,11 @@ class StateRow:
 class CostRow:
     """What the checkpoint of ``iteration`` cost on ``rank`` (stage ``stage``), seconds.
 
-    iteration_time_s: the baseline, the median time of recent iterations with no
-    checkpoint in flight; stall_s: training's wait for the snapshot; slowdown_s: T_s,
-    all the training time the checkpoint added (the stall and the iterations slowed while
-    it persisted, over the baseline); persist_s: from its first write to durable;
+    iteration_time_s: the baseline, the median time of the iterations with no checkpoint
+    in flight just before and after it; stall_s: training's wait for the snapshot; slowdown_s:
+    T_s, all the training time the checkpoint added (the stall and the iterations slowed while
+    it persisted, over the baseline), an estimate that noise can take below the stall or 0
+    (online_planner.slowdown); persist_s: from its first write to durable;
     nbytes: its size on this rank.
     """
 

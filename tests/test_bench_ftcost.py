@@ -75,6 +75,12 @@ def test_checkpoint_cost_sums_each_checkpoints_slowest_rank_over_every_attempt(b
     assert seconds == pytest.approx(0.30 + 0.05 + 0.07 + 0.01)
 
 
+def test_a_checkpoint_measured_below_zero_counts_as_measured(bench, tmp_path):
+    # One checkpoint's slowdown is a noisy estimate; flooring it at 0 would bias the run's sum upward.
+    rows = [cost(0, 1, 10, 0.10), cost(0, 1, 20, -0.04), cost(0, 1, 30, -0.02), cost(2, 1, 30, -0.05, stage=1)]
+    assert bench.checkpoint_cost(rows) == (pytest.approx(0.10 - 0.04 - 0.02), 3)
+
+
 def test_a_run_without_cost_rows_is_an_error_naming_the_file(bench, tmp_path):
     d = str(tmp_path)
     append(measurements_path(d, 0), StateRow(iteration=10, stage=0, rank=0, attempt=1, predictor="trend", n_p=5))

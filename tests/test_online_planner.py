@@ -43,11 +43,12 @@ def test_running_hours_leave_restart_downtime_out():
 
 
 def test_slowdown_is_the_checkpoints_time_plus_the_excess_of_the_iterations_it_slowed():
-    assert op.slowdown(0.2, [1.5, 1.1, 1.0], 1.0, 0.4) == pytest.approx(0.8)
-    assert op.slowdown(0.0, [0.9, 0.95], 1.0, 0.05) == pytest.approx(0.05)  # noise below the stall
+    assert op.slowdown(0.2, [1.5, 1.1, 1.0], 1.0) == pytest.approx(0.8)
+    # Noise below the stall, even below 0, stays: a clamp would bias a run's sum upward.
+    assert op.slowdown(0.0, [0.9, 0.95], 1.0) == pytest.approx(-0.15)
 
 
-def test_the_meter_measures_against_the_baseline_of_iterations_without_a_checkpoint():
+def test_the_meter_measures_against_the_iterations_without_a_checkpoint_just_before_and_after_it():
     meter = op.CostMeter()
     for t in [1.0, 1.1, 0.9, 1.0, 5.0]:
         meter.iteration(t)
@@ -57,13 +58,66 @@ def test_the_meter_measures_against_the_baseline_of_iterations_without_a_checkpo
         meter.iteration(t)
     meter.stalled(0.5)
     assert meter.baseline() == pytest.approx(1.0)  # iterations in flight are not the baseline
-    assert meter.settle("global_step10", None) is None  # still persisting
-    cost = meter.settle("global_step10", (4096, 1.7))
-    assert cost == op.Cost(10, 1.0, 0.5, pytest.approx(1.1), 1.7, 4096)
+    meter.settle("global_step10", None)  # still persisting
+    meter.iteration(1.3)
+    meter.settle("global_step10", (4096, 1.7))
+    assert meter.finished() == []  # persisted: its baseline waits for the iterations after it
+    for t in [1.0] * (op.BRACKET - 1):
+        meter.iteration(t)
+    assert meter.finished() == []
+    meter.iteration(1.0)
+    # Before it: 1.0, 1.1, 0.9, 1.0, 5.0; after it: eight of 1.0. Its window: 1.6, 1.2, 1.3.
+    assert meter.finished() == [op.Cost(10, 1.0, 0.5, pytest.approx(0.3 + 0.6 + 0.2 + 0.3), 1.7, 4096)]
+    assert meter.finished() == [] and not meter.pending
     meter.start(20, "global_step20", 0.1)
-    assert meter.settle("global_step20", False) is None and not meter.pending  # given up: no cost
+    meter.settle("global_step20", False)
+    assert not meter.pending  # given up: no cost
     meter.start(30, "global_step30", 0.1)
-    assert meter.settle("global_step30", (0, None)) is None and not meter.pending  # wrote nothing: no cost
+    meter.settle("global_step30", (0, None))
+    assert not meter.pending  # wrote nothing: no cost
+    meter.iteration(1.0)
+    assert meter.finished() == []
+
+
+def test_a_drifting_host_is_measured_against_the_iterations_next_to_the_checkpoint():
+    # The host was fast long ago, slow now: the checkpoint added nothing to the slow iterations around it.
+    meter = op.CostMeter()
+    for t in [0.5] * op.BASELINE_WINDOW:
+        meter.iteration(t)
+    meter.start(1, "a", 0.0)
+    meter.settle("a", (1, 1.0))
+    for t in [1.0] * op.BASELINE_WINDOW:  # clean, and past the last one's bracket
+        meter.iteration(t)
+    meter.finished()
+    meter.start(2, "b", 0.1)
+    for t in [1.0, 1.0]:
+        meter.iteration(t)
+    meter.settle("b", (1, 1.0))
+    for t in [1.0] * op.BRACKET:
+        meter.iteration(t)
+    (cost,) = meter.finished()
+    assert cost.iteration_time_s == 1.0 and cost.slowdown_s == pytest.approx(0.1)
+
+
+def test_without_iterations_next_to_it_a_checkpoint_falls_back_to_the_last_clean_ones():
+    # Persists overlapping: no iteration without a checkpoint in flight since the first few.
+    meter = op.CostMeter()
+    for t in [1.0, 1.0, 1.0]:
+        meter.iteration(t)
+    meter.start(1, "a", 0.0)
+    for t in [2.0] * (op.BASELINE_WINDOW + 1):
+        meter.iteration(t)
+    meter.settle("a", (1, 9.0))
+    meter.start(2, "b", 0.0)  # a's bracket closes: b is in flight
+    (a,) = meter.finished()
+    assert a.iteration_time_s == 1.0 and a.slowdown_s == pytest.approx(op.BASELINE_WINDOW + 1)
+    assert meter.pending[0].before == []  # the clean iterations are older than the window
+    for t in [2.0, 2.0]:
+        meter.iteration(t)
+    meter.settle("b", (1, 9.0))
+    meter.start(3, "c", 0.0)
+    (b,) = meter.finished()
+    assert b.iteration_time_s == 1.0 and b.slowdown_s == pytest.approx(2.0)  # the last clean ones, however old
 
 
 def test_costs_are_smoothed_over_the_newest_nine_checkpoints_and_one_outlier_sets_nothing():
@@ -88,7 +142,10 @@ def test_a_window_closes_when_the_next_checkpoint_begins():
     meter.iteration(2.0)
     meter.start(2, "b", 0.0)
     meter.iteration(3.0)
-    assert meter.settle("a", (1, 9.0)).slowdown_s == pytest.approx(1.0)
+    meter.settle("a", (1, 9.0))
+    assert meter.finished() == []
+    meter.start(3, "c", 0.0)
+    assert [c.slowdown_s for c in meter.finished()] == [pytest.approx(1.0)]
 
 
 # ---------------------------------------------------------------- inputs
