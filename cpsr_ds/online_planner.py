@@ -41,6 +41,7 @@ from cpsr_ds.planner import PbrParams, StageCosts
 
 BASELINE_WINDOW = 32  # iterations whose median is the baseline iteration time
 BRACKET = 8  # iterations without a checkpoint in flight on each side of a checkpoint's window: its baseline
+HORIZON = 256  # iterations a checkpoint's cost waits, at most, for clean iterations after it
 SMOOTHING = 9  # the newest measured checkpoints whose median is a stage's current cost ...
 MIN_COSTS = 3  # ... and how many are measured before the first plan
 ACCURACY_WINDOW = 16  # newest held-out errors the accuracy curve is fitted on
@@ -104,13 +105,16 @@ def slowdown(block_s: float, times: Sequence[float], baseline: float) -> float:
 @dataclass
 class Window:
     """A checkpoint being measured: the iterations after it until it persisted or the next one began
-    (``times``), and the iterations without a checkpoint in flight just before it (``before``) and
-    after its persist (``after``), whose median is its baseline."""
+    (``times``), and the iterations without a checkpoint in flight nearest before it (``before``;
+    ``fresh`` where the newest of them is among the last BASELINE_WINDOW) and after its persist
+    (``after``), whose median is its baseline; ``started``: the meter's iteration count at its start."""
 
     iteration: int
     tag: str
     block_s: float
     before: list
+    fresh: bool
+    started: int
     fallback: Optional[float]
     times: list = field(default_factory=list)
     after: list = field(default_factory=list)
@@ -140,13 +144,15 @@ class CostMeter:
 
     A checkpoint's window collects the iterations after it until it has persisted or the next
     checkpoint begins (which is then measured instead). Its baseline brackets the window: the
-    median of up to BRACKET iterations with no checkpoint in flight just before it (among the
-    last BASELINE_WINDOW iterations) and BRACKET after its persist (until the next checkpoint
-    begins); its cost is final then. The host's speed drifts by a third within seconds here, and
-    a baseline from the last iterations without a checkpoint in flight, however old, stayed the
-    same over 300 iterations and a dozen checkpoints where persists took almost the whole interval.
-    Where no such iteration brackets a window (persists overlapping), the baseline is the median
-    of the last BASELINE_WINDOW clean iterations, or, with none, of all recent ones.
+    median of the BRACKET iterations with no checkpoint in flight nearest before it and the
+    BRACKET nearest after its persist. The host's speed drifts by a third within seconds here,
+    and a baseline from the last such iterations, however old, stayed the same over 300 iterations
+    and a dozen checkpoints where persists took almost the whole interval, and then measured
+    checkpoints at -5 iterations where the host had sped up since. So a checkpoint's cost is
+    final once BRACKET iterations after it are clean, or when the next checkpoint begins where
+    some clean iteration lies within BASELINE_WINDOW before it or after it; one whose persists
+    overlap the next checkpoints waits for the clean iterations after the whole stretch, up to
+    HORIZON iterations. With no clean iteration ever, the baseline is the median of all recent ones.
     """
 
     def __init__(self):
@@ -180,10 +186,11 @@ class CostMeter:
     def start(self, iteration: int, tag: str, block_s: float) -> None:
         for w in list(self.pending):
             w.collecting = False
-            if w.outcome is not None:
+            if w.outcome is not None and (w.fresh or w.after or self.count - w.started > HORIZON):
                 self._close(w)
-        before = [t for n, t in self.clean if n > self.count - BASELINE_WINDOW][-BRACKET:]
-        self.pending.append(Window(iteration, tag, block_s, before, self.baseline()))
+        fresh = bool(self.clean) and self.clean[-1][0] > self.count - BASELINE_WINDOW
+        before = [t for _, t in self.clean][-BRACKET:]
+        self.pending.append(Window(iteration, tag, block_s, before, fresh, self.count, self.baseline()))
 
     def stalled(self, stall_s: Optional[float]) -> None:
         """The engine's stall, known once the checkpoint after the newest window committed."""

@@ -99,25 +99,48 @@ def test_a_drifting_host_is_measured_against_the_iterations_next_to_the_checkpoi
     assert cost.iteration_time_s == 1.0 and cost.slowdown_s == pytest.approx(0.1)
 
 
-def test_without_iterations_next_to_it_a_checkpoint_falls_back_to_the_last_clean_ones():
-    # Persists overlapping: no iteration without a checkpoint in flight since the first few.
+def test_checkpoints_whose_persists_overlap_wait_for_the_clean_iterations_after_the_stretch():
+    # The host was slow, then persists overlapped for a stretch while it sped up, then one more was clean.
     meter = op.CostMeter()
-    for t in [1.0, 1.0, 1.0]:
+    for t in [2.0] * 3:
         meter.iteration(t)
+    meter.start(1, "a", 0.0)
+    for t in [1.5] * (op.BASELINE_WINDOW + 1):
+        meter.iteration(t)
+    meter.settle("a", (1, 9.0))
+    meter.start(2, "b", 0.0)  # a's bracket closes: the clean iterations before it are fresh
+    (a,) = meter.finished()
+    assert a.iteration_time_s == 2.0 and a.slowdown_s == pytest.approx(-0.5 * (op.BASELINE_WINDOW + 1))
+    for t in [1.1, 1.1]:
+        meter.iteration(t)
+    meter.settle("b", (1, 9.0))
+    meter.start(3, "c", 0.0)
+    assert meter.finished() == []  # b's clean iterations before it are stale: it waits for those after
+    meter.iteration(1.1)
+    meter.settle("c", (1, 9.0))
+    for t in [1.0] * op.BRACKET:
+        meter.iteration(t)
+    b, c = meter.finished()
+    # b's baseline: three iterations of 2.0 long before it, eight of 1.0 after the stretch.
+    assert b.iteration == 2 and b.iteration_time_s == 1.0 and b.slowdown_s == pytest.approx(0.2)
+    assert c.iteration == 3 and c.iteration_time_s == 1.0 and c.slowdown_s == pytest.approx(0.1)
+
+
+def test_a_checkpoint_waits_for_clean_iterations_at_most_the_horizon():
+    meter = op.CostMeter()
+    meter.iteration(1.0)
     meter.start(1, "a", 0.0)
     for t in [2.0] * (op.BASELINE_WINDOW + 1):
         meter.iteration(t)
     meter.settle("a", (1, 9.0))
-    meter.start(2, "b", 0.0)  # a's bracket closes: b is in flight
-    (a,) = meter.finished()
-    assert a.iteration_time_s == 1.0 and a.slowdown_s == pytest.approx(op.BASELINE_WINDOW + 1)
-    assert meter.pending[0].before == []  # the clean iterations are older than the window
-    for t in [2.0, 2.0]:
-        meter.iteration(t)
-    meter.settle("b", (1, 9.0))
-    meter.start(3, "c", 0.0)
-    (b,) = meter.finished()
-    assert b.iteration_time_s == 1.0 and b.slowdown_s == pytest.approx(2.0)  # the last clean ones, however old
+    for i in range(op.HORIZON + 1):  # checkpoints always in flight: no clean iteration
+        meter.start(2 + i, f"s{i}", 0.0)
+        meter.iteration(2.0)
+        meter.settle(f"s{i}", (1, 9.0))
+    assert [c.iteration for c in meter.finished()] == [1]  # a, at s0's start: its clean iteration was fresh
+    meter.start(3 + op.HORIZON, "last", 0.0)
+    (s0,) = meter.finished()  # past the horizon, on its stale baseline
+    assert (s0.iteration, s0.iteration_time_s, s0.slowdown_s) == (2, 1.0, 1.0)
 
 
 def test_costs_are_smoothed_over_the_newest_nine_checkpoints_and_one_outlier_sets_nothing():
