@@ -213,7 +213,11 @@ def test_squared_distance_in_chunks_sums_the_squared_float32_differences_in_floa
     assert fitter.squared_distance(a, b) == pytest.approx(float((a - b).square().double().sum()), rel=1e-12)
     assert fitter.squared_distance(a, b) == pytest.approx(float((a.double() - b.double()).square().sum()), rel=1e-6)
     assert fitter.squared_distance(a, a) == 0.0
-    # Summed in float64: a float32 sum of 2^24 + 1 unit squares would lose the last one.
+
+
+def test_squared_distance_sums_a_chunk_in_float64(monkeypatch):
+    # 2^24 + 1 is not a float32: a chunk of 2^24 + 1 unit squares summed in float32 would lose the last one.
+    monkeypatch.setattr(fitter, "CHUNK", 1 << 25)
     ones = torch.ones((1 << 24) + 1)
     assert fitter.squared_distance(ones, torch.zeros_like(ones)) == float((1 << 24) + 1)
 
