@@ -20,9 +20,10 @@ from cpsr_ds.checkpoint.journal import journal_path, read_journal
 from cpsr_ds.recovery import read_reports
 
 N = 4  # checkpoint.interval: the fast stage's
-# After the fast stage's checkpoint at 28, before any full cut at a multiple of 2N..6N.
-KILL_AT = 31
-ITERATIONS = 34
+# The per-stage plan comes once 3 checkpoints' costs are bracketed, at the full cut at 20 or 24; the kill falls
+# after the fast stage's checkpoint at 40, before the slow stage's next full cut at a multiple of 5N.
+KILL_AT = 43
+ITERATIONS = 46
 # Stage 0 holds the embedding and 1 block, stage 1 two blocks and the head: about 1.7 times the bytes.
 WRITE_MBPS = (8.0, 4.0)
 
