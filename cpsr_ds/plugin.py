@@ -412,7 +412,7 @@ class Runtime:
         if stats is None:
             return
         self.meter.stalled(stats.last_stall_s)
-        for window in list(self.meter.pending):
+        for window in [w for w in self.meter.pending if w.outcome is None]:  # not those waiting for their bracket
             self.meter.settle(window.tag, stats.outcome(window.tag))
         for cost in self.meter.finished():
             self.costs.append(cost)
