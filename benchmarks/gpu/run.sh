@@ -26,8 +26,8 @@
 #       before activations and 45 GB per checkpoint on a 64 GB disk), strategies GPT3_STRATEGIES;
 #       torch's synchronous save takes 36 s per checkpoint, cpsr's persist 5.3 s.
 #     coordinator_test: tests/test_coordinator_cuda.py (predictor.device cuda: vitp's work on the
-#       coordinator's side stream, the compute stream joining it, a PP = 1 job on and off; not yet
-#       run on a GPU, budgeted 150 s).
+#       coordinator's side stream, the compute stream joining it, a PP = 1 job on and off): 31 s on
+#       2026-11-27, 4 passed and 1 failed (results/gpu/coordinator_test.txt).
 #   3 (7 min) recovery_bench: bench_recovery --quick reduced: a GPT of 8 layers x 768 (57 M
 #       parameters, seq 256) on the real corpus, T_c = RECOVERY_TC, 20 intervals, RECOVERY_SEEDS
 #       seeds (3 failures each, 2 values of d), methods recompute, trend and the default: 223 s.
