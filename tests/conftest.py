@@ -11,6 +11,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -38,6 +39,21 @@ def load_benchmark(name: str):
     sys.modules[name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture
+def shm_path(tmp_path):
+    """A fresh directory in shared memory (/dev/shm, where survivor dumps and host snapshots go by default),
+    removed after the test; ``tmp_path`` where there is none. On disk, their durable writes wait for a disk the
+    other tests share, and a snapshot still being written when the next one is due is skipped."""
+    if not os.path.isdir("/dev/shm"):
+        yield tmp_path
+        return
+    path = tempfile.mkdtemp(prefix="cpsr-test-", dir="/dev/shm")
+    try:
+        yield pathlib.Path(path)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def free_port() -> int:

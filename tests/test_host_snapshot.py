@@ -48,12 +48,12 @@ def test_memory_interval_is_checked():
         CPSRConfig.parse_block({"checkpoint": {"memory_interval": 0}})
 
 
-def test_a_crashed_process_on_a_surviving_node_loses_at_most_memory_interval_iterations(tmp_path):
+def test_a_crashed_process_on_a_surviving_node_loses_at_most_memory_interval_iterations(tmp_path, shm_path):
     """PP = 2: rank 1 is SIGKILLed after iteration 13 (no dump), checkpoints every 8, host snapshots every 2: the
     restart recomputes from the snapshots of iteration 12, exactly as the failed job had computed."""
     kill_at, memory_interval = 13, 2
     config = tiny_config(tmp_path / "run", stages=2, recovery={"mode": "recompute"})
-    config["cpsr"]["checkpoint"].update(survivor_dir=str(tmp_path / "shm"), interval=8, memory_interval=memory_interval)
+    config["cpsr"]["checkpoint"].update(survivor_dir=str(shm_path), interval=8, memory_interval=memory_interval)
     failed = run_job(tmp_path, config, "--train-iters", 16, "--kill-rank", 1, "--kill-at-iteration", kill_at,
                      check=False)
     assert failed.returncode != 0
