@@ -221,15 +221,32 @@ def downtimes(entries, trace: list[int]) -> list[float]:
     ``entries``: the journal in file order. Each failure of the trace fired after the first
     time the run reached its iteration past the previous failure; the next line is the restart's.
     """
+    return [entries[k].wall_time - entries[k - 1].wall_time for k in restart_lines(entries, trace)]
+
+
+def restart_lines(entries, trace: list[int]) -> list[int]:
+    """The index in ``entries`` of each restart's first line: the line after its failure's."""
     out, k = [], 0
     for failure in trace:
         while k < len(entries) and entries[k].iteration != failure:
             k += 1
         if k + 1 >= len(entries):
             raise ValueError(f"the journal has no restart after the failure at iteration {failure}")
-        out.append(entries[k + 1].wall_time - entries[k].wall_time)
+        out.append(k + 1)
         k += 1
     return out
+
+
+def iteration_seconds(entries, trace: list[int]) -> list[float]:
+    """The wall seconds between consecutive journal lines of one attempt: each trained iteration's time with
+    whatever a checkpoint added to it (evaluations included), not the restarts after the ``trace``'s failures.
+
+    ``entries``: the journal in file order; a restart's first line follows its failure's line, as in
+    :func:`downtimes`, and may be the next iteration (a prediction resumes at the failure point).
+    """
+    restarts = set(restart_lines(entries, trace))
+    return [entries[i].wall_time - entries[i - 1].wall_time for i in range(1, len(entries))
+            if i not in restarts and entries[i].iteration == entries[i - 1].iteration + 1]
 
 
 def window(iters: int) -> tuple[int, int]:

@@ -131,6 +131,14 @@ def test_downtime_runs_from_the_killed_jobs_last_iteration_to_the_restarts_first
     assert bench.downtimes(entries, [5, 8]) == [6.0, 7.5]
 
 
+def test_iteration_times_leave_out_each_restart_even_one_that_resumes_at_the_next_iteration(bench):
+    # As above: after 5 the restart recomputes 5; after 8 it predicts and its first line is 9, 7.5 s later.
+    entries = [Entry(i, 1.0, t) for i, t in [(1, 0.0), (2, 1.0), (3, 2.0), (4, 3.0), (5, 4.0), (5, 10.0), (6, 11.0),
+                                             (7, 12.0), (8, 13.0), (9, 20.5), (10, 21.5)]]
+    assert bench.iteration_seconds(entries, [5, 8]) == [1.0] * 8
+    assert 7.5 in bench.iteration_seconds(entries, [5])  # a gap across a restart it is not told of stays in
+
+
 def test_a_failure_without_a_restart_in_the_journal_is_an_error(bench):
     entries = [Entry(i, 1.0, float(i)) for i in range(1, 6)]
     with pytest.raises(ValueError, match="no restart after the failure at iteration 5"):
