@@ -34,8 +34,13 @@ def trained(tmp_path, zero_stage=0, iterations=2, **checkpoint):
     shape = (engine.train_micro_batch_size_per_gpu(), gpt.seq_length)
     batches = [(torch.randint(0, gpt.vocab_size, shape, generator=gen),) * 2
                for _ in range(engine.gradient_accumulation_steps())]
+    snapshots = getattr(engine, "host_snapshots", None)
     for _ in range(iterations):
         engine.train_batch(iter(batches))
+        if snapshots is not None:
+            # Each host snapshot in place before the next is due: on a loaded machine a durable write can take
+            # longer than the iterations between them, and the next one would be skipped.
+            snapshots.wait(30)
     return engine, batches
 
 
