@@ -85,7 +85,11 @@ def timed_train(config: str, iters: int, valid_sequences: int, out: str) -> None
 
 
 def one_run(run_dir: str, cpsr: dict, args) -> dict:
-    """One variant's run: the medians of its checkpoints (ms; None without any) and its iteration time."""
+    """One variant's run: the medians of its checkpoints (ms; None without any) and its iteration time.
+
+    ``checkpoints``: those taken, one every interval (no failure, no skip); ``measured``: those with a cost row (a
+    checkpoint whose persists overlap the next ones until the run ends gets none).
+    """
     shutil.rmtree(run_dir, ignore_errors=True)
     os.makedirs(run_dir)
     config, on_loop_path = f"{run_dir}.json", f"{run_dir}.on_loop.json"
@@ -94,11 +98,12 @@ def one_run(run_dir: str, cpsr: dict, args) -> dict:
     code = Child(f"{run_dir}.log", timed_train, config, args.iters, args.valid_sequences, on_loop_path).wait()
     if code != 0:
         raise RuntimeError(f"{run_dir}: exit code {code} (log {run_dir}.log)")
-    rows = bench_ftcost.cost_rows(run_dir) if cpsr["checkpoint"]["interval"] != bench_ftcost.NEVER else []
+    interval = cpsr["checkpoint"]["interval"]
+    rows = bench_ftcost.cost_rows(run_dir) if interval != bench_ftcost.NEVER else []
     with open(on_loop_path) as f:
         on_loop = json.load(f)
     seconds = bench_ftcost.iteration_seconds(read_journal(journal_path(run_dir, 0)), [])
-    return {"checkpoints": len(rows),
+    return {"checkpoints": args.iters // interval, "measured": len(rows),
             "slowdown_ms": 1e3 * statistics.median(r.slowdown_s for r in rows) if rows else None,
             "on_loop_ms": 1e3 * statistics.median(on_loop) if on_loop else None,
             "iteration_ms": 1e3 * statistics.median(seconds), "mean_iteration_ms": 1e3 * statistics.fmean(seconds)}
@@ -114,9 +119,9 @@ def run_all(args) -> dict:
             run = one_run(os.path.join(args.out_dir, f"round{r}-{v}"),
                           cpsr_block(v, args.intervals[v], write_mbps), args)
             runs[v].append(run)
-            print(f"round {r} {v:15s} {run['checkpoints']:4d} checkpoints | slowdown {number(run['slowdown_ms'])} ms | "
-                  f"on the loop {number(run['on_loop_ms'])} ms | iteration {run['iteration_ms']:5.1f} ms, mean "
-                  f"{run['mean_iteration_ms']:5.1f}", flush=True)
+            print(f"round {r} {v:15s} {run['checkpoints']:4d} checkpoints ({run['measured']} measured) | slowdown "
+                  f"{number(run['slowdown_ms'])} ms | on the loop {number(run['on_loop_ms'])} ms | iteration "
+                  f"{run['iteration_ms']:5.1f} ms, mean {run['mean_iteration_ms']:5.1f}", flush=True)
     return {"runs": runs, "write_mbps": write_mbps}
 
 
