@@ -421,11 +421,14 @@ def run_job(run_dir: str, cpsr: dict, iters: int, evaluations: tuple[int, int, i
     return time.time() - start
 
 
+def run_iteration_seconds(run_dir: str, trace: list[int]) -> list[float]:
+    """:func:`iteration_seconds` of the run in ``run_dir`` (rank 0's journal)."""
+    return iteration_seconds(read_journal(journal_path(run_dir, 0)), trace)
+
+
 def median_iteration_s(run_dir: str) -> float:
     """The median wall time between consecutive journal lines of one attempt (evaluations and restarts are few)."""
-    entries = read_journal(journal_path(run_dir, 0))
-    gaps = [b.wall_time - a.wall_time for a, b in zip(entries, entries[1:]) if b.iteration == a.iteration + 1]
-    return statistics.median(gaps)
+    return statistics.median(run_iteration_seconds(run_dir, []))
 
 
 def checkpoint_bytes(run_dir: str) -> int:

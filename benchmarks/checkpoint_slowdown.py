@@ -44,7 +44,6 @@ from jobs import ROOT, Child, finish_benchmark  # noqa: E402  (first: it sets th
 
 import bench_ftcost  # noqa: E402
 from cpsr_ds import plugin  # noqa: E402
-from cpsr_ds.checkpoint.journal import journal_path, read_journal  # noqa: E402
 from cpsr_ds.lag import summarize  # noqa: E402
 
 VARIANTS = {
@@ -53,14 +52,14 @@ VARIANTS = {
     "cpsr_recompute": ("cpsr", {"recovery": {"mode": "recompute"}}),
     "cpsr_skip": ("cpsr", {"predictor": {"name": "skip"}}),
     "cpsr": ("cpsr", {}),
-    "none": ("cpsr", {"recovery": {"mode": "recompute"}}),
+    "none": ("cpsr", {"recovery": {"mode": "recompute"}, "checkpoint": {"interval": bench_ftcost.NEVER}}),
 }
 NONE = "none"
 
 
 def cpsr_block(variant: str, interval: int, write_mbps: float) -> dict:
     strategy, overrides = VARIANTS[variant]
-    block = bench_ftcost.strategy_block(strategy, bench_ftcost.NEVER if variant == NONE else interval, write_mbps, [])
+    block = bench_ftcost.strategy_block(strategy, interval, write_mbps, [])
     for section, values in overrides.items():
         block.setdefault(section, {}).update(values)
     return block
@@ -98,12 +97,12 @@ def one_run(run_dir: str, cpsr: dict, args) -> dict:
     code = Child(f"{run_dir}.log", timed_train, config, args.iters, args.valid_sequences, on_loop_path).wait()
     if code != 0:
         raise RuntimeError(f"{run_dir}: exit code {code} (log {run_dir}.log)")
-    interval = cpsr["checkpoint"]["interval"]
-    rows = bench_ftcost.cost_rows(run_dir) if interval != bench_ftcost.NEVER else []
+    checkpoints = args.iters // cpsr["checkpoint"]["interval"]
+    rows = bench_ftcost.cost_rows(run_dir) if checkpoints else []
     with open(on_loop_path) as f:
         on_loop = json.load(f)
-    seconds = bench_ftcost.iteration_seconds(read_journal(journal_path(run_dir, 0)), [])
-    return {"checkpoints": args.iters // interval, "measured": len(rows),
+    seconds = bench_ftcost.run_iteration_seconds(run_dir, [])
+    return {"checkpoints": checkpoints, "measured": len(rows),
             "slowdown_ms": 1e3 * statistics.median(r.slowdown_s for r in rows) if rows else None,
             "on_loop_ms": 1e3 * statistics.median(on_loop) if on_loop else None,
             "iteration_ms": 1e3 * statistics.median(seconds), "mean_iteration_ms": 1e3 * statistics.fmean(seconds)}

@@ -21,14 +21,13 @@ import os
 import statistics
 
 import bench_ftcost as bench
-from cpsr_ds.checkpoint.journal import journal_path, read_journal
 from cpsr_ds.lag import summarize
 
 BASELINES = ("checkfreq", "pccheck")
 
 
 def mean_iteration_ms(run_dir: str, trace: list[int]) -> float:
-    return 1e3 * statistics.fmean(bench.iteration_seconds(read_journal(journal_path(run_dir, 0)), trace))
+    return 1e3 * statistics.fmean(bench.run_iteration_seconds(run_dir, trace))
 
 
 def main() -> None:

@@ -12,7 +12,7 @@ slowdown = load_benchmark("checkpoint_slowdown")
 def test_every_variant_is_a_valid_block_at_the_fixed_interval(variant):
     block = slowdown.cpsr_block(variant, 18, 3.7)
     cfg = CPSRConfig.model_validate({**block, "checkpoint": {**block["checkpoint"], "dir": "/tmp/x"}})
-    never = load_benchmark("bench_ftcost").NEVER
+    never = slowdown.bench_ftcost.NEVER
     assert cfg.checkpoint.interval == (never if variant == slowdown.NONE else 18) and cfg.checkpoint.write_mbps == 3.7
     assert cfg.checkpoint.strategy == slowdown.VARIANTS[variant][0]
 
