@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import run_job, tiny_config
-from cpsr_ds.checkpoint import host_snapshot
+from cpsr_ds.checkpoint import host_snapshot, survivor
 from cpsr_ds.checkpoint.journal import journal_path, read_journal
 from cpsr_ds.config import ConfigError, CPSRConfig
 from cpsr_ds.recovery import engine_state, read_reports
@@ -48,23 +48,36 @@ def test_memory_interval_is_checked():
         CPSRConfig.parse_block({"checkpoint": {"memory_interval": 0}})
 
 
-def test_a_crashed_process_on_a_surviving_node_loses_at_most_memory_interval_iterations(tmp_path, shm_path):
+def landed_snapshots(config: dict, rank: int) -> set[int]:
+    """The iterations of ``rank``'s host snapshots in place (verified) in the run of ``config``."""
+    cfg = CPSRConfig.parse_block(config["cpsr"]).checkpoint
+    root, run = survivor.survivor_root(cfg), survivor.run_identity(cfg.dir)
+    found = [survivor.read_dump(host_snapshot.snapshot_dir(root, run, rank, slot), rank, run, None, host_snapshot.WHAT)
+             for slot in range(host_snapshot.SLOTS)]
+    return {snap.iteration for snap in found if snap is not None}
+
+
+def test_a_crashed_process_on_a_surviving_node_resumes_from_the_newest_snapshot_every_rank_holds(tmp_path, shm_path):
     """PP = 2: rank 1 is SIGKILLed after iteration 13 (no dump), checkpoints every 8, host snapshots every 2: the
-    restart recomputes from the snapshots of iteration 12, exactly as the failed job had computed."""
+    restart recomputes from the newest snapshot both ranks hold, that of 12 (or, where the kill came while it was
+    still being written, that of 10), exactly as the failed job had computed."""
     kill_at, memory_interval = 13, 2
     config = tiny_config(tmp_path / "run", stages=2, recovery={"mode": "recompute"})
     config["cpsr"]["checkpoint"].update(survivor_dir=str(shm_path), interval=8, memory_interval=memory_interval)
     failed = run_job(tmp_path, config, "--train-iters", 16, "--kill-rank", 1, "--kill-at-iteration", kill_at,
                      check=False)
     assert failed.returncode != 0
+    newest = kill_at - kill_at % memory_interval
+    common = max(landed_snapshots(config, 0) & landed_snapshots(config, 1))
+    assert common in (newest, newest - memory_interval), common
     run_job(tmp_path, config, "--train-iters", 16)
     report = read_reports(str(tmp_path / "run"))[-1]
     assert (report.method, report.reached) == ("recompute", kill_at), report
-    assert report.checkpoint == report.resume_iteration == 12 and kill_at - report.checkpoint <= memory_interval
+    assert report.checkpoint == report.resume_iteration == common, (report, common)
     assert report.sources == {"0": "host snapshot", "1": "host snapshot"}, report
     for rank in (0, 1):
         entries = read_journal(journal_path(str(tmp_path / "run"), rank))
         first = {e.iteration: e.loss for e in entries[:kill_at]}
         redone = [e for e in entries[kill_at:] if e.iteration <= kill_at]
-        assert [e.iteration for e in redone] == [kill_at]
-        assert all(e.loss == first[e.iteration] for e in redone)  # the exact state at 12: the same iteration 13
+        assert [e.iteration for e in redone] == list(range(common + 1, kill_at + 1))
+        assert all(e.loss == first[e.iteration] for e in redone)  # the exact state at common: the same iterations

@@ -3,7 +3,9 @@ state into shared memory, beside its survivor dump (``checkpoint.survivor_dir``,
 default in /dev/shm), and persists nothing. Shared memory outlives the training
 process, so when the process crashes (SIGKILL, a segfault, the OOM killer: no survivor
 dump) and the node survives, a restart resumes from the snapshot rather than from the
-last checkpoint, losing at most ``memory_interval`` iterations.
+last checkpoint, losing at most ``memory_interval`` iterations once the newest snapshot
+is in place; a crash while it is still being written falls back to the one before it
+(up to ``2 * memory_interval - 1`` iterations lost).
 
 A snapshot is a dump in the survivor dump's format (``survivor.write_dump``: manifest,
 checksum, atomic rename). Each rank keeps two, in alternating slots, each replacing the
