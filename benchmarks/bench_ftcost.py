@@ -35,9 +35,11 @@ T_l per run = checkpoint cost + recovery cost, in seconds and as % of the failur
 
 - checkpoint cost: the sum over the run's checkpoints (every attempt) of the training
   slowdown each caused (runlog CostRow.slowdown_s; with several measuring ranks, the
-  slowest stage's per checkpoint: the pipeline waits for it). A checkpoint killed before
-  it persisted has no CostRow and is counted in neither. A run without CostRows stops
-  the benchmark with an error naming the file: there is no number to put instead;
+  slowest stage's per checkpoint: the pipeline waits for it). A checkpoint committed
+  but killed, or left at the run's end, before its cost was bracketed has no CostRow:
+  it counts at the median of the run's measured ones (the table shows how many were
+  measured). A checkpoint killed before it committed counts in neither. A run without
+  CostRows stops the benchmark with an error naming the file: there is no number to put instead;
 - recovery cost: d iterations per RB-R recovery (recovery.jsonl; a restart with no
   checkpoint yet recomputes from 0); PB-R recoveries cost the run's lag behind the
   reference at the end of training (``end_lag``: ``cpsr_ds.lag``'s estimator over the
@@ -50,7 +52,7 @@ T_l per run = checkpoint cost + recovery cost, in seconds and as % of the failur
   journal's iteration-to-iteration wall times).
 
 Beside T_l: the restart downtime (from the last iteration a killed job journaled to the
-first one its restart journaled), the number of checkpoints (CostRows), the final
+first one its restart journaled), the number of checkpoints (commits, as the job's log has them), the final
 validation loss against the reference's. Summaries over the traces: mean and its
 Student-t 95 % interval, median; cpsr's reduction of T_l against the better of
 checkfreq and pccheck on the same trace, and of the number of checkpoints against each.
@@ -70,6 +72,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -122,6 +125,10 @@ PAPER_PERSIST_ITERATIONS = 19
 PAPER_FAILURES_PER_HOUR = 0.08
 PAPER_STORAGE_MBPS = (250.0, 2000.0)  # the A30 and H100 servers
 PAPER_JOBS_S = {"VGG16": 61 * 3600 + 10 * 60, "GPT2-0.35B": 7 * 3600 + 41 * 60, "GPT3-3.35B": 10 * 3600 + 55 * 60}
+
+
+# The checkpoint engines' log line for each commit (cpsr_ds.checkpoint.persist, torch_engine).
+COMMITTED = re.compile(r"checkpoint global_step\d+ committed")
 
 
 class NoCostRows(RuntimeError):
@@ -183,13 +190,28 @@ def cost_rows(run_dir: str) -> list[CostRow]:
     return costs
 
 
-def checkpoint_cost(rows: list[CostRow]) -> tuple[float, int]:
-    """(summed slowdown, seconds; checkpoints): per checkpoint (attempt, iteration), the slowest measuring rank's."""
+def checkpoint_cost(rows: list[CostRow], committed: int | None = None) -> tuple[float, int, int]:
+    """(summed slowdown, seconds; checkpoints; those measured): per checkpoint (attempt, iteration), the slowest
+    measuring rank's.
+
+    ``committed``: the run's commits (:func:`committed_checkpoints`). A checkpoint gets no CostRow where its
+    process is killed, or the run ends, before the clean iterations after its persist arrive, which happens most
+    to a strategy whose persists overlap; each such commit is charged the median of the run's measured ones.
+    """
     per_checkpoint: dict[tuple[int, int], float] = {}
     for r in rows:
         key = (r.attempt, r.iteration)
         per_checkpoint[key] = max(per_checkpoint.get(key, -math.inf), r.slowdown_s)
-    return sum(per_checkpoint.values()), len(per_checkpoint)
+    measured = len(per_checkpoint)
+    unmeasured = max(0, (committed or 0) - measured)
+    seconds = sum(per_checkpoint.values()) + unmeasured * (statistics.median(per_checkpoint.values()) if measured else 0.0)
+    return seconds, measured + unmeasured, measured
+
+
+def committed_checkpoints(log_path: str) -> int:
+    """The commits a one-process run's jobs logged (every attempt, appended to one log)."""
+    with open(log_path, errors="replace") as f:
+        return sum(1 for line in f if COMMITTED.search(line))
 
 
 def used_interval(rows: list[CostRow]) -> int:
@@ -499,7 +521,7 @@ def components(rows: list[CostRow], strategy: str) -> dict:
 def run_summary(run_dir: str, strategy: str, trace: list[int], reference: dict, iters: int, iteration_s: float,
                 failure_free_s: float) -> dict:
     rows = cost_rows(run_dir)
-    checkpoint_s, checkpoints = checkpoint_cost(rows)
+    checkpoint_s, checkpoints, measured = checkpoint_cost(rows, committed_checkpoints(f"{run_dir}.log"))
     recovered = recoveries(read_reports(run_dir))
     if recovered["n_failures"] != len(trace):
         raise RuntimeError(f"{run_dir}: recovery.jsonl has {recovered['n_failures']} restarts, the trace "
@@ -519,7 +541,8 @@ def run_summary(run_dir: str, strategy: str, trace: list[int], reference: dict, 
         interval = used_interval(rows)
     except ValueError:  # no attempt took two checkpoints
         interval = None
-    return {**recovered, **lag, **cost, "checkpoints": checkpoints, "used_interval": interval, "rho": saved,
+    return {**recovered, **lag, **cost, "checkpoints": checkpoints, "measured_checkpoints": measured,
+            "used_interval": interval, "rho": saved,
             "restart_downtime_s": sum(down), "downtimes_s": down, "final_val_loss": final,
             "final_loss_excess": final / reference[iters] - 1, "components": components(rows, strategy)}
 
@@ -613,10 +636,11 @@ def print_result(result: dict) -> None:
     print(f"\nfailure-free: {result['failure_free_s']:.1f} s ({result['settings']['iters']} iterations of "
           f"{result['iteration_time_s'] * 1e3:.2f} ms); reference final validation loss "
           f"{result['final_val_loss']['reference']:.4f}")
-    head = (f"{'strategy':9s} | {'T_c':>5s} {'ckpts':>5s} {'fails':>5s} {'PB-R':>4s} {'infl':>4s} | {'ckpt s':>7s} "
+    head = (f"{'strategy':9s} | {'T_c':>5s} {'ckpts':>5s} {'meas':>5s} {'fails':>5s} {'PB-R':>4s} {'infl':>4s} | {'ckpt s':>7s} "
             f"{'recomp':>6s} {'lag it':>7s} {'recov s':>7s} | {'T_l s':>7s} {'T_l %':>6s} | {'down s':>6s} | "
             f"final loss (vs ref)")
-    print("T_c: the interval used (median gap between checkpoints); infl: recoveries from the parameters of the "
+    print("T_c: the interval used (median gap between checkpoints); ckpts: commits, meas: those with a measured "
+          "cost (the rest count at its median); infl: recoveries from the parameters of the "
           "checkpoint in flight; recomp: iterations recomputed; lag it: the lag at the end; recov s: both at the "
           "iteration time; down s: restart downtime, beside T_l")
     for number, trace in enumerate(result["traces"]):
@@ -624,7 +648,7 @@ def print_result(result: dict) -> None:
         print(head)
         for s, r in trace["runs"].items():
             lag = f"{'unmeas.':>7s}" if r["unmeasurable"] else num(r["lag_iters"], ".1f", 7)
-            print(f"{s:9s} | {num(r['used_interval'], 'd', 5)} {r['checkpoints']:5d} {r['n_failures']:5d} {r['predicted']:4d} {r['in_flight']:4d} | "
+            print(f"{s:9s} | {num(r['used_interval'], 'd', 5)} {r['checkpoints']:5d} {r['measured_checkpoints']:5d} {r['n_failures']:5d} {r['predicted']:4d} {r['in_flight']:4d} | "
                   f"{r['checkpoint_cost_s']:7.2f} {r['recomputed_iters']:6d} {lag} {num(r['recovery_cost_s'], '.2f', 7)}"
                   f" | {num(r['ft_cost_s'], '.2f', 7)} {num(r['ft_cost_pct'], '.2f', 6)} | "
                   f"{r['restart_downtime_s']:6.1f} | {r['final_val_loss']:.4f} ({r['final_loss_excess']:+.3%})"
@@ -726,6 +750,9 @@ def main(argv=None) -> None:
     if args.from_runs:
         with open(os.path.join(args.out_dir, "manifest.json")) as f:
             manifest = json.load(f)
+        print(f"the runs of {args.out_dir} (its manifest.json) summarised again; write_mbps "
+              f"{manifest['warm_up']['write_mbps']:.3f}, failures after iterations "
+              + "; ".join(str(t["failures"]) for t in manifest["traces"]), flush=True)
     else:
         manifest = run_all(args)
     try:

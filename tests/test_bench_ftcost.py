@@ -70,15 +70,30 @@ def run_dir(tmp_path):
 
 
 def test_checkpoint_cost_sums_each_checkpoints_slowest_rank_over_every_attempt(bench, run_dir):
-    seconds, checkpoints = bench.checkpoint_cost(bench.cost_rows(run_dir))
-    assert checkpoints == 4
+    seconds, checkpoints, measured = bench.checkpoint_cost(bench.cost_rows(run_dir))
+    assert checkpoints == measured == 4
     assert seconds == pytest.approx(0.30 + 0.05 + 0.07 + 0.01)
+
+
+def test_a_commit_without_a_cost_row_counts_at_the_median_measured_cost(bench, run_dir):
+    # Six commits logged, four measured (0.30, 0.05, 0.07, 0.01: median 0.06); fewer logged never lowers the count.
+    assert bench.checkpoint_cost(bench.cost_rows(run_dir), committed=6) == (pytest.approx(0.43 + 2 * 0.06), 6, 4)
+    assert bench.checkpoint_cost(bench.cost_rows(run_dir), committed=3) == (pytest.approx(0.43), 4, 4)
+
+
+def test_commits_are_counted_from_the_jobs_log_over_every_attempt(bench, tmp_path):
+    log = tmp_path / "run.log"
+    log.write_text("[cpsr_ds] checkpoint global_step5 committed, latest moved to it\n"
+                   "[cpsr_ds] checkpoint global_step10 committed\n"
+                   "[cpsr_ds] cpsr recovery: recomputing from global_step10\n"
+                   "[cpsr_ds] checkpoint global_step10 committed, latest moved to it\n")
+    assert bench.committed_checkpoints(str(log)) == 3
 
 
 def test_a_checkpoint_measured_below_zero_counts_as_measured(bench, tmp_path):
     # One checkpoint's slowdown is a noisy estimate; flooring it at 0 would bias the run's sum upward.
     rows = [cost(0, 1, 10, 0.10), cost(0, 1, 20, -0.04), cost(0, 1, 30, -0.02), cost(2, 1, 30, -0.05, stage=1)]
-    assert bench.checkpoint_cost(rows) == (pytest.approx(0.10 - 0.04 - 0.02), 3)
+    assert bench.checkpoint_cost(rows) == (pytest.approx(0.10 - 0.04 - 0.02), 3, 3)
 
 
 def test_a_run_without_cost_rows_is_an_error_naming_the_file(bench, tmp_path):
