@@ -1,7 +1,8 @@
 # make demo: train the tiny GPT on the CPU, inject a failure, restart, recover.
-# make test: the test suite on TEST_WORKERS pytest-xdist workers (default 2, a test file each): on 2 cores
-# one worker takes about 16 minutes, two 9-12. The job tests that kill a rank expect only what a loaded
-# machine still guarantees (a checkpoint committed several iterations before the kill, a snapshot waited for).
+# make test: the test suite on TEST_WORKERS pytest-xdist workers (default 2, a test file each), then the tests
+# marked serial (pytest.ini) alone: on 2 cores one worker takes about 16 minutes, two 10-12. The other job
+# tests that kill a rank expect only what a loaded machine still guarantees (a checkpoint committed several
+# iterations before the kill, the newest snapshot every rank holds).
 # Both create .venv on first use; torch is pinned to the CPU wheel (an unpinned
 # torch pulls several GB of CUDA packages).
 # make gpu-bench [GPU_OUT=DIR] [GPU_PART=1|2|3|all]: every GPU measurement (benchmarks/gpu/run.sh), on the
@@ -30,7 +31,12 @@ demo: $(STAMP)
 	$(PY) launch/demo.py
 
 test: $(STAMP)
-	$(PY) -m pytest -q $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) tests
+ifeq ($(TEST_WORKERS),1)
+	$(PY) -m pytest -q tests
+else
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial" tests
+	$(PY) -m pytest -q -m serial tests
+endif
 
 GPU_OUT  ?= benchmarks/results/gpu
 GPU_PART ?= all

@@ -19,6 +19,10 @@ from cpsr_ds.checkpoint import store
 from cpsr_ds.checkpoint.journal import journal_path, read_journal
 from cpsr_ds.recovery import read_reports
 
+# The kill must fall between a checkpoint of the fast stage alone, committed within 3 iterations, and the slow stage's
+# next full cut, whose interval the planner measures: with another test's jobs on the same cores it fell before either.
+pytestmark = pytest.mark.serial
+
 N = 4  # checkpoint.interval: the fast stage's
 # The per-stage plan comes once 3 checkpoints' costs are bracketed, at the full cut at 20 or 24; the kill falls
 # after the fast stage's checkpoint at 40, before the slow stage's next full cut at a multiple of 5N.
