@@ -465,11 +465,12 @@ class Runtime:
             measured = dict(p for p in persist if p is not None and p[1] is not None)
             chosen = self._on_rank0(lambda: multiples([measured[s] for s in range(self.stages)])
                                     if len(measured) == self.stages else old.multiples)
-            schedule = replace(old, multiples=tuple(chosen or old.multiples))
+            schedule = replace(old, origin=iteration, multiples=tuple(chosen or old.multiples))
         self.schedule, self.interval = schedule, schedule.base
         if self.rank == 0 and (start or schedule.intervals() != old.intervals()):
-            logger.info("cpsr: per-stage checkpoint intervals: %s iterations; every stage together every %d",
-                        ", ".join(f"stage {k} {t}" for k, t in enumerate(schedule.intervals())), schedule.cycle)
+            logger.info("cpsr: per-stage checkpoint intervals from iteration %d: %s iterations; every stage together "
+                        "every %d", iteration, ", ".join(f"stage {k} {t}" for k, t in enumerate(schedule.intervals())),
+                        schedule.cycle)
 
     def _stage_inputs(self, engine: PipelineEngine) -> StageInputs | None:
         if not self.measuring:

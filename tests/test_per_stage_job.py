@@ -109,10 +109,15 @@ def test_the_slower_stage_checkpoints_less_often_and_both_recoveries_lose_nothin
     assert set(held[1]) < set(held[0]) and all(i % N == 0 for i in held[0]), held
     cut, fast = held[1][-1], held[0][-1]
     assert cut < fast < KILL_AT and held[0][-2] == fast - N, held
-    (*_, intervals) = re.findall(r"per-stage checkpoint intervals: stage 0 (\d+), stage 1 (\d+)",
-                                 (tmp_path / "first-node0.log").read_text())
-    fast_interval, slow_interval = map(int, intervals)
-    assert fast_interval == N and slow_interval % N == 0 and slow_interval > N, intervals
+    plans = [tuple(map(int, p)) for p in re.findall(r"per-stage checkpoint intervals from iteration (\d+): stage 0 (\d+), "
+                                                    r"stage 1 (\d+)", (tmp_path / "first-node0.log").read_text())]
+    (*_, (_, fast_interval, slow_interval)) = plans
+    assert fast_interval == N and slow_interval % N == 0 and slow_interval > N, plans
+    # Each stage's intervals count from the full cut where they were chosen.
+    for at, *intervals in plans:
+        for stage, interval in enumerate(intervals):
+            after = [i for i in held[stage] if i > at]
+            assert not after or after[0] == at + interval, (plans, held)
     # The layer split: stage 0's checkpoints hold the embedding and one block, a full cut all five layers.
     layers = sorted(n for n in os.listdir(run / f"global_step{fast}") if n.startswith("layer_"))
     assert layers == ["layer_00-model_states.pt", "layer_01-model_states.pt"], layers
