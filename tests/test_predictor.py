@@ -18,7 +18,7 @@ from cpsr_ds.predictor import fdd, samples
 from cpsr_ds.predictor import trainer as trainer_module
 from cpsr_ds.predictor.simple import damping_gain, fit_damping, increment_gram, intervals
 from cpsr_ds.predictor.state import PIECE, History
-from cpsr_ds.predictor.trainer import significantly_lower
+from cpsr_ds.predictor.trainer import FILL_CHECK_PIECE, HELD_OUT_PIECE, significantly_lower
 from cpsr_ds.shard import assemble, shapes_of, share
 
 # Checkpoints at variable intervals (30..70 iterations), the failure between two.
@@ -400,6 +400,15 @@ def test_vitp_never_trains_on_a_held_out_chunk(fill_check):
     assert set(rows.tolist()) == set(range(16)) - held
 
 
+def test_vitp_training_names_the_piece_after_its_last_step_at_the_pause_before_it():
+    # The coordinator keeps the held-out check's cost apart from the micro-batches' (coordinator.PieceCost.named).
+    p = fed("vitp", decay, **VITP_SMALL)
+    names = list(p.training(n_steps=2))
+    assert names[-2:] == [HELD_OUT_PIECE, None] and set(names[:-2]) == {None}, names  # the steps' pieces first
+    names = list(p.trainer.training(n_steps=2, validate=False, then=FILL_CHECK_PIECE))
+    assert names[-1] == FILL_CHECK_PIECE and set(names[:-1]) == {None}, names
+
+
 def test_vitp_filling_keeps_the_weights_that_do_best_on_its_check_and_keeps_them_when_stopped():
     states = lambda t: decay(t, noise=1e-3)  # noqa: E731
     filled, stopped = (fed("vitp", states, fill_every=2, **VITP_SMALL) for _ in range(2))
@@ -413,7 +422,8 @@ def test_vitp_filling_keeps_the_weights_that_do_best_on_its_check_and_keeps_them
     assert (filled.trainer.steps - 5) % 2 == 0  # the undone block's steps are not counted
     before = copy.deepcopy(stopped.trainer.model.state_dict())
     filling = stopped.filling()
-    next(filling)  # the check before the first block
+    assert next(filling) == FILL_CHECK_PIECE  # names the check before the first block, which runs next
+    next(filling)  # the check
     next(filling)  # the block's first step (one micro-batch): the weights move
     assert any(not torch.equal(w, before[k]) for k, w in stopped.trainer.model.state_dict().items())
     filling.close()  # the next checkpoint drops the job: back to the best, the weights it began with

@@ -20,7 +20,7 @@ import copy
 import math
 import time
 from dataclasses import asdict, dataclass
-from typing import Generator, Iterator
+from typing import Generator, Iterator, Optional
 
 import torch
 
@@ -97,6 +97,11 @@ def significantly_lower(after: torch.Tensor, before: torch.Tensor, z: float = 2.
     return bool(d.mean() < -z * d.std() / math.sqrt(d.numel()))
 
 
+# The pieces of training that are not micro-batches, by the names the coordinator keeps their costs under.
+HELD_OUT_PIECE = "held_out_check"
+FILL_CHECK_PIECE = "fill_check"
+
+
 class Clock:
     """Seconds spent while running, the pauses left out."""
 
@@ -106,10 +111,11 @@ class Clock:
     def now(self) -> float:
         return self.seconds + time.perf_counter() - self._since
 
-    def pause(self) -> Iterator[None]:
-        """A yield that the clock does not count."""
+    def pause(self, upcoming: Optional[str] = None) -> Iterator[Optional[str]]:
+        """A yield that the clock does not count; it yields ``upcoming``, the name of the piece after it where that
+        one is not a micro-batch (coordinator.PieceCost.named)."""
         self.seconds = self.now()
-        yield
+        yield upcoming
         self._since = time.perf_counter()
 
 
@@ -294,11 +300,12 @@ class VITPTrainer:
             raise ValueError("step needs a time budget or a step count")
         return to_end(self.training(budget_s, n_steps, validate))
 
-    def training(self, budget_s: float | None = None, n_steps: int | None = None,
-                 validate: bool = True) -> Generator[None, None, StepReport]:
+    def training(self, budget_s: float | None = None, n_steps: int | None = None, validate: bool = True,
+                 then: Optional[str] = None) -> Generator[Optional[str], None, StepReport]:
         """:meth:`step` in pieces: it pauses after each micro-batch (:meth:`train_step`), so that the coordinator
         runs it a bubble at a time; the seconds it counts are those it ran. Without either limit it trains until
-        the caller stops it."""
+        the caller stops it. The pause after the last step names the piece that follows: the held-out check
+        (HELD_OUT_PIECE) or, without it, the caller's ``then``."""
         if not self.trainable():
             return StepReport(0, 0.0, math.nan, math.nan)
         clock = Clock()
@@ -314,7 +321,9 @@ class VITPTrainer:
             t0 = clock.now()
             losses.append((yield from self._paused(self.train_step(), clock)))
             longest = max(longest, clock.now() - t0)
-            yield from clock.pause()
+            last = (n_steps is not None and len(losses) >= n_steps) or \
+                (budget_s is not None and clock.now() + longest > budget_s)
+            yield from clock.pause((HELD_OUT_PIECE if validate else then) if last else None)
         val_loss, relative, _ = self.validate() if validate else (math.nan, math.nan, None)
         if validate:
             yield from clock.pause()
@@ -326,7 +335,7 @@ class VITPTrainer:
                                         relative))
         return StepReport(len(losses), seconds, train_loss, val_loss)
 
-    def filling(self, every: int, patience: int) -> Iterator[None]:
+    def filling(self, every: int, patience: int) -> Iterator[Optional[str]]:
         """Training beyond the checkpoints' steps (``coordinator.fill``) while it helps, a piece at a time. Every
         ``every`` steps the error of each of the fill check's chunks (neither trained on nor in the held-out
         error) is measured; a block that lowers it below the best so far by more than its noise
@@ -343,12 +352,13 @@ class VITPTrainer:
         checkpoints after the warm-up, 5 of 5 pairs)."""
         if not (self.fill_check and self.trainable()):
             return
+        yield FILL_CHECK_PIECE
         best = (self.check_errors(), self._snapshot())
         misses = 0
         try:
             while misses < patience:
                 yield
-                yield from self.training(n_steps=every, validate=False)
+                yield from self.training(n_steps=every, validate=False, then=FILL_CHECK_PIECE)
                 errors = self.check_errors()
                 if significantly_lower(errors, best[0]):
                     best, misses = (errors, self._snapshot()), 0

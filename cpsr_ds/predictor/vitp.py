@@ -9,7 +9,7 @@ on.
 
 from __future__ import annotations
 
-from typing import Generator, Iterator
+from typing import Generator, Iterator, Optional
 
 import torch
 
@@ -93,13 +93,13 @@ class VITPPredictor(Predictor):
         :meth:`VITPTrainer.filling`)."""
         self.trainer.reserve_fill_check()
 
-    def filling(self) -> Iterator[None]:
+    def filling(self) -> Iterator[Optional[str]]:
         """Training in the bubbles left until the next checkpoint while it helps (:meth:`VITPTrainer.filling`,
         checked every ``fill_every`` steps, ending after ``fill_patience`` checks without a new best)."""
         return self.trainer.filling(self._options["fill_every"], self._options["fill_patience"])
 
     def training(self, budget_s: float | None = None, n_steps: int | None = None,
-                 validate: bool = True) -> Generator[None, None, StepReport]:
+                 validate: bool = True) -> Generator[Optional[str], None, StepReport]:
         """:meth:`step` a micro-batch at a time (see :meth:`VITPTrainer.training`)."""
         return self.trainer.training(budget_s=budget_s, n_steps=n_steps, validate=validate)
 
