@@ -1,6 +1,6 @@
 # make demo: train the tiny GPT on the CPU, inject a failure, restart, recover.
 # make test: the test suite on TEST_WORKERS pytest-xdist workers (default 2, a test file each), then the tests
-# marked serial (pytest.ini) alone: on 2 cores one worker takes about 16 minutes, two 10-12. The other job
+# marked serial (pytest.ini) alone: on 2 cores one worker takes about 16 minutes, two 11-13. The other job
 # tests that kill a rank expect only what a loaded machine still guarantees (a checkpoint committed several
 # iterations before the kill, the newest snapshot every rank holds).
 # Both create .venv on first use; torch is pinned to the CPU wheel (an unpinned
