@@ -311,19 +311,20 @@ class VITPTrainer:
         clock = Clock()
         losses: list[float] = []
         longest = 0.0
-        # A pause follows every piece, the last too: the coordinator times a piece up to its pause, and the
-        # held-out check may be the largest piece.
-        while n_steps is None or len(losses) < n_steps:
+
+        def another_step() -> bool:
             # Stop before a step that would overrun the budget. The longest step so far, not the last, is the
             # estimate: a step the scheduler preempted is the one that overruns.
-            if budget_s is not None and losses and clock.now() + longest > budget_s:
-                break
+            return (n_steps is None or len(losses) < n_steps) and \
+                not (budget_s is not None and losses and clock.now() + longest > budget_s)
+
+        # A pause follows every piece, the last too: the coordinator times a piece up to its pause, and the
+        # held-out check may be the largest piece.
+        while another_step():
             t0 = clock.now()
             losses.append((yield from self._paused(self.train_step(), clock)))
             longest = max(longest, clock.now() - t0)
-            last = (n_steps is not None and len(losses) >= n_steps) or \
-                (budget_s is not None and clock.now() + longest > budget_s)
-            yield from clock.pause((HELD_OUT_PIECE if validate else then) if last else None)
+            yield from clock.pause(None if another_step() else HELD_OUT_PIECE if validate else then)
         val_loss, relative, _ = self.validate() if validate else (math.nan, math.nan, None)
         if validate:
             yield from clock.pause()
