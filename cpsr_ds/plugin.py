@@ -152,6 +152,8 @@ class Runtime:
         self.faults = FaultInjector(cfg.faults, self.directory, rank, world)
         self.predictor = new_predictor(cfg, data_parallel(engine).size)
         self.recovery = recover(engine, cfg, self.predictor, attempt=self.attempt)
+        restored = self.predictor.history.iterations
+        predictor_at = restored[-1] if restored else engine.global_steps
         self.learning = hasattr(self.predictor, "step")
         persisted = getattr(engine.checkpoint_engine, "wait_persisted", None)
         self._flush_checkpoints = getattr(engine.checkpoint_engine, "flush", None)
@@ -174,7 +176,7 @@ class Runtime:
         self.monitor = engine.monitor if rank == 0 and engine.monitor.enabled else None
         self.meter = CostMeter()
         self._started = None  # when the running iteration's train_batch began
-        self._load_measurements(engine.global_steps)
+        self._load_measurements(engine.global_steps, predictor_at)
         # Rank 0 plans from the journal's losses: read once here, then kept as they are journaled.
         entries = self._journal_entries() if rank == 0 else None
         self.history = self._history(engine.global_steps, entries) if rank == 0 else None
@@ -553,8 +555,15 @@ class Runtime:
 
     # ------------------------------------------------------------ the run's history
 
-    def _load_measurements(self, resumed_at: int) -> None:
-        """This stage's earlier measurements (up to where the job resumed) and its phase."""
+    def _load_measurements(self, resumed_at: int, predictor_at: int) -> None:
+        """This stage's earlier measurements and its phase: the checkpoints' costs up to where the job resumed,
+        the predictor's records (held-out error, xi) up to ``predictor_at``, the newest checkpoint the predictor
+        was restored from.
+
+        A job resumed ahead of that checkpoint (from the parameters of one in flight, or a host snapshot) holds a
+        predictor that never saw the checkpoints in between, and its next recovery weighs that predictor's held-out
+        error: planned with the later one's (r 1.29), a restart in bench_ftcost chose 87 iterations for trend where
+        recovery, at the committed one's r 1.51, fell back from it and recomputed failures 39 and 63 iterations on."""
         self.costs, self.states, self.phase = [], [], None
         if not self.measuring:
             return
@@ -562,11 +571,11 @@ class Runtime:
         for problem in problems:
             logger.warning("cpsr: %s", problem)
         for row in rows:
-            if row.stage != self.stage or row.iteration > resumed_at:
+            if row.stage != self.stage:
                 continue
-            if isinstance(row, StateRow) and row.predictor == self.cfg.predictor.name:
+            if isinstance(row, StateRow) and row.predictor == self.cfg.predictor.name and row.iteration <= predictor_at:
                 self._add_state(row)
-            elif isinstance(row, CostRow):
+            elif isinstance(row, CostRow) and row.iteration <= resumed_at:
                 self.costs.append(Cost(row.iteration, row.iteration_time_s, row.stall_s, row.slowdown_s,
                                        row.persist_s, row.nbytes))
 

@@ -8,9 +8,11 @@ import shutil
 import pytest
 
 from conftest import run_job, tiny_config
+from cpsr_ds import runlog
 from cpsr_ds.checkpoint import store
 from cpsr_ds.checkpoint.journal import journal_path, read_journal
 from cpsr_ds.recovery import read_reports
+from cpsr_ds.runlog import CostRow, StateRow
 
 INTERVAL, REACHED, C, IN_FLIGHT = 8, 19, 8, 16
 
@@ -39,19 +41,22 @@ def failed(tmp_path_factory):
     return tmp
 
 
-def restarted(failed, tmp_path, name: str, mode: str = "auto", damage: bool = False, train_iters: int = REACHED + 5):
+def restarted(failed, tmp_path, name: str, mode: str = "auto", damage: bool = False, train_iters: int = REACHED + 5,
+              interval=INTERVAL, prepare=None):
     """A copy of the failed run restarted with ``recovery.mode`` ``mode`` (``damage``: a byte of one rank's
-    landed layer file flipped first) and trained to ``train_iters``; (its recovery report, its directory, the
-    job's output)."""
+    landed layer file flipped first; ``prepare``: called with the copy's directory first) at checkpoint
+    ``interval`` and trained to ``train_iters``; (its recovery report, its directory, the job's output)."""
     run = tmp_path / name
     shutil.copytree(failed / "run", run)
+    if prepare is not None:
+        prepare(run)
     if damage:
         path = sorted((run / f"global_step{IN_FLIGHT}").glob("layer_*"))[-1]
         data = bytearray(path.read_bytes())
         data[-1] ^= 0xFF
         path.write_bytes(bytes(data))
     # damped needs three checkpoints, the run has one committed: recovery recomputes, from the newest state it may.
-    config = tiny_config(run, stages=2, checkpoint={"dir": str(run), "interval": INTERVAL}, recovery={"mode": mode},
+    config = tiny_config(run, stages=2, checkpoint={"dir": str(run), "interval": interval}, recovery={"mode": mode},
                          predictor={"name": "damped"})
     result = run_job(tmp_path, config, "--train-iters", train_iters)
     return read_reports(str(run))[-1], run, result.stdout + result.stderr
@@ -87,6 +92,27 @@ def test_a_job_that_fails_again_before_a_new_commit_may_still_predict(failed, tm
     run_job(tmp_path, config, "--train-iters", REACHED + 5)
     again = read_reports(str(run))[-1]
     assert (again.method, again.reached, again.resume_iteration) == ("predict", REACHED + 3, REACHED + 3), again
+
+
+def test_a_restart_from_the_checkpoint_in_flight_plans_with_the_predictor_it_restored(failed, tmp_path):
+    # The restarted predictor holds checkpoint 8, not 16 (in flight, never committed): recovery's next decision
+    # weighs its held-out error, and so must the interval planned at the restart.
+    def measured(run):
+        for rank in (0, 1):  # each rank is its stage's measuring rank
+            path = runlog.measurements_path(str(run), rank)
+            for iteration in (2, 4, 6):
+                runlog.append(path, CostRow(iteration, rank, rank, 0, 0.05, 0.001, 0.01, 0.2, 1000))
+            for iteration, r in ((C, 2.0), (IN_FLIGHT, 0.5)):
+                runlog.append(path, StateRow(iteration, rank, rank, 0, "damped", 1000, xi=1e-6, held_out_error=1e-5,
+                                             relative_error=r))
+
+    report, run, _ = restarted(failed, tmp_path, "planned", interval="auto", prepare=measured)
+    assert report.resume_iteration == IN_FLIGHT, report
+    plans, problems = runlog.read_plans(str(run))
+    assert not problems
+    restart = [p for p in plans if p.reason == "restart"]
+    assert len(restart) == 1 and restart[0].iteration == IN_FLIGHT, plans
+    assert restart[0].inputs["relative_error"] == [2.0, 2.0], restart[0].inputs
 
 
 def test_a_damaged_landed_layer_file_is_not_used(failed, tmp_path):
