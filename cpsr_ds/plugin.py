@@ -184,7 +184,12 @@ class Runtime:
         self.planned = None  # the watched inputs of the last plan
         self.planned_phase = 0
         self.interval = cfg.planner.first_interval
-        self.next_checkpoint = engine.global_steps + self.interval
+        # The schedule counts from the newest state on storage. After a predicting-based recovery that is c, not the
+        # f the job resumed at: a failure before the next checkpoint goes back to c and loses every iteration since.
+        report = self.recovery
+        self.stored_at = report.checkpoint if report.method == "predict" and report.checkpoint is not None \
+            else engine.global_steps
+        self.next_checkpoint = next_checkpoint_at(engine.global_steps, self.stored_at, self.interval)
         # checkpoint.per_stage: each stage at its own interval (stage_intervals.py); one stage is the usual case.
         self.per_stage = cfg.checkpoint.per_stage and engine.num_stages > 1
         self.stages = engine.num_stages
@@ -439,7 +444,7 @@ class Runtime:
         else:
             interval = self._on_rank0(lambda: engine.checkpoint_engine.interval(self.meter.baseline()))
         self.interval = self._clamped(interval)
-        self.next_checkpoint = iteration + self.interval
+        self.next_checkpoint = next_checkpoint_at(iteration, self.stored_at if start else iteration, self.interval)
 
     def _clamped(self, interval) -> int:
         return int(planner.clamp_interval(interval or self.cfg.planner.first_interval, self.cfg.planner.max_interval))
@@ -687,6 +692,12 @@ class CPSRPipelineEngine(PipelineEngine):
     _INSTRUCTION_MAP = {**PipelineEngine._INSTRUCTION_MAP, schedule.OptimizerStep: _exec_optimizer_step,
                         schedule.RecvActivation: _exec_recv_activations, schedule.RecvGrad: _exec_recv_grads,
                         PredictorWork: _exec_predictor_work}
+
+
+def next_checkpoint_at(iteration: int, stored_at: int, interval: int) -> int:
+    """The iteration of the next checkpoint after ``iteration``: ``interval`` after the newest state on storage
+    (``stored_at``), and at the earliest at the next iteration (where that state is already ``interval`` old)."""
+    return max(iteration + 1, stored_at + interval)
 
 
 def iterations_to_checkpoint(iteration: int, interval, auto_next: int) -> int:

@@ -325,3 +325,36 @@ def test_the_predictors_weights_go_into_the_checkpoint_as_a_host_copy():
     assert torch.equal(saved["model"]["w"], torch.ones(3)) and saved["curve"] == [{"loss": 1.0}]
     assert saved["steps"] == 2 and isinstance(saved["generator"], tuple)
     assert saved["generator"][0].device.type == "cpu" and saved["generator"][0].data_ptr() != seed.data_ptr()
+
+
+def test_the_next_checkpoint_is_an_interval_after_the_newest_state_on_storage():
+    from cpsr_ds.plugin import next_checkpoint_at
+
+    assert next_checkpoint_at(40, 40, 12) == 52  # after a checkpoint, or a restart from one
+    assert next_checkpoint_at(45, 40, 12) == 52  # a job resumed by prediction at 45 from checkpoint 40
+    assert next_checkpoint_at(60, 40, 12) == 61  # ... at 60: its state on storage is already 20 iterations old
+
+
+def test_after_a_predicting_restart_the_schedule_counts_from_the_checkpoint_predicted_from(tmp_path):
+    run_dir = tmp_path / "run"
+    # A failure rate this low plans the longest interval allowed: checkpoints every 4 iterations.
+    config = tiny_config(run_dir, stages=1, predictor={"name": "linear", "history": 3}, recovery={"mode": "predict"},
+                         planner={"first_interval": 4, "max_interval": 4, "failure_rate_per_hour": 1e-3})
+    config["cpsr"]["checkpoint"]["interval"] = "auto"
+    engine, *_ = build(config)
+    batches = random_batches(engine)
+    for _ in range(14):
+        engine.train_batch(iter(batches))
+    assert engine.checkpoint_engine.flush(timeout_s=60)
+    engine.destroy()  # the journal is at 14, the newest checkpoint 12
+
+    engine, *_ = build(config)
+    report = engine.cpsr.recovery
+    assert (report.method, report.checkpoint, report.resume_iteration) == ("predict", 12, 14), report
+    assert engine.cpsr.interval == 4 and engine.cpsr.next_checkpoint == 16
+    for _ in range(3):
+        engine.train_batch(iter(batches))
+    attempt = engine.cpsr.attempt
+    engine.destroy()
+    rows, _ = runlog.read_measurements(str(run_dir))
+    assert [r.iteration for r in rows if isinstance(r, runlog.StateRow) and r.attempt == attempt] == [16]
