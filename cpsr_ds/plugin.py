@@ -152,8 +152,12 @@ class Runtime:
         self.faults = FaultInjector(cfg.faults, self.directory, rank, world)
         self.predictor = new_predictor(cfg, data_parallel(engine).size)
         self.recovery = recover(engine, cfg, self.predictor, attempt=self.attempt)
+        # Where the job resumed ahead of its newest state on storage, two origins differ from the resume point: the
+        # predictor's records count to the checkpoint it was restored from (_load_measurements), and the schedule
+        # counts from c after a predicting-based recovery, as a failure before the next checkpoint goes back there.
         restored = self.predictor.history.iterations
         predictor_at = restored[-1] if restored else engine.global_steps
+        self.stored_at = self.recovery.checkpoint if self.recovery.method == "predict" else engine.global_steps
         self.learning = hasattr(self.predictor, "step")
         persisted = getattr(engine.checkpoint_engine, "wait_persisted", None)
         self._flush_checkpoints = getattr(engine.checkpoint_engine, "flush", None)
@@ -184,11 +188,6 @@ class Runtime:
         self.planned = None  # the watched inputs of the last plan
         self.planned_phase = 0
         self.interval = cfg.planner.first_interval
-        # The schedule counts from the newest state on storage. After a predicting-based recovery that is c, not the
-        # f the job resumed at: a failure before the next checkpoint goes back to c and loses every iteration since.
-        report = self.recovery
-        self.stored_at = report.checkpoint if report.method == "predict" and report.checkpoint is not None \
-            else engine.global_steps
         self.next_checkpoint = next_checkpoint_at(engine.global_steps, self.stored_at, self.interval)
         # checkpoint.per_stage: each stage at its own interval (stage_intervals.py); one stage is the usual case.
         self.per_stage = cfg.checkpoint.per_stage and engine.num_stages > 1
