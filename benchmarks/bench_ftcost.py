@@ -39,7 +39,9 @@ T_l per run = checkpoint cost + recovery cost, in seconds and as % of the failur
   but killed, or left at the run's end, before its cost was bracketed has no CostRow:
   it counts at the median of the run's measured ones (the table shows how many were
   measured). A checkpoint killed before it committed counts in neither. A run without
-  CostRows stops the benchmark with an error naming the file: there is no number to put instead;
+  CostRows stops the benchmark with an error naming the file: there is no number to put instead.
+  A run whose measured slowdowns sum below their stalls (``implausible_checkpoint_cost``) has
+  an unmeasurable checkpoint cost, and so T_l, with the reason, out of every mean, median and ratio;
 - recovery cost: d iterations per RB-R recovery (recovery.jsonl; a restart with no
   checkpoint yet recomputes from 0); PB-R recoveries cost the run's lag behind the
   reference at the end of training (``end_lag``: ``cpsr_ds.lag``'s estimator over the
@@ -208,6 +210,29 @@ def checkpoint_cost(rows: list[CostRow], committed: int | None = None) -> tuple[
     return seconds, measured + unmeasured, measured
 
 
+def implausible_checkpoint_cost(rows: list[CostRow]) -> str:
+    """Why the run's measured slowdowns cannot be its checkpoint cost; "" where they can.
+
+    A checkpoint's slowdown is an estimate that noise may take below its stall, the time the training loop was
+    blocked by it, which is measured directly. Summed over a run's checkpoints the noise averages out, so the sum
+    is at least the summed stall (per checkpoint the slowest rank's of each). A sum below that is no estimate: the
+    baselines bracketing the checkpoints came from clean iterations far from them (persists overlapping one
+    another) while the host's speed moved, as for pccheck in two traces of the run at 734202b, whose checkpoints
+    summed to -4.14 s and -1.71 s.
+    """
+    slowdown: dict[tuple[int, int], float] = {}
+    stall: dict[tuple[int, int], float] = {}
+    for r in rows:
+        key = (r.attempt, r.iteration)
+        slowdown[key] = max(slowdown.get(key, -math.inf), r.slowdown_s)
+        stall[key] = max(stall.get(key, 0.0), r.stall_s)
+    measured, floor = sum(slowdown.values()), sum(stall.values())
+    if measured >= floor:
+        return ""
+    return (f"its {len(slowdown)} measured checkpoints' slowdowns sum to {measured:.2f} s, below their stalls' "
+            f"{floor:.2f} s, the time the training loop was blocked: the baselines bracketing them failed")
+
+
 def committed_checkpoints(log_path: str) -> int:
     """The commits a one-process run's jobs logged (every attempt, appended to one log)."""
     with open(log_path, errors="replace") as f:
@@ -296,12 +321,12 @@ def end_lag(reference: dict[int, float], run: dict[int, float], iters: int) -> d
     return {"lag_iters": lag, "lag_paired_iters": paired, "unmeasurable": "", "unmeasurable_reason": ""}
 
 
-def ft_cost(checkpoint_s: float, recomputed_iters: float, lag_iters: float | None, iteration_time_s: float,
+def ft_cost(checkpoint_s: float | None, recomputed_iters: float, lag_iters: float | None, iteration_time_s: float,
             failure_free_s: float) -> dict:
     """T_l (Eq. 1): checkpoint cost + recovery cost (recomputed iterations and the lag at the iteration time),
-    seconds and % of the failure-free time; None where the lag is unmeasurable."""
+    seconds and % of the failure-free time; None where the lag or the checkpoint cost (None) is unmeasurable."""
     recovery_s = None if lag_iters is None else (recomputed_iters + lag_iters) * iteration_time_s
-    total = None if recovery_s is None else checkpoint_s + recovery_s
+    total = None if recovery_s is None or checkpoint_s is None else checkpoint_s + recovery_s
     return {"checkpoint_cost_s": checkpoint_s, "recovery_cost_s": recovery_s, "ft_cost_s": total,
             "ft_cost_pct": None if total is None else 100 * total / failure_free_s}
 
@@ -532,7 +557,9 @@ def run_summary(run_dir: str, strategy: str, trace: list[int], reference: dict, 
     else:
         lag = {"lag_iters": 0.0, "lag_paired_iters": 0.0, "unmeasurable": "", "unmeasurable_reason": "",
                "lag_note": "only exact recoveries: the reference from each restored checkpoint on"}
-    cost = ft_cost(checkpoint_s, recovered["recomputed_iters"], lag["lag_iters"], iteration_s, failure_free_s)
+    implausible = implausible_checkpoint_cost(rows)
+    cost = ft_cost(None if implausible else checkpoint_s, recovered["recomputed_iters"], lag["lag_iters"],
+                   iteration_s, failure_free_s)
     saved = None if lag["lag_iters"] is None or not recovered["lost_iters"] else \
         1 - (recovered["recomputed_iters"] + lag["lag_iters"]) / recovered["lost_iters"]
     down = downtimes(read_journal(journal_path(run_dir, 0)), trace)
@@ -541,7 +568,8 @@ def run_summary(run_dir: str, strategy: str, trace: list[int], reference: dict, 
         interval = used_interval(rows)
     except ValueError:  # no attempt took two checkpoints
         interval = None
-    return {**recovered, **lag, **cost, "checkpoints": checkpoints, "measured_checkpoints": measured,
+    return {**recovered, **lag, **cost, "checkpoint_unmeasurable_reason": implausible,
+            "summed_slowdown_s": checkpoint_s, "checkpoints": checkpoints, "measured_checkpoints": measured,
             "used_interval": interval, "rho": saved,
             "restart_downtime_s": sum(down), "downtimes_s": down, "final_val_loss": final,
             "final_loss_excess": final / reference[iters] - 1, "components": components(rows, strategy)}
@@ -649,10 +677,12 @@ def print_result(result: dict) -> None:
         for s, r in trace["runs"].items():
             lag = f"{'unmeas.':>7s}" if r["unmeasurable"] else num(r["lag_iters"], ".1f", 7)
             print(f"{s:9s} | {num(r['used_interval'], 'd', 5)} {r['checkpoints']:5d} {r['measured_checkpoints']:5d} {r['n_failures']:5d} {r['predicted']:4d} {r['in_flight']:4d} | "
-                  f"{r['checkpoint_cost_s']:7.2f} {r['recomputed_iters']:6d} {lag} {num(r['recovery_cost_s'], '.2f', 7)}"
+                  f"{num(r['checkpoint_cost_s'], '.2f', 7)} {r['recomputed_iters']:6d} {lag} {num(r['recovery_cost_s'], '.2f', 7)}"
                   f" | {num(r['ft_cost_s'], '.2f', 7)} {num(r['ft_cost_pct'], '.2f', 6)} | "
                   f"{r['restart_downtime_s']:6.1f} | {r['final_val_loss']:.4f} ({r['final_loss_excess']:+.3%})"
-                  + (f" | lag unmeasurable: {r['unmeasurable_reason']}" if r["unmeasurable"] else ""))
+                  + (f" | lag unmeasurable: {r['unmeasurable_reason']}" if r["unmeasurable"] else "")
+                  + (f" | checkpoint cost unmeasurable: {r['checkpoint_unmeasurable_reason']}"
+                     if r["checkpoint_unmeasurable_reason"] else ""))
     print("\nT_l (% of the failure-free time) over the traces: median, mean [95 % interval]; means of the rest")
     for s in STRATEGIES:
         summary = {"median": result["median_ft_cost_pct"][s], "mean": result["ft_cost_pct"][s],
@@ -698,7 +728,7 @@ def plot(result: dict, path: str) -> None:
     xs = np.arange(len(STRATEGIES))
     free = result["failure_free_s"] / 100
     parts = {s: [(r["checkpoint_cost_s"] / free, r["recovery_cost_s"] / free) for r in
-                 (t["runs"][s] for t in result["traces"]) if r["recovery_cost_s"] is not None] for s in STRATEGIES}
+                 (t["runs"][s] for t in result["traces"]) if r["ft_cost_s"] is not None] for s in STRATEGIES}
     ckpt = [statistics.mean(p[0] for p in parts[s]) if parts[s] else 0 for s in STRATEGIES]
     recov = [statistics.mean(p[1] for p in parts[s]) if parts[s] else 0 for s in STRATEGIES]
     ax.bar(xs, ckpt, label="checkpoint cost")

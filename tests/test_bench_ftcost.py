@@ -96,6 +96,26 @@ def test_a_checkpoint_measured_below_zero_counts_as_measured(bench, tmp_path):
     assert bench.checkpoint_cost(rows) == (pytest.approx(0.10 - 0.04 - 0.02), 3, 3)
 
 
+def test_slowdowns_summing_to_at_least_the_stalls_are_a_checkpoint_cost(bench):
+    # Two checkpoints below their stalls, one far above: the sum stands.
+    rows = [cost(0, 1, 10, 0.001, stall=0.01), cost(0, 1, 20, -0.02, stall=0.01), cost(0, 1, 30, 0.05, stall=0.01)]
+    assert bench.implausible_checkpoint_cost(rows) == ""
+
+
+def test_slowdowns_summing_below_the_stalls_leave_the_checkpoint_cost_unmeasurable(bench):
+    # The slowest rank's stall per checkpoint: 0.03 + 0.02 = 0.05 s blocked, the slowdowns sum to 0.04 s.
+    rows = [cost(0, 1, 10, 0.03, stall=0.01), cost(2, 1, 10, 0.02, stage=1, stall=0.03),
+            cost(0, 2, 10, 0.01, stall=0.02)]
+    assert "sum to 0.04 s, below their stalls' 0.05 s" in bench.implausible_checkpoint_cost(rows)
+
+
+def test_an_unmeasurable_checkpoint_cost_leaves_no_total(bench):
+    got = bench.ft_cost(checkpoint_s=None, recomputed_iters=11, lag_iters=4.0, iteration_time_s=0.02,
+                        failure_free_s=20.0)
+    assert got["ft_cost_s"] is None and got["ft_cost_pct"] is None
+    assert got["recovery_cost_s"] == pytest.approx(15 * 0.02)
+
+
 def test_a_run_without_cost_rows_is_an_error_naming_the_file(bench, tmp_path):
     d = str(tmp_path)
     append(measurements_path(d, 0), StateRow(iteration=10, stage=0, rank=0, attempt=1, predictor="trend", n_p=5))
