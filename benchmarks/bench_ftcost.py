@@ -200,14 +200,21 @@ def checkpoint_cost(rows: list[CostRow], committed: int | None = None) -> tuple[
     process is killed, or the run ends, before the clean iterations after its persist arrive, which happens most
     to a strategy whose persists overlap; each such commit is charged the median of the run's measured ones.
     """
-    per_checkpoint: dict[tuple[int, int], float] = {}
-    for r in rows:
-        key = (r.attempt, r.iteration)
-        per_checkpoint[key] = max(per_checkpoint.get(key, -math.inf), r.slowdown_s)
+    per_checkpoint = slowest_rank(rows, "slowdown_s")
     measured = len(per_checkpoint)
     unmeasured = max(0, (committed or 0) - measured)
     seconds = sum(per_checkpoint.values()) + unmeasured * (statistics.median(per_checkpoint.values()) if measured else 0.0)
     return seconds, measured + unmeasured, measured
+
+
+def slowest_rank(rows: list[CostRow], field: str) -> dict[tuple[int, int], float]:
+    """Per checkpoint (attempt, iteration), the largest ``field`` of its measuring ranks: the pipeline waits for the
+    slowest stage."""
+    out: dict[tuple[int, int], float] = {}
+    for r in rows:
+        key = (r.attempt, r.iteration)
+        out[key] = max(out.get(key, -math.inf), getattr(r, field))
+    return out
 
 
 def implausible_checkpoint_cost(rows: list[CostRow]) -> str:
@@ -220,13 +227,8 @@ def implausible_checkpoint_cost(rows: list[CostRow]) -> str:
     another) while the host's speed moved, as for pccheck in two traces of the run at 734202b, whose checkpoints
     summed to -4.14 s and -1.71 s.
     """
-    slowdown: dict[tuple[int, int], float] = {}
-    stall: dict[tuple[int, int], float] = {}
-    for r in rows:
-        key = (r.attempt, r.iteration)
-        slowdown[key] = max(slowdown.get(key, -math.inf), r.slowdown_s)
-        stall[key] = max(stall.get(key, 0.0), r.stall_s)
-    measured, floor = sum(slowdown.values()), sum(stall.values())
+    slowdown = slowest_rank(rows, "slowdown_s")
+    measured, floor = sum(slowdown.values()), sum(slowest_rank(rows, "stall_s").values())
     if measured >= floor:
         return ""
     return (f"its {len(slowdown)} measured checkpoints' slowdowns sum to {measured:.2f} s, below their stalls' "

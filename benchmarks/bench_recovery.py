@@ -231,12 +231,17 @@ class Seed:
     def checkpoint_state(self, iteration: int) -> dict:
         """The reference's checkpoint at ``iteration`` as recovery loads it (``engine_state``), loaded once."""
         if iteration not in self.states:
-            tags = {ck.iteration: ck.tag for ck in list_checkpoints(self.ref_dir, read_data=False) if ck.valid}
-            load_path, _ = self.engine.load_checkpoint(self.ref_dir, tag=tags[iteration])
+            tag = self.tag_of(iteration)
+            load_path, _ = self.engine.load_checkpoint(self.ref_dir, tag=tag)
             if load_path is None:
-                raise RuntimeError(f"could not load the reference's checkpoint {tags[iteration]} in {self.ref_dir}")
+                raise RuntimeError(f"could not load the reference's checkpoint {tag} in {self.ref_dir}")
             self.states[iteration] = engine_state(self.engine)
         return self.states[iteration]
+
+    def tag_of(self, iteration: int) -> str:
+        """The tag of the reference's checkpoint at ``iteration``."""
+        return next(ck.tag for ck in list_checkpoints(self.ref_dir, read_data=False)
+                    if ck.valid and ck.iteration == iteration)
 
     def checkpoint_iterations(self) -> list[int]:
         return sorted(ck.iteration for ck in list_checkpoints(self.ref_dir, read_data=False) if ck.valid)

@@ -25,7 +25,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from jobs import finish_benchmark  # noqa: E402  (first: it sets the jobs' environment)
 
 import bench_recovery as br  # noqa: E402
-from cpsr_ds.checkpoint.store import list_checkpoints  # noqa: E402
 from cpsr_ds.recovery.sources import in_flight  # noqa: E402
 
 
@@ -43,7 +42,7 @@ def resume_in_flight(seed: br.Seed, c: int, ahead: int) -> None:
     report = seed.recover(seed.failure_dir(c, c, f"in-flight-c{c}-{ahead}"), {"recovery": {"mode": "recompute"}})
     if report.resume_iteration != c:
         raise RuntimeError(f"recovery resumed at {report.resume_iteration}, not at checkpoint {c}")
-    tag = next(ck.tag for ck in list_checkpoints(seed.ref_dir, read_data=False) if ck.iteration == ahead)
+    tag = seed.tag_of(ahead)
     found, problem = in_flight.read_layers(seed.engine, os.path.join(seed.ref_dir, tag), ahead, tag)
     if found is None:
         raise RuntimeError(f"the layer files of {tag}: {problem}")
@@ -65,12 +64,12 @@ def main(argv=None) -> None:
         losses = seed.train(ahead, end, evaluate_at=set(at))
         excess = {i: (losses[i] - seed.reference[i]) / seed.reference[i] for i in at}
         lag = br.end_lag(seed.reference, excess[end])
-        saved = ahead - c
+        saved = None if lag is None else 1 - lag / (ahead - c)
         rows.append({"c": c, "in_flight": ahead, "excess": excess, "final_loss_excess": excess[end],
-                     "end_lag_iters": lag, "saved": None if lag is None else 1 - lag / saved})
+                     "end_lag_iters": lag, "saved": saved})
         print(f"c {c:5d}, in flight {ahead:5d} | excess " + " ".join(f"{i}: {e:+.3%}" for i, e in excess.items())
-              + f" | lag at the end {'unmeasurable' if lag is None else f'{lag:.1f}'} of {saved} iterations"
-              + ("" if lag is None else f", saved {1 - lag / saved:.0%}"), flush=True)
+              + f" | lag at the end {'unmeasurable' if lag is None else f'{lag:.1f}'} of {ahead - c} iterations"
+              + ("" if saved is None else f", saved {saved:.0%}"), flush=True)
     seed.close()
     result = {"train_iters": end, "pairs": rows, "seconds": time.time() - start, "settings": vars(args)}
     finish_benchmark("in_flight_cost", result, args.json, None, None)
