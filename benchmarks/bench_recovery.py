@@ -170,6 +170,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layouts", nargs="+", choices=["pp2", "dp2", "pp2dp2", "crash"],
                    help="instead of the single-process methods: real multi-process jobs killed and restarted "
                    "(benchmarks/recovery_jobs.py)")
+    p.add_argument("--cost-model", action=argparse.BooleanOptionalAction, default=True,
+                   help="check the recovery cost models against the lags (their inputs load up to 8 checkpoints "
+                   "before each failure)")
     p.add_argument("--config", default=os.path.join(ROOT, "configs", "gpt_tiny_cpu.json"),
                    help="DeepSpeed config: optimizer and warmup (the pipeline is one stage, one process)")
     p.add_argument("--cos-min-ratio", type=float, default=0.1,
@@ -373,7 +376,9 @@ def failures(args, Tc: int) -> list[tuple[int, int]]:
     return [(int(round(share * args.intervals_per_run)) * Tc, d) for share in (0.25, 0.5, 0.75) for d in (Tc // 2, Tc - 1)]
 
 
-def run(args) -> dict:
+def run(args, seed_class=Seed, on_cases=lambda cases: None) -> dict:
+    """Every seed's reference and failures (``seed_class``: a :class:`Seed`); ``on_cases`` is given each failure's
+    cases as soon as they are measured."""
     corpus = load_corpus(args.data)
     cases: list[Case] = []
     verified = []
@@ -381,7 +386,7 @@ def run(args) -> dict:
     for number in range(args.first_seed, args.first_seed + args.seeds):
         for Tc in args.intervals:
             t0 = time.time()
-            seed = Seed(args, number, Tc, corpus)
+            seed = seed_class(args, number, Tc, corpus)
             seed.run_reference(failures(args, Tc))
             references[f"{seed.seed}-Tc{Tc}"] = seed.reference
             losses = [loss for _, loss in sorted(seed.reference.items())]
@@ -389,7 +394,9 @@ def run(args) -> dict:
                   f"validation {losses[0]:.3f} -> {losses[-1]:.3f}", flush=True)
             verified.append((seed.seed, Tc, verify_recompute(seed, *failures(args, Tc)[0])))
             for c, d in failures(args, Tc):
-                cases += measure_failure(args, seed, c, d)
+                measured = measure_failure(args, seed, c, d)
+                on_cases(measured)
+                cases += measured
             seed.close()
     return summarize(args, cases, verified, references)
 
@@ -473,7 +480,7 @@ def measure_failure(args, seed: Seed, c: int, d: int) -> list[Case]:
             continue
         cpsr = {"predictor": predictor_block(method), "recovery": {"mode": "predict"}}
         here.append(measure(seed, fit, method, cpsr, c, d, margin))
-    here = [with_cost_model(seed, case) if case.method in PREDICTORS else case for case in here]
+    here = [with_cost_model(seed, case) if case.method in PREDICTORS and args.cost_model else case for case in here]
     here.append(default)
     print_cases(here)
     return here
@@ -762,7 +769,8 @@ def reestimate(case: dict, curves: dict, references: dict, eval_every: int) -> C
     return Case(**{**case, **estimate(fit, c + d, d, curve, reference, 2 * Tc)})
 
 
-def main(argv=None) -> None:
+def main(argv=None, **run_options) -> None:
+    """``run_options``: :func:`run`'s."""
     args = parse_args(argv)
     if args.merge:
         result = merge(args)
@@ -777,7 +785,7 @@ def main(argv=None) -> None:
                           WORLD_SIZE="1", LOCAL_RANK="0")
         deepspeed.init_distributed(dist_backend="gloo")
         start = time.time()
-        result = run(args)
+        result = run(args, **run_options)
         result["seconds"] = time.time() - start
         # Left to the interpreter's teardown, gloo's threads can abort a process that finished (see train_gpt.finish).
         torch.distributed.destroy_process_group()

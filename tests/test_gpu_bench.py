@@ -1,5 +1,5 @@
-"""benchmarks/gpu: run.sh's dry run (every GPU measurement's code path on the CPU, at toy sizes), its
-resumption and failure report, and the versions wheels.sh fetches."""
+"""benchmarks/gpu: run.sh's dry run (every GPU measurement's code path on the CPU, at toy sizes; part quick first),
+its resumption and failure report, and the versions wheels.sh fetches."""
 
 import json
 import os
@@ -29,6 +29,8 @@ EXPECTED = {
     "restart_gpt2_0.35b": {"device", "model", "predictor", "predictor_gpu_peak_mib", "predictor_work", "restart",
                            "report", "downtime_s"},
     "recovery_bench": {"median_reduction", "worst_final_loss_excess", "median_window_end_excess", "cases", "settings"},
+    "recovery_gpt2_0.35b": {"median_reduction", "ci95_reduction", "worst_final_loss_excess", "median_window_end_excess",
+                            "cases", "settings"},
     "predictor_footprint": {"train_peak_mib", "predict_working_peak_mib", "train_step_s", "predict_s"},
 }
 
@@ -43,11 +45,15 @@ def run_sh(tmp_path, *args, env=None, timeout_s=600):
 
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
+    """(tmp, OUT_DIR, the output of every part, that of part quick): part quick first, then every part into the same
+    OUT_DIR, which keeps quick's measurements and runs the others."""
     tmp = tmp_path_factory.mktemp("gpu_dry")
     out = tmp / "out"
+    code, quick = run_sh(tmp, out, "--dry-run", "--part", "quick")
+    assert code == 0, quick[-6000:]
     code, output = run_sh(tmp, out, "--dry-run")
     assert code == 0, output[-6000:]
-    return tmp, out, output
+    return tmp, out, output, quick
 
 
 def load(out, name):
@@ -56,7 +62,7 @@ def load(out, name):
 
 
 def test_dry_run_writes_every_measurement_with_its_fields(dry_run):
-    _, out, output = dry_run
+    _, out, output, _ = dry_run
     for name, fields in EXPECTED.items():
         assert (out / f"{name}.txt").exists(), name
         assert fields <= load(out, name).keys(), (name, fields - load(out, name).keys())
@@ -65,7 +71,7 @@ def test_dry_run_writes_every_measurement_with_its_fields(dry_run):
 
 
 def test_dry_run_measures_the_model_states_at_toy_size(dry_run):
-    _, out, _ = dry_run
+    _, out, _, _ = dry_run
     gpt2, gpt3 = load(out, "checkpoint_gpt2_0.35b"), load(out, "checkpoint_gpt3_3.35b")
     assert gpt2["states"] == ["gpt2_0.35b"] and set(gpt2["stall_s"]) == STRATEGIES
     assert gpt3["states"] == ["gpt3_3.35b"] and set(gpt3["stall_s"]) == {"torch", "cpsr"}
@@ -80,7 +86,7 @@ def test_dry_run_measures_the_model_states_at_toy_size(dry_run):
 
 
 def test_dry_run_restart_and_recovery(dry_run):
-    _, out, _ = dry_run
+    _, out, _, _ = dry_run
     restart = load(out, "restart_gpt2_0.35b")
     assert restart["report"]["method"] == "predict" and restart["report"]["reached"] == 23
     assert set(restart["restart"]) == {"process_start_s", "model_build_s", "deepspeed_init_s", "reading_s",
@@ -99,8 +105,36 @@ def test_dry_run_restart_and_recovery(dry_run):
     assert test["passed"] and test["collected_only"] and re.match(r"5 tests collected", test["summary"])
 
 
+def test_quick_part_runs_the_coordinator_tests_and_recovery_at_gpt2_shape(dry_run):
+    _, out, _, quick = dry_run
+    summary = quick.split("GPU measurements in")[-1]
+    assert re.findall(r"^  (\S+)", summary, re.M) == ["device", "coordinator_test", "recovery_gpt2_0.35b"]
+    bench = load(out, "recovery_gpt2_0.35b")
+    assert set(bench["median_reduction"]) == {"recompute", "trend", "default"}
+    settings = bench["settings"]
+    assert settings["config"] == "benchmarks/gpu/gpt2_recovery.json" and not settings["cost_model"]
+    with open(os.path.join(ROOT, settings["config"])) as f:
+        config = json.load(f)
+    assert config["bf16"]["enabled"] and config["zero_optimization"]["stage"] == 1
+    # 3 failures x 2 values of d, each with every method, and the default's loss excess at f + 4d.
+    Tc = settings["intervals"][0]
+    failures = {(c["c"], c["d"]) for c in bench["cases"]}
+    assert len(failures) == 6 and {d for _, d in failures} == {Tc // 2, Tc - 1}
+    assert sorted((c["method"], c["c"], c["d"]) for c in bench["cases"]) == sorted(
+        (m, c, d) for m in ("recompute", "trend", "default") for c, d in failures)
+    assert all(c["window_end_excess"] is not None for c in bench["cases"])
+    # Each failure's cases were written as measured, the same as the summary's.
+    with open(out / "recovery_gpt2_0.35b.cases.jsonl") as f:
+        written = [json.loads(line) for line in f]
+    assert [{k: v for k, v in c.items() if k != "curve"} for c in written] == bench["cases"]
+    # The reference kept the checkpoints the recoveries read (each c and the 3 before it) and deleted the others.
+    kept = {c - j * Tc for c, _ in failures for j in range(4)}
+    log = (out / "recovery_gpt2_0.35b.txt").read_text()
+    assert f"the reference kept the checkpoints at {sorted(kept)}" in log
+
+
 def test_rerun_keeps_what_exists_and_a_failure_fails_the_run(dry_run):
-    tmp, out, _ = dry_run
+    tmp, out, _, _ = dry_run
     again = tmp / "again"
     shutil.copytree(out, again)
     (again / "recovery_bench.json").unlink()

@@ -1,6 +1,6 @@
 """Every GPU measurement, in parts that each fit one 10-minute command; see run.sh for how to run it.
 
-    python benchmarks/gpu/run.py OUT_DIR [--toy | --dry-run] [--part 1|2|3|all]
+    python benchmarks/gpu/run.py OUT_DIR [--toy | --dry-run] [--part 1|2|3|quick|all]
 
 Each measurement writes OUT_DIR/NAME.json (its results) and OUT_DIR/NAME.txt (its
 output, tables included); one whose JSON exists is skipped, so that a part cut short
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import signal
@@ -27,6 +28,16 @@ from dataclasses import dataclass
 from typing import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# bench_recovery's knobs at toy size (--toy, --dry-run), for each reduced run of it: PREFIX_NAME.
+RECOVERY_TOY = {"TC": 4, "SEEDS": 1, "LAYERS": 2, "HIDDEN": 64, "HEADS": 4, "SEQ": 64, "MICRO": 16, "VALID": 64,
+                "EVAL_EVERY": 4}
+
+
+def recovery_knobs(prefix: str, **gpu: int) -> dict[str, tuple[int, int]]:
+    """A reduced bench_recovery's knobs ``prefix``_NAME: (``gpu``[NAME], its RECOVERY_TOY value)."""
+    return {f"{prefix}_{name}": (gpu[name], toy) for name, toy in RECOVERY_TOY.items()}
+
 
 # name: (value on the GPU, value with --toy or --dry-run); the environment overrides either. The GPU values are
 # sized for one H100 80 GB (run.sh's header gives each part's measured time there).
@@ -45,15 +56,14 @@ KNOBS = {
     "RESTART_INTERVAL": (5, 5),
     "RESTART_KILL_AT": (33, 23),
     "FOOTPRINT_CHUNKS": (294912, 16),  # vitp's host memory for a shard of chunks x 1024 parameters: GPT2-0.35B's
-    "RECOVERY_TC": (10, 4),  # reduced bench_recovery: checkpoint interval; 20 intervals per reference
-    "RECOVERY_SEEDS": (1, 1),  # 3 failures per seed, each with 2 values of d
-    "RECOVERY_LAYERS": (8, 2),  # 8 x hidden 768: 57 M parameters
-    "RECOVERY_HIDDEN": (768, 64),
-    "RECOVERY_HEADS": (12, 4),
-    "RECOVERY_SEQ": (256, 64),
-    "RECOVERY_MICRO": (16, 16),
-    "RECOVERY_VALID": (512, 64),  # validation sequences (evaluated 64 at a time)
-    "RECOVERY_EVAL_EVERY": (10, 4),
+    # Reduced bench_recovery (part 3): T_c 10, 20 intervals per reference, 3 failures per seed each with 2 values of d,
+    # a GPT of 8 x hidden 768 (57 M parameters), 512 validation sequences (evaluated 64 at a time).
+    **recovery_knobs("RECOVERY", TC=10, SEEDS=1, LAYERS=8, HIDDEN=768, HEADS=12, SEQ=256, MICRO=16, VALID=512,
+                     EVAL_EVERY=10),
+    # Part quick's at GPT2-0.35B's shape (24 x hidden 1024, 16 heads: 0.30 B parameters with the byte vocabulary;
+    # bf16, ZeRO-1): T_c 20, one seed (6 failures), 128 validation sequences.
+    **recovery_knobs("GPT2_RECOVERY", TC=20, SEEDS=1, LAYERS=24, HIDDEN=1024, HEADS=16, SEQ=1024, MICRO=8, VALID=128,
+                     EVAL_EVERY=20),
 }
 
 
@@ -64,7 +74,7 @@ def knobs(toy: bool) -> dict[str, str]:
 @dataclass(frozen=True)
 class Measurement:
     name: str  # OUT_DIR/NAME.json and .txt
-    part: int
+    parts: tuple[str, ...]  # the parts (--part) that run it; "all" runs every measurement
     # (knobs, OUT_DIR, mode, scratch) -> argv, mode one of MODES; scratch: a directory for checkpoints and run directories,
     # emptied after each measurement (OUT_DIR keeps only results).
     command: Callable[[dict, str, bool, str], list[str]]
@@ -77,6 +87,10 @@ class Measurement:
 
 
 MODES = ("full", "toy", "dry-run")
+PARTS = ("1", "2", "3", "quick")
+# A part's whole time, where it has a limit: a measurement's timeout is cut to what is left of it. Part quick is one
+# command of at most 8 minutes, run.sh's installation of the wheels (about 20 s) included.
+PART_LIMIT_S = {"quick": 450}
 
 
 def python() -> list[str]:
@@ -140,21 +154,26 @@ def footprint_summary(result: dict) -> str:
             f"{result['predict_output_mib']} MiB output; step {result['train_step_s']} s, predict {result['predict_s']} s")
 
 
-def recovery_bench_command(k: dict, out: str, mode: str, scratch: str) -> list[str]:
-    return [*python(), "benchmarks/bench_recovery.py", "--quick", "--config", "configs/gpt_gpu_recovery.json",
-            "--intervals", k["RECOVERY_TC"], "--intervals-per-run", "20", "--seeds", k["RECOVERY_SEEDS"],
-            "--methods", "trend", "--num-layers", k["RECOVERY_LAYERS"], "--hidden-size", k["RECOVERY_HIDDEN"],
-            "--num-attention-heads", k["RECOVERY_HEADS"], "--seq-length", k["RECOVERY_SEQ"],
-            "--micro-batch", k["RECOVERY_MICRO"], "--valid-sequences", k["RECOVERY_VALID"],
-            "--eval-every", k["RECOVERY_EVAL_EVERY"], "--out-dir", scratch,
-            "--json", os.path.join(out, "recovery_bench.json"), *(["--vitp-steps", "1"] if mode != "full" else [])]
+def recovery_command(prefix: str, script: str, config: str, name: str, *options: str):
+    """bench_recovery's --quick protocol, run by ``script`` (it or a driver of it), with the knobs ``prefix``_*."""
+    def command(k: dict, out: str, mode: str, scratch: str) -> list[str]:
+        return [*python(), script, "--quick", "--config", config, "--intervals", k[f"{prefix}_TC"],
+                "--intervals-per-run", "20", "--seeds", k[f"{prefix}_SEEDS"], "--methods", "trend",
+                "--num-layers", k[f"{prefix}_LAYERS"], "--hidden-size", k[f"{prefix}_HIDDEN"],
+                "--num-attention-heads", k[f"{prefix}_HEADS"], "--seq-length", k[f"{prefix}_SEQ"],
+                "--micro-batch", k[f"{prefix}_MICRO"], "--valid-sequences", k[f"{prefix}_VALID"],
+                "--eval-every", k[f"{prefix}_EVAL_EVERY"], "--out-dir", scratch,
+                "--json", os.path.join(out, f"{name}.json"), *options,
+                *(["--vitp-steps", "1"] if mode != "full" else [])]
+    return command
 
 
 def recovery_bench_summary(result: dict) -> str:
     def pct(v):
         return "-" if v is None else f"{v:.1%}"
-    return "; ".join(f"{m}: reduction {pct(result['median_reduction'][m])}, worst loss excess "
-                     f"{result['worst_final_loss_excess'][m]:+.3%}" for m in result["median_reduction"])
+    return "; ".join(f"{m}: reduction {pct(result['median_reduction'][m])} (mean {pct(result['mean_reduction'][m])}, "
+                     f"95 % CI [{', '.join(map(pct, result['ci95_reduction'][m] or (None, None)))}]), worst loss "
+                     f"excess {result['worst_final_loss_excess'][m]:+.3%}" for m in result["median_reduction"])
 
 
 def device_summary(result: dict) -> str:
@@ -183,28 +202,36 @@ def device_command(k: dict, out: str, mode: str, scratch: str) -> list[str]:
 
 
 MEASUREMENTS = (
-    Measurement("device", 0, device_command, 120, device_summary, stdout_json=True),
-    Measurement("checkpoint_gpt2_0.35b", 1, checkpoint_command("gpt2_0.35b", "GPT2"), 450, checkpoint_summary),
-    Measurement("recovery_test", 1, pytest_command("tests/test_recovery.py", "-k", "single_process"), 300,
+    Measurement("device", PARTS, device_command, 120, device_summary, stdout_json=True),
+    Measurement("checkpoint_gpt2_0.35b", ("1",), checkpoint_command("gpt2_0.35b", "GPT2"), 450, checkpoint_summary),
+    Measurement("recovery_test", ("1",), pytest_command("tests/test_recovery.py", "-k", "single_process"), 300,
                 pytest_summary, pytest=True),
-    Measurement("checkpoint_gpt3_3.35b", 2, checkpoint_command("gpt3_3.35b", "GPT3"), 420, checkpoint_summary),
-    Measurement("coordinator_test", 2, pytest_command("tests/test_coordinator_cuda.py"), 150, pytest_summary,
-                pytest=True),
+    Measurement("checkpoint_gpt3_3.35b", ("2",), checkpoint_command("gpt3_3.35b", "GPT3"), 420, checkpoint_summary),
+    Measurement("coordinator_test", ("2", "quick"), pytest_command("tests/test_coordinator_cuda.py"), 150,
+                pytest_summary, pytest=True),
 
-    Measurement("recovery_bench", 3, recovery_bench_command, 420, recovery_bench_summary),
-    Measurement("predictor_footprint", 3, footprint_command, 150, footprint_summary, stdout_json=True),
-    Measurement("restart_gpt2_0.35b", 3, restart_command, 240, restart_summary),
+    Measurement("recovery_bench", ("3",), recovery_command("RECOVERY", "benchmarks/bench_recovery.py",
+                                                      "configs/gpt_gpu_recovery.json", "recovery_bench"),
+                420, recovery_bench_summary),
+    Measurement("predictor_footprint", ("3",), footprint_command, 150, footprint_summary, stdout_json=True),
+    Measurement("restart_gpt2_0.35b", ("3",), restart_command, 240, restart_summary),
+    Measurement("recovery_gpt2_0.35b", ("quick",),
+                recovery_command("GPT2_RECOVERY", "benchmarks/gpu/recovery.py", "benchmarks/gpu/gpt2_recovery.json",
+                                 "recovery_gpt2_0.35b", "--no-cost-model"),
+                420, recovery_bench_summary),
 )
 
 
 DISTRIBUTED = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "CROSS_RANK", "CROSS_SIZE")
 
 
-def run_one(m: Measurement, k: dict, out: str, mode: str, scratch: str) -> tuple[str, str]:
-    """(status, summary line) of one measurement, run unless its JSON exists."""
+def run_one(m: Measurement, k: dict, out: str, mode: str, scratch: str, timeout_s: float) -> tuple[str, str]:
+    """(status, summary line) of one measurement, run for at most ``timeout_s`` unless its JSON exists."""
     json_path, txt_path = os.path.join(out, f"{m.name}.json"), os.path.join(out, f"{m.name}.txt")
     if os.path.exists(json_path):
         return "kept", summarize(m, json_path)
+    if timeout_s <= 0:
+        return "FAILED", "not run: the part's time is spent"
     command = m.command(k, out, mode, scratch)
     os.makedirs(scratch, exist_ok=True)
     print(f"== {m.name}: {' '.join(command).splitlines()[0][:300]}", flush=True)
@@ -214,12 +241,12 @@ def run_one(m: Measurement, k: dict, out: str, mode: str, scratch: str) -> tuple
     proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
-        output, _ = proc.communicate(timeout=m.timeout_s)
+        output, _ = proc.communicate(timeout=timeout_s)
         code = proc.returncode
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
-        code = f"timed out after {m.timeout_s} s"
+        code = f"timed out after {timeout_s:.0f} s"
     seconds = time.time() - t0
     shutil.rmtree(scratch, ignore_errors=True)
     with open(txt_path, "w") as f:
@@ -250,16 +277,17 @@ def main(argv=None) -> int:
     sizes = p.add_mutually_exclusive_group()
     sizes.add_argument("--toy", action="store_true", help="every measurement at toy sizes, on the GPU")
     sizes.add_argument("--dry-run", action="store_true", help="every code path on the CPU at toy sizes")
-    p.add_argument("--part", default="all", choices=["1", "2", "3", "all"])
+    p.add_argument("--part", default="all", choices=[*PARTS, "all"])
     args = p.parse_args(argv)
     os.makedirs(args.out_dir, exist_ok=True)
     out = os.path.abspath(args.out_dir)
     mode = "dry-run" if args.dry_run else "toy" if args.toy else "full"
     k = knobs(mode != "full")
-    chosen = [m for m in MEASUREMENTS if m.part == 0 or args.part in ("all", str(m.part))]
+    chosen = [m for m in MEASUREMENTS if args.part == "all" or args.part in m.parts]
+    deadline = time.time() + PART_LIMIT_S.get(args.part, math.inf)
     scratch = tempfile.mkdtemp(prefix="cpsr-gpu-")
     try:
-        results = [(m, *run_one(m, k, out, mode, scratch)) for m in chosen]
+        results = [(m, *run_one(m, k, out, mode, scratch, min(m.timeout_s, deadline - time.time()))) for m in chosen]
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     print(f"\nGPU measurements in {out} (part {args.part}{'' if mode == 'full' else f', {mode}'}):")

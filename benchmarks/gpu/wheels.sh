@@ -2,7 +2,8 @@
 # The wheels benchmarks/gpu/run.sh installs on the GPU machine, which has torch (CUDA), numpy,
 # psutil, matplotlib and ninja but no package index: DeepSpeed (built here as a pure-Python
 # wheel, its ops compiled at first use), megatron-core, hjson, pydantic with pydantic-core,
-# annotated-types and typing-inspection, and pytest with its dependencies (the recovery test),
+# annotated-types, typing-inspection and typing-extensions (pydantic needs a newer one than torch
+# does), and pytest with its dependencies (the recovery test),
 # each at the version the project's environment has installed, so that the GPU runs what CI
 # tests. Binary wheels are for CPython 3.12 on x86-64 Linux.
 #
@@ -13,7 +14,7 @@
 set -euo pipefail
 
 cd "$(dirname "$0")/../.."
-PACKAGES=(deepspeed megatron-core hjson pydantic pydantic-core annotated-types typing-inspection
+PACKAGES=(deepspeed megatron-core hjson pydantic pydantic-core annotated-types typing-inspection typing-extensions
           pytest pluggy iniconfig pygments)
 if [[ -z "${PYTHON:-}" ]]; then
     PYTHON=python3
