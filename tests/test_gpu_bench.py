@@ -152,5 +152,5 @@ def test_wheels_pins_the_versions_installed_here():
                           text=True, timeout=60, check=True).stdout.split()
     found = dict(pin.split("==") for pin in pins)
     for name in ("deepspeed", "megatron-core", "pydantic", "pydantic-core", "hjson", "annotated-types",
-                 "typing-inspection", "pytest"):
+                 "typing-inspection", "typing-extensions", "pytest"):
         assert found.get(name) == version(name), name
