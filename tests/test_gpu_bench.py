@@ -147,6 +147,15 @@ def test_rerun_keeps_what_exists_and_a_failure_fails_the_run(dry_run):
     assert not (again / "recovery_bench.json").exists() and "--intervals" in (again / "recovery_bench.txt").read_text()
 
 
+def test_part_quick_runs_nothing_once_its_time_is_spent(tmp_path):
+    code, output = run_sh(tmp_path, tmp_path / "out", "--dry-run", "--part", "quick", env={"QUICK_LIMIT_S": "0"})
+    assert code == 1, output[-4000:]
+    summary = output.split("GPU measurements in")[-1]
+    for name in ("device", "coordinator_test", "recovery_gpt2_0.35b"):
+        assert re.search(rf"^  {re.escape(name)} +FAILED  not run: the part's time is spent$", summary, re.M), summary
+    assert not (tmp_path / "out" / "recovery_gpt2_0.35b.txt").exists()
+
+
 def test_wheels_pins_the_versions_installed_here():
     pins = subprocess.run([WHEELS, "--pins"], env=dict(os.environ, PYTHON=sys.executable), capture_output=True,
                           text=True, timeout=60, check=True).stdout.split()

@@ -64,6 +64,9 @@ KNOBS = {
     # bf16, ZeRO-1): T_c 20, one seed (6 failures), 128 validation sequences.
     **recovery_knobs("GPT2_RECOVERY", TC=20, SEEDS=1, LAYERS=24, HIDDEN=1024, HEADS=16, SEQ=1024, MICRO=8, VALID=128,
                      EVAL_EVERY=20),
+    # Part quick's whole time: each measurement's timeout is cut to what is left of it, so that the part is one
+    # command of at most 8 minutes, run.sh's installation of the wheels (about 20 s) included.
+    "QUICK_LIMIT_S": (450, 450),
 }
 
 
@@ -88,9 +91,6 @@ class Measurement:
 
 MODES = ("full", "toy", "dry-run")
 PARTS = ("1", "2", "3", "quick")
-# A part's whole time, where it has a limit: a measurement's timeout is cut to what is left of it. Part quick is one
-# command of at most 8 minutes, run.sh's installation of the wheels (about 20 s) included.
-PART_LIMIT_S = {"quick": 450}
 
 
 def python() -> list[str]:
@@ -284,7 +284,7 @@ def main(argv=None) -> int:
     mode = "dry-run" if args.dry_run else "toy" if args.toy else "full"
     k = knobs(mode != "full")
     chosen = [m for m in MEASUREMENTS if args.part == "all" or args.part in m.parts]
-    deadline = time.time() + PART_LIMIT_S.get(args.part, math.inf)
+    deadline = time.time() + (float(k["QUICK_LIMIT_S"]) if args.part == "quick" else math.inf)
     scratch = tempfile.mkdtemp(prefix="cpsr-gpu-")
     try:
         results = [(m, *run_one(m, k, out, mode, scratch, min(m.timeout_s, deadline - time.time()))) for m in chosen]

@@ -37,7 +37,7 @@
 #       killed after RESTART_KILL_AT, restarted (PB-R): the predictor's CUDA memory while training
 #       and the restart's parts up to the first step: 150 s.
 #   quick (at most 8 min, the wheels' installation included: run.py cuts each measurement's timeout to what is
-#       left of 450 s; not yet timed on a GPU) what GPU time is short for:
+#       left of QUICK_LIMIT_S = 450 s; not yet timed on a GPU) what GPU time is short for:
 #     coordinator_test, as in part 2.
 #     recovery_gpt2_0.35b: benchmarks/gpu/recovery.py, bench_recovery --quick at GPT2-0.35B's shape (24 x 1024,
 #       16 heads, seq 1024, 0.30 B parameters; bf16, fp32 masters and Adam, ZeRO-1: benchmarks/gpu/gpt2_recovery.json),
@@ -53,7 +53,7 @@
 # GPT3_REPEATS GPT3_MICRO GPT3_ACCUM GPT3_STRATEGIES RESTART_MICRO RESTART_INTERVAL RESTART_KILL_AT
 # FOOTPRINT_CHUNKS RECOVERY_TC RECOVERY_SEEDS RECOVERY_LAYERS RECOVERY_HIDDEN RECOVERY_HEADS
 # RECOVERY_SEQ RECOVERY_MICRO RECOVERY_VALID RECOVERY_EVAL_EVERY, and GPT2_RECOVERY_* (TC SEEDS LAYERS HIDDEN HEADS SEQ
-# MICRO VALID EVAL_EVERY) for part quick.
+# MICRO VALID EVAL_EVERY) and QUICK_LIMIT_S for part quick.
 set -euo pipefail
 
 usage="usage: benchmarks/gpu/run.sh OUT_DIR [--toy | --dry-run] [--part 1|2|3|quick|all]"
