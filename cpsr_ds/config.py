@@ -1,13 +1,17 @@
 """The ``"cpsr"`` block of a DeepSpeed config: typed schema, defaults, validation.
 
 DeepSpeed accepts unknown top-level keys silently, so the block rides along in the
-user's DeepSpeed JSON. Inside the block we are strict: an unknown key, a wrong type
-or an out-of-range value raises :class:`ConfigError` (a ``ValueError``) naming the
-key path, before any training starts.
+user's DeepSpeed JSON; a top-level key a typo away from ``"cpsr"`` is warned about, as
+DeepSpeed would ignore it and train without checkpoints. Inside the block we are
+strict: an unknown key, a wrong type, an out-of-range value or a path no file system
+takes raises :class:`ConfigError` (a ``ValueError``) naming the key path, before any
+training starts.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -15,10 +19,42 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 BLOCK = "cpsr"
 VITP_MIN_HISTORY = 6  # its FFT window of 5 checkpoints plus one held out
 NAME_MAX = 255  # bytes in one path component, on every common Linux file system
+PATH_MAX = 4096  # bytes in a path, its terminating NUL included (Linux)
+NEAR_MISS = 2  # the edit distance up to which a top-level key is taken for a misspelt BLOCK
+
+log = logging.getLogger(__name__)
 
 
 def _whole_positive(value: Any) -> bool:
     return type(value) is int and value > 0
+
+
+def path_problem(value: str) -> Optional[str]:
+    """What keeps every file system from taking ``value`` as a path; None where nothing does."""
+    if "\0" in value:
+        return "a path cannot contain a NUL byte"
+    raw = os.fsencode(value)
+    if len(raw) >= PATH_MAX:
+        return f"a path of {len(raw)} bytes is longer than {PATH_MAX - 1}"
+    long = next((part for part in raw.split(b"/") if len(part) > NAME_MAX), None)
+    if long is not None:
+        return f"path component {os.fsdecode(long)[:40]!r}... is longer than {NAME_MAX} bytes"
+    return None
+
+
+def edit_distance(a: str, b: str) -> int:
+    """Levenshtein distance: the fewest insertions, deletions and substitutions that make ``a`` into ``b``."""
+    row = list(range(len(b) + 1))
+    for i, x in enumerate(a, 1):
+        diagonal, row[0] = row[0], i
+        for j, y in enumerate(b, 1):
+            diagonal, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, diagonal + (x != y))
+    return row[-1]
+
+
+def near_misses(keys) -> list[str]:
+    """The keys among ``keys`` a typo away from BLOCK (case aside), BLOCK itself not."""
+    return [k for k in keys if isinstance(k, str) and k != BLOCK and edit_distance(k.casefold(), BLOCK) <= NEAR_MISS]
 
 
 class ConfigError(ValueError):
@@ -120,14 +156,12 @@ class CheckpointConfig(_Strict):
                              "part of each checkpoint")
         return self
 
-    @field_validator("dir")
+    @field_validator("dir", "survivor_dir")
     @classmethod
-    def _dir_can_exist(cls, value: str) -> str:
-        if "\0" in value:
-            raise ValueError("a path cannot contain a NUL byte")
-        long = next((part for part in value.split("/") if len(part.encode(errors="surrogateescape")) > NAME_MAX), None)
-        if long is not None:
-            raise ValueError(f"path component {long[:40]!r}... is longer than {NAME_MAX} bytes")
+    def _a_path(cls, value: Optional[str]) -> Optional[str]:
+        problem = None if value is None else path_problem(value)
+        if problem is not None:
+            raise ValueError(problem)
         return value
 
 
@@ -298,7 +332,12 @@ class CPSRConfig(_Strict):
 
     @classmethod
     def from_ds_config(cls, ds_config: dict[str, Any]) -> "CPSRConfig":
-        """Parse the ``"cpsr"`` block of a DeepSpeed config dict; no block means disabled."""
+        """Parse the ``"cpsr"`` block of a DeepSpeed config dict; no block means disabled. A top-level key a typo
+        away from it is warned about."""
+        for key in near_misses(ds_config):
+            log.warning('cpsr: the DeepSpeed config has a top-level key %r, close to "%s": DeepSpeed ignores it, and '
+                        'so does cpsr_ds (a typo? checkpoints and recovery are configured in the "%s" block)',
+                        key, BLOCK, BLOCK)
         if BLOCK not in ds_config:
             return cls(enabled=False)
         return cls.parse_block(ds_config[BLOCK])

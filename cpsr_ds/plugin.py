@@ -78,7 +78,7 @@ from cpsr_ds.recovery import (
 from cpsr_ds.recovery.engine_io import (data_parallel, planned_iterations, replicas_read_once, stage_sums,
                                        weights_from_partitions)
 from cpsr_ds.recovery.sources import summaries
-from cpsr_ds.rundir import RunDirLock, claim
+from cpsr_ds.rundir import RunDirLock, check_writable, claim
 from cpsr_ds.runlog import CostRow, PlanRow, StateRow
 from cpsr_ds.stage_intervals import StageSchedule, multiples
 
@@ -788,6 +788,7 @@ def initialize(*args, **kwargs):
     if not isinstance(bound.arguments.get("model"), PipelineModule):
         raise TypeError("cpsr_ds: the model must be a deepspeed.pipe.PipelineModule (num_stages=1 for no pipelining)")
     _init_distributed(bound)
+    check_writable(cfg.checkpoint)
     verify_storage(cfg.checkpoint)
     # Before any engine exists: an exception anywhere in the script bounds its exit (exiting.py).
     exiting.install()

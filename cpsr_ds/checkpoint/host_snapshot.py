@@ -21,11 +21,12 @@ written is skipped.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from typing import Optional
 
-from cpsr_ds.checkpoint import survivor
+from cpsr_ds.checkpoint import private_dir, survivor
 from cpsr_ds.config import CheckpointConfig
 from cpsr_ds.recovery.engine_io import local_state
 
@@ -82,7 +83,9 @@ class HostSnapshots:
         try:
             survivor.write_dump(directory, contents, manifest, self.checksum)
             self.written += 1
-        except OSError as err:  # a full /dev/shm must not stop training: the checkpoints still run
+        # A full /dev/shm, or a root another user took over since the start, must not stop training: the
+        # checkpoints still run.
+        except (OSError, private_dir.PrivateDirError) as err:
             log.error("cpsr: host snapshot of iteration %d not written to %s: %s", manifest["iteration"],
                       directory, err)
 
@@ -94,12 +97,28 @@ class HostSnapshots:
 
 def install(engine, cfg: CheckpointConfig, attempt: int) -> Optional[HostSnapshots]:
     """Remove the rank's snapshots of an earlier attempt (recovery has read them) and, with ``cfg.memory_interval``,
-    set ``engine.host_snapshots``, which the plugin calls after each iteration; None without memory_interval."""
-    root, run = survivor.survivor_root(cfg), survivor.run_identity(cfg.dir)
+    set ``engine.host_snapshots``, which the plugin calls after each iteration; None without memory_interval.
+
+    Raises :class:`private_dir.PrivateDirError` where memory_interval is set and the survivor root or the run's
+    directory under it is not this user's alone; without memory_interval such a directory is left alone.
+    """
+    if cfg.memory_interval is None:
+        _remove_earlier(cfg, engine.global_rank)
+        return None
+    root, run = survivor.prepare(cfg)
     for slot in range(SLOTS):
         survivor.remove_dump(snapshot_dir(root, run, engine.global_rank, slot))
-    if cfg.memory_interval is None:
-        return None
     snapshots = HostSnapshots(engine, root, run, attempt, cfg.memory_interval, cfg.checksum)
     engine.host_snapshots = snapshots
     return snapshots
+
+
+def _remove_earlier(cfg: CheckpointConfig, rank: int) -> None:
+    """Remove ``rank``'s snapshots of an earlier attempt that had memory_interval, where they are this user's."""
+    root, run = survivor.survivor_root(cfg), survivor.run_identity(cfg.dir)
+    try:
+        survivor.check_private(root, os.path.join(root, run))
+    except (OSError, private_dir.PrivateDirError):
+        return
+    for slot in range(SLOTS):
+        survivor.remove_dump(snapshot_dir(root, run, rank, slot))

@@ -188,20 +188,24 @@ def temp_name(path: str) -> str:
 
 
 def write_atomic(path: str, chunks: Iterable, algorithm: Optional[str] = None,
-                 direct: bool = False, throttle: Optional[Throttle] = None) -> tuple[int, Optional[str]]:
+                 direct: bool = False, throttle: Optional[Throttle] = None,
+                 mode: Optional[int] = None) -> tuple[int, Optional[str]]:
     """Write ``chunks`` (bytes-like) to ``path`` durably and atomically.
 
     Returns (size, hex digest or None). On any error the temporary file is removed and
     the error propagates; ``path`` is then untouched. ``direct``: bypass the page cache
     (O_DIRECT) for chunks that start on a page and span whole pages, as host arenas do;
     the rest of the file, and file systems without direct I/O, go through it.
-    ``throttle``: the write rate limit, waited on piece by piece.
+    ``throttle``: the write rate limit, waited on piece by piece. ``mode``: the file's
+    exact mode, whatever the umask; None: 0644 less the umask.
     """
     tmp = temp_name(path)
     hashing = _Hashing(algorithm) if algorithm else None
     size = 0
-    fd, direct = _open_for_writing(tmp, direct)
+    fd, direct = _open_for_writing(tmp, direct, 0o644 if mode is None else mode)
     try:
+        if mode is not None:
+            os.fchmod(fd, mode)
         for chunk in chunks:
             data = np.frombuffer(chunk, dtype=np.uint8)
             if hashing is not None:
@@ -282,15 +286,15 @@ def _paced(data: np.ndarray, throttle: Optional[Throttle]) -> Iterator[np.ndarra
         yield piece
 
 
-def _open_for_writing(path: str, direct: bool) -> tuple[int, bool]:
+def _open_for_writing(path: str, direct: bool, mode: int) -> tuple[int, bool]:
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
     if direct:
         try:
-            return os.open(path, flags | os.O_DIRECT, 0o644), True
+            return os.open(path, flags | os.O_DIRECT, mode), True
         except OSError as err:
             if err.errno != errno.EINVAL:
                 raise
-    return os.open(path, flags, 0o644), False
+    return os.open(path, flags, mode), False
 
 
 def _write_all(fd: int, data: np.ndarray) -> None:
@@ -318,8 +322,8 @@ def _write_direct(fd: int, data: np.ndarray) -> bool:
     return False
 
 
-def write_json_atomic(path: str, obj: Any) -> None:
-    write_atomic(path, [json.dumps(obj, indent=1, sort_keys=True).encode()])
+def write_json_atomic(path: str, obj: Any, mode: Optional[int] = None) -> None:
+    write_atomic(path, [json.dumps(obj, indent=1, sort_keys=True).encode()], mode=mode)
 
 
 def describe_error(err: OSError) -> str:

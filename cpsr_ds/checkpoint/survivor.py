@@ -13,8 +13,13 @@ that lost its partition; step counters and the LR schedule) to
     SURVIVOR_DIR/<run>/rankNNNNN/state.cpsr                      snapshot file (fileformat.py)
     SURVIVOR_DIR/<run>/rankNNNNN/cpsr_manifest.rankNNNNN.json    size, checksum, iteration, attempt
 
-``<run>`` is the run's identity (``DIR/cpsr_run.json``, made at its first start), so two
-jobs on one machine never share a dump. The dump is written into a hidden directory and
+``<run>`` is the run's identity (``DIR/cpsr_run.json``, made at its first start, bound to
+the run directory's real path and inode), so two jobs on one machine never share a dump,
+nor does a copy of a run directory (``cp -r``) take the original's. The root and
+everything under it are this user's alone (private_dir.py: 0700 directories, 0600
+files, whatever the umask); a root or run directory that another user owns or may
+write to, or a symlink in place of one, is refused when dumps are made and when they
+are read. The dump is written into a hidden directory and
 renamed into place once its manifest is durable: a torn or partial dump is never there
 under the final name, and :func:`read_survivor` verifies the manifest and checksum anyway.
 
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import json
 import logging
 import os
@@ -50,7 +56,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from cpsr_ds.checkpoint import store
+from cpsr_ds.checkpoint import private_dir, store
 from cpsr_ds.checkpoint.persist import Concurrent
 from cpsr_ds.checkpoint.fileformat import CheckpointError, file_prefix, flatten, layout, nonfinite_tensors, read_snapshot
 from cpsr_ds.config import CheckpointConfig
@@ -62,6 +68,7 @@ RUN_ID = "cpsr_run.json"  # in the run directory: the run's identity, made at it
 OWNER = "owner.json"
 STATE_FILE = "state.cpsr"
 TAG = "survivor"
+SETTING = "checkpoint.survivor_dir"  # the key that moves the root
 # Signals a launcher stops a job's ranks with.
 SIGNALS = (signal.SIGTERM,)
 
@@ -84,22 +91,71 @@ def dump_dir(root: str, run: str, rank: int) -> str:
 
 
 def run_identity(run_dir: str) -> str:
-    """The identity of the run in ``run_dir``, made on first use; every rank that sees the directory gets the same."""
+    """The identity of the run in ``run_dir``, made on first use: every rank that sees the directory gets the same,
+    and a copy of the directory another (:func:`_bound`)."""
+    return _bound(_made(run_dir)["run"], run_dir)
+
+
+def held_run(run_dir: str) -> Optional[str]:
+    """The identity of the run ``run_dir`` holds now, None where it holds none; raises OSError or ValueError where
+    its record is unreadable or damaged."""
+    try:
+        return _bound(_parse(_read_bytes(os.path.join(run_dir, RUN_ID)))["run"], run_dir)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+def _binding(run_dir: str) -> dict:
+    """What a run identity is bound to: the directory's real path and inode. Not its device number: a network
+    file system numbers it anew on each node and at each mount, where the directory is the same."""
+    path = os.path.realpath(run_dir)
+    return {"dir": path, "inode": os.stat(path).st_ino}
+
+
+def _bound(made: str, run_dir: str) -> str:
+    """The identity ``made`` at the run's first start, bound to ``run_dir``: a copy of the directory, or one
+    moved, is another run, whose dumps are not the original's (cp -r copies cpsr_run.json too)."""
+    binding = _binding(run_dir)
+    return hashlib.sha256(f"{made}\0{binding['dir']}\0{binding['inode']}".encode()).hexdigest()[:32]
+
+
+def _read_bytes(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _parse(raw: bytes) -> dict:
+    """cpsr_run.json's record; ValueError where it holds no identity."""
+    record = json.loads(raw)
+    if not isinstance(record, dict) or not isinstance(record.get("run"), str):
+        raise ValueError("no run identity in it")
+    return record
+
+
+def _made(run_dir: str) -> dict:
+    """``run_dir``'s cpsr_run.json record, made on first use (with the binding it was made in, for the record)."""
     path = os.path.join(run_dir, RUN_ID)
     try:
-        with open(path) as f:
-            return str(json.load(f)["run"])
+        raw = _read_bytes(path)
     except FileNotFoundError:
-        pass
-    except (OSError, ValueError, TypeError, KeyError) as err:
+        _publish(run_dir, {"run": uuid.uuid4().hex, **_binding(run_dir)})
+        return _made(run_dir)
+    try:
+        return _parse(raw)
+    except ValueError as err:
         log.warning("cpsr: %s is damaged (%s): the run gets a new identity, earlier survivor dumps are not used",
                     path, err)
-        store.write_json_atomic(path, {"run": uuid.uuid4().hex})
-        return run_identity(run_dir)
-    # A link fails where another rank's file is already there: the first one made stands.
+        # Made from the damaged bytes, so that every rank that read them writes the same.
+        store.write_json_atomic(path, {"run": hashlib.sha256(raw).hexdigest()[:32], **_binding(run_dir)})
+        return _made(run_dir)
+
+
+def _publish(run_dir: str, record: dict) -> None:
+    """Make ``record`` the run's identity unless another rank made one first (a link fails where one is there)."""
+    path = os.path.join(run_dir, RUN_ID)
     tmp = f"{store.temp_name(path)}-{uuid.uuid4().hex}"
     with open(tmp, "w") as f:
-        json.dump({"run": uuid.uuid4().hex}, f)
+        json.dump(record, f)
         f.flush()
         os.fsync(f.fileno())
     try:
@@ -109,7 +165,28 @@ def run_identity(run_dir: str) -> str:
         pass
     finally:
         os.unlink(tmp)
-    return run_identity(run_dir)
+
+
+def moved(run_dir: str) -> Optional[str]:
+    """Where ``run_dir``'s identity was made, where that is not here (a copy, or a move); None otherwise."""
+    record, here = _made(run_dir), _binding(run_dir)
+    made_in = {k: record.get(k) for k in here}
+    if None in made_in.values() or made_in == here:
+        return None
+    return f"{made_in['dir']} (inode {made_in['inode']})"
+
+
+def prepare(cfg: CheckpointConfig) -> tuple[str, str]:
+    """The survivor root and this run's identity, after making the root and the run's directory under it this
+    user's alone (:class:`private_dir.PrivateDirError` where they are not) and marking the run's with the run
+    directory it belongs to (owner.json)."""
+    root, run = survivor_root(cfg), run_identity(cfg.dir)
+    os.makedirs(os.path.dirname(os.path.abspath(root)), exist_ok=True)
+    private_dir.ensure(root, SETTING)
+    private_dir.ensure(os.path.join(root, run), SETTING)
+    store.write_json_atomic(os.path.join(root, run, OWNER), {"run_dir": os.path.abspath(cfg.dir)},
+                            mode=private_dir.FILE_MODE)
+    return root, run
 
 
 # ---------------------------------------------------------------- the state
@@ -172,18 +249,19 @@ def write_dump(directory: str, contents: dict, manifest: dict, checksum: str,
     once its file and manifest are durable, and only if ``may_commit()`` then says so.
     """
     parent = os.path.dirname(directory)
-    os.makedirs(parent, exist_ok=True)
+    private_dir.ensure(parent, SETTING)
     tmp = store.temp_name(directory)
     shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
+    private_dir.ensure(tmp, SETTING)
     skeleton, tensors = flatten(contents)
     specs, _ = layout(tensors)
     prefix = file_prefix(pickle.dumps((skeleton, specs), protocol=pickle.HIGHEST_PROTOCOL))
-    size, digest = store.write_atomic(os.path.join(tmp, STATE_FILE), _chunks(prefix, tensors, specs), checksum)
+    size, digest = store.write_atomic(os.path.join(tmp, STATE_FILE), _chunks(prefix, tensors, specs), checksum,
+                                      mode=private_dir.FILE_MODE)
     rank = manifest["rank"]
     store.write_json_atomic(os.path.join(tmp, store.manifest_name(rank)),
                             {**manifest, "tag": TAG, "checksum": checksum, "failed": None,
-                             "files": {STATE_FILE: {"size": size, "digest": digest}}})
+                             "files": {STATE_FILE: {"size": size, "digest": digest}}}, mode=private_dir.FILE_MODE)
     if not may_commit():
         return 0
     _remove(directory)
@@ -213,18 +291,48 @@ def read_survivor(root: str, rank: int, run: str, attempt: Optional[int] = None)
 
 
 def read_dump(directory: str, rank: int, run: str, attempt: Optional[int], what: str) -> Optional[Survivor]:
-    """:func:`read_survivor` of the dump in ``directory`` (``what`` it is, for the log)."""
+    """:func:`read_survivor` of the dump in ``directory`` (``what`` it is, for the log); the dump's directory, its
+    run's and the root above must be this user's alone (a planted one is refused)."""
     if not os.path.isdir(directory):
         log.info("cpsr: no %s of rank %d in %s", what, rank, directory)
         return None
     try:
         return _read(directory, rank, run, attempt)
-    except (CheckpointError, OSError) as err:
+    except (CheckpointError, OSError, private_dir.PrivateDirError) as err:
         log.warning("cpsr: %s of rank %d in %s not used: %s", what, rank, directory, err)
         return None
 
 
+def check_private(*directories: str) -> None:
+    """Raise PrivateDirError unless each of ``directories`` is this user's alone; FileNotFoundError where one is
+    missing."""
+    for path in directories:
+        private_dir.check(path, SETTING)
+
+
+def _owner(run_root: str) -> str:
+    """The run directory that the run's directory ``run_root`` under the survivor root belongs to (its owner.json)."""
+    try:
+        return str(json.loads(_read_bytes(os.path.join(run_root, OWNER)))["run_dir"])
+    except (ValueError, TypeError, KeyError) as err:
+        raise ValueError(f"{OWNER} in {run_root} is damaged: {err!r}") from None
+
+
+def _check_owner(run_root: str, run: str) -> None:
+    """Raise CheckpointError unless the run directory ``run_root``'s owner.json names still holds run ``run``."""
+    try:
+        run_dir = _owner(run_root)
+        held = held_run(run_dir)
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"its run directory is unknown: {err}") from None
+    if held != run:
+        raise CheckpointError(f"its run directory {run_dir} ({OWNER}) holds {'no run' if held is None else 'another run'}"
+                              f" now, not run {run!r}")
+
+
 def _read(directory: str, rank: int, run: str, attempt: Optional[int]) -> Survivor:
+    run_root = os.path.dirname(directory)
+    check_private(os.path.dirname(run_root), run_root, directory)
     man = store.read_manifests(directory).get(rank)
     if man is None:
         raise CheckpointError(f"no manifest {store.manifest_name(rank)} (partial dump)")
@@ -232,6 +340,7 @@ def _read(directory: str, rank: int, run: str, attempt: Optional[int]) -> Surviv
         raise CheckpointError(f"written by run {man.get('run')!r}, not this run {run!r}")
     if attempt is not None and man["attempt"] != attempt:
         raise CheckpointError(f"written by attempt {man['attempt']}, not attempt {attempt}")
+    _check_owner(os.path.dirname(directory), run)
     entry = man["files"].get(STATE_FILE)
     if entry is None or man["iteration"] is None:
         raise CheckpointError(f"the manifest lists no {STATE_FILE} or no iteration")
@@ -271,16 +380,12 @@ def remove_stale_runs(root: str) -> list[str]:
         return stale
     for run in runs:
         try:
-            with open(os.path.join(root, run, OWNER)) as f:
-                run_dir = json.load(f)["run_dir"]
-        except (OSError, ValueError, TypeError, KeyError):
+            run_dir = _owner(os.path.join(root, run))
+        except (OSError, ValueError):
             continue  # a run just starting, or not ours to judge
         try:
-            with open(os.path.join(run_dir, RUN_ID)) as f:
-                current = json.load(f)["run"] == run
-        except FileNotFoundError:
-            current = False
-        except (OSError, ValueError, TypeError, KeyError):
+            current = held_run(run_dir) == run
+        except (OSError, ValueError):
             continue
         if not current:
             shutil.rmtree(os.path.join(root, run), ignore_errors=True)
@@ -453,18 +558,20 @@ def watch_signals(dumper: Dumper) -> bool:
 def install(engine, cfg: CheckpointConfig, attempt: int) -> Optional[Dumper]:
     """After recovery has read the earlier dumps: remove them, and make this engine dump on failure.
 
-    Wraps the engine's ``_take_model_step`` (the state lock), sets ``engine.survivor``
+    Raises :class:`private_dir.PrivateDirError` where the survivor root or the run's directory under it is not
+    this user's alone. Wraps the engine's ``_take_model_step`` (the state lock), sets ``engine.survivor``
     (the plugin's ``train_batch`` dumps through it when an exception leaves), and watches SIGTERM.
     """
     if not cfg.survivor:
         return None
-    root = survivor_root(cfg)
-    run = run_identity(cfg.dir)
+    root, run = prepare(cfg)
+    origin = moved(cfg.dir)
+    if origin is not None and int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        log.warning("cpsr: the run directory %s was made as %s: a copy, or moved; it is a run of its own, and the "
+                    "survivor dumps of the original are not its", os.path.realpath(cfg.dir), origin)
     remove_survivor(root, run, engine.global_rank)
     for stale in remove_stale_runs(root):
         log.info("cpsr: removed the survivor dumps of run %s in %s: its run directory is gone", stale, root)
-    os.makedirs(os.path.join(root, run), exist_ok=True)
-    store.write_json_atomic(os.path.join(root, run, OWNER), {"run_dir": os.path.abspath(cfg.dir)})
     dumper = Dumper(engine, root, run, attempt, cfg.survivor_timeout_s, cfg.checksum)
     engine._take_model_step = dumper.stepping(engine._take_model_step)
     engine.survivor = dumper
