@@ -36,7 +36,6 @@ import functools
 import json
 import logging
 import os
-import pickle
 import shutil
 import signal
 import sys
@@ -178,7 +177,7 @@ def write_dump(directory: str, contents: dict, manifest: dict, checksum: str,
     os.makedirs(tmp)
     skeleton, tensors = flatten(contents)
     specs, _ = layout(tensors)
-    prefix = file_prefix(pickle.dumps((skeleton, specs), protocol=pickle.HIGHEST_PROTOCOL))
+    prefix = file_prefix(os.path.join(directory, STATE_FILE), skeleton, specs)
     size, digest = store.write_atomic(os.path.join(tmp, STATE_FILE), _chunks(prefix, tensors, specs), checksum)
     rank = manifest["rank"]
     store.write_json_atomic(os.path.join(tmp, store.manifest_name(rank)),
