@@ -68,30 +68,31 @@ def _resolve(name: str) -> Any:
     return getattr(importlib.import_module(module), attr)
 
 
-def safe_globals():
-    """The block within which torch's weights-only unpickler allows :data:`ALLOWED` besides its own types."""
-    return torch.serialization.safe_globals([_resolve(name) for name in sorted(ALLOWED)])
+def _allow_in_torch() -> None:
+    """Add :data:`ALLOWED` to torch's weights-only allowlist. It is one set per process, which torch's
+    ``safe_globals`` block would put back on leaving, under another thread's load: added, never removed."""
+    torch.serialization.add_safe_globals([_resolve(name) for name in sorted(ALLOWED)])
 
 
 def torch_load(source, map_location: Any = None) -> Any:
     """``torch.load`` of a ``torch.save`` file (a path or a seekable file) with the weights-only unpickler;
     :class:`RefusedGlobal` where it names a global outside torch's and our allowlists."""
-    with safe_globals():
-        try:
-            return torch.load(source, map_location=map_location, weights_only=True)
-        except pickle.UnpicklingError as err:
-            refused = unsafe_globals(source)
-            if refused:
-                raise RefusedGlobal(refused) from err
-            raise
+    _allow_in_torch()
+    try:
+        return torch.load(source, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as err:
+        refused = unsafe_globals(source)
+        if refused:
+            raise RefusedGlobal(refused) from err
+        raise
 
 
 def unsafe_globals(source) -> list[str]:
     """The globals of a ``torch.save`` file that :func:`torch_load` refuses, sorted; [] where none or unreadable."""
     if hasattr(source, "seek"):
         source.seek(0)
-    with safe_globals():
-        try:
-            return sorted(torch.serialization.get_unsafe_globals_in_checkpoint(source))
-        except (ValueError, RuntimeError, pickle.UnpicklingError, EOFError):
-            return []
+    _allow_in_torch()
+    try:
+        return sorted(torch.serialization.get_unsafe_globals_in_checkpoint(source))
+    except (ValueError, RuntimeError, pickle.UnpicklingError, EOFError):
+        return []
