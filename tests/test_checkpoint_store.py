@@ -23,11 +23,13 @@ Pair = collections.namedtuple("Pair", "a b")
 
 
 def nested_state():
+    """A state dict with the types of DeepSpeed's; a file may hold no others (allowlist.py)."""
     return {
         "module": collections.OrderedDict(w=torch.randn(7, 5), b=torch.arange(4, dtype=torch.int64)),
         "optimizer": {"state": {0: {"exp_avg": torch.randn(3).to(torch.bfloat16), "step": torch.tensor(3.0)}},
                       "param_groups": [{"lr": 1e-3, "params": [0]}]},
-        "pair": Pair(torch.ones(2, 2).t(), "x"),
+        "pair": (torch.ones(2, 2).t(), "x"),
+        "shapes": collections.OrderedDict(w=torch.Size([7, 5])),
         "mask": torch.tensor([True, False]),
         "plain": ("text", 3, None),
     }
@@ -56,9 +58,9 @@ def write_snapshot(path, state, chunk_bytes=None):
 
 
 def test_flatten_unflatten_round_trip_keeps_types_and_python_objects():
-    state = nested_state()
+    state = {**nested_state(), "named": Pair(torch.zeros(1), "y")}
     skeleton, tensors = flatten(state)
-    assert len(tensors) == 6
+    assert len(tensors) == 7
     assert isinstance(skeleton["module"]["w"], TensorRef)
     assert skeleton["plain"] == ("text", 3, None)
     assert_same(unflatten(skeleton, list(tensors)), state)

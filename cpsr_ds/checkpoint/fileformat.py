@@ -5,9 +5,11 @@ A file is ``MAGIC``, the header length (8 bytes, little endian), the pickled hea
 an ``ALIGN``-aligned offset of the data region. The whole file is one page-aligned host
 buffer, written from it with direct I/O and read straight into one, without an
 intermediate copy. Files
-without ``MAGIC`` are read with ``torch.load`` (checkpoints of DeepSpeed's own engine).
-``scan_file`` checks a file's checksum and the finiteness of its floating tensors in one
-pass, for verification.
+without ``MAGIC`` are read with ``torch.load(weights_only=True)`` (checkpoints of
+DeepSpeed's own engine). The header is unpickled only once the checksum over the whole
+file matched (where a manifest gives one), and only ever with allowlist.py's unpickler,
+which refuses every global but the few a checkpoint holds. ``scan_file`` checks a
+file's checksum, then the finiteness of its floating tensors, for verification.
 """
 
 from __future__ import annotations
@@ -15,14 +17,15 @@ from __future__ import annotations
 import copy
 import io
 import os
-import pickle
 import struct
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import xxhash
+
+from cpsr_ds.checkpoint import allowlist
 
 MAGIC = b"CPSRSNP2"
 ALIGN = 64
@@ -51,8 +54,13 @@ def align(n: int, to: int = ALIGN) -> int:
     return -(-n // to) * to
 
 
-def file_prefix(header: bytes) -> bytes:
-    """Everything in a snapshot file before the data region."""
+def file_prefix(path: str, skeleton: Any, specs: list["TensorSpec"]) -> bytes:
+    """Everything in snapshot file ``path`` before the data region; :class:`CheckpointError` naming the file and
+    the type where the skeleton holds one that reading it back would refuse."""
+    try:
+        header = allowlist.dumps((skeleton, specs))
+    except allowlist.RefusedGlobal as err:
+        raise CheckpointError(f"{path}: not written: {err}") from err
     head = MAGIC + struct.pack("<Q", len(header)) + header
     return head + bytes(align(len(head), PAGE) - len(head))
 
@@ -128,18 +136,20 @@ def read_snapshot(path: str, expect: Optional[dict] = None, algorithm: str = "xx
     """Load a snapshot file or, without our magic, a ``torch.save`` file.
 
     ``expect`` is the file's manifest entry (``size``, ``digest``); when given, the bytes
-    read are hashed and a mismatch raises :class:`CheckpointError` naming the file.
+    read are hashed and a mismatch raises :class:`CheckpointError` naming the file, before
+    anything of the file is unpickled.
     """
     with open(path, "rb") as f:
         size, hasher, head = _start_reading(f, path, expect, algorithm)
         if head[:8] != MAGIC:
             return _load_torch_file(f, path, head, hasher, expect, map_location)
-        skeleton, specs, data_size = _read_header(f, path, size, head, hasher)
+        header, data_size = _header_bytes(f, path, size, head, hasher)
         data = torch.empty(data_size, dtype=torch.uint8)
         buf = data.numpy()
         for pos in range(0, data_size, _READ_CHUNK):
             hasher.update(_read_into(f, path, buf[pos:pos + _READ_CHUNK]))
     _check(path, hasher, expect)
+    skeleton, specs = _parse_header(path, header, data_size)
     tensors = [_to_location(tensor_from_bytes(data, s), map_location) for s in specs]
     return unflatten(skeleton, tensors)
 
@@ -151,28 +161,45 @@ def read_skeleton(path: str) -> tuple[Any, int] | None:
         size, hasher, head = _start_reading(f, path, None, "xxh3_64")
         if head[:8] != MAGIC:
             return None
-        skeleton, _, data_size = _read_header(f, path, size, head, hasher)
-    return skeleton, size - data_size
+        header, data_size = _header_bytes(f, path, size, head, hasher)
+    return _parse_header(path, header, data_size)[0], size - data_size
 
 
 def scan_file(path: str, expect: Optional[dict] = None, algorithm: str = "xxh3_64") -> list[str]:
-    """Key paths of the floating tensors in ``path`` holding NaN or Inf, the file read once.
+    """Key paths of the floating tensors in ``path`` holding NaN or Inf.
 
     Raises :class:`CheckpointError` naming the file when it does not match ``expect`` or
-    does not load. Snapshot files are read chunk by chunk, so memory stays bounded.
+    does not load. A snapshot file is read chunk by chunk, so memory stays bounded, and
+    with ``expect`` twice: its header is unpickled, to tell where its floating tensors
+    are, only once the first read matched the checksum.
     """
     with open(path, "rb") as f:
         size, hasher, head = _start_reading(f, path, expect, algorithm)
         if head[:8] != MAGIC:
             return nonfinite_tensors(*flatten(_load_torch_file(f, path, head, hasher, expect, "cpu")))
-        skeleton, specs, data_size = _read_header(f, path, size, head, hasher)
-        bad = _nonfinite_data(f, path, hasher, specs, data_size)
-    _check(path, hasher, expect)
+        header, data_size = _header_bytes(f, path, size, head, hasher)
+        if expect is not None:
+            data_start = f.tell()
+            for _, chunk in _chunks(f, path, data_size):
+                hasher.update(chunk.numpy())
+            _check(path, hasher, expect)
+            f.seek(data_start)
+        skeleton, specs = _parse_header(path, header, data_size)
+        bad = _nonfinite_data(f, path, specs, data_size)
     return _named(skeleton, bad)
 
 
-def _nonfinite_data(f, path: str, hasher, specs: list[TensorSpec], data_size: int) -> list[int]:
-    """Indices of the floating tensors holding NaN or Inf, the data region read and hashed chunk by chunk.
+def _chunks(f, path: str, data_size: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """The data region read chunk by chunk into one reused buffer: (its offset, the chunk)."""
+    buf = torch.empty(min(_READ_CHUNK, data_size), dtype=torch.uint8)
+    for pos in range(0, data_size, _READ_CHUNK):
+        chunk = buf[:min(_READ_CHUNK, data_size - pos)]
+        _read_into(f, path, chunk.numpy())
+        yield pos, chunk
+
+
+def _nonfinite_data(f, path: str, specs: list[TensorSpec], data_size: int) -> list[int]:
+    """Indices of the floating tensors holding NaN or Inf, the data region read chunk by chunk.
 
     Chunks start at multiples of _READ_CHUNK and tensors at multiples of ALIGN, so a
     chunk holds whole elements of every tensor it overlaps.
@@ -180,10 +207,7 @@ def _nonfinite_data(f, path: str, hasher, specs: list[TensorSpec], data_size: in
     waiting = deque(sorted((i for i, s in enumerate(specs) if getattr(torch, s.dtype).is_floating_point),
                            key=lambda i: specs[i].offset))
     bad = []
-    buf = torch.empty(min(_READ_CHUNK, data_size), dtype=torch.uint8)
-    for pos in range(0, data_size, _READ_CHUNK):
-        chunk = buf[:min(_READ_CHUNK, data_size - pos)]
-        hasher.update(_read_into(f, path, chunk.numpy()))
+    for pos, chunk in _chunks(f, path, data_size):
         end = pos + len(chunk)
         while waiting and specs[waiting[0]].offset < end:
             s = specs[waiting[0]]
@@ -209,7 +233,8 @@ def _start_reading(f, path: str, expect: Optional[dict], algorithm: str):
 
 
 def _load_torch_file(f, path: str, head: bytes, hasher, expect: Optional[dict], map_location: Any) -> Any:
-    """A ``torch.save`` file: checked against ``expect`` from one read into memory, else loaded from the file."""
+    """A ``torch.save`` file: checked against ``expect`` from one read into memory, else loaded from the file;
+    unpickled by torch's weights-only unpickler, with allowlist.py's types."""
     if expect is None:
         f.seek(0)
         source = f
@@ -219,28 +244,38 @@ def _load_torch_file(f, path: str, head: bytes, hasher, expect: Optional[dict], 
         _check(path, hasher, expect)
         source = io.BytesIO(raw)
     try:
-        return torch.load(source, map_location=map_location, weights_only=False)
+        return allowlist.torch_load(source, map_location)
+    except allowlist.RefusedGlobal as err:
+        raise CheckpointError(f"{path}: refused: {err}") from err
     except Exception as err:  # unpickling a damaged file fails in many ways; all mean the same here
         raise CheckpointError(f"{path}: does not load: {type(err).__name__}: {err}") from err
 
 
-def _read_header(f, path: str, size: int, head: bytes, hasher) -> tuple[Any, list[TensorSpec], int]:
-    """(skeleton, specs, data region size) of a snapshot file whose first 16 bytes were read; hashed."""
+def _header_bytes(f, path: str, size: int, head: bytes, hasher) -> tuple[bytes, int]:
+    """(the pickled header, the data region's size) of a snapshot file whose first 16 bytes were read; hashed,
+    not unpickled: the data region starts at the first page boundary past the header."""
     (hlen,) = struct.unpack("<Q", head[8:16])
     start = align(16 + hlen, PAGE)
     if start > size:
         raise CheckpointError(f"{path}: truncated header")
     rest = f.read(start - 16)
     hasher.update(rest)
+    return rest[:hlen], size - start
+
+
+def _parse_header(path: str, header: bytes, data_size: int) -> tuple[Any, list[TensorSpec]]:
+    """(skeleton, specs) of a pickled header, unpickled with the allowlist; every spec inside the data region."""
     try:
-        skeleton, specs = pickle.loads(rest[:hlen])
+        skeleton, specs = allowlist.loads(header)
         valid = all(isinstance(s, TensorSpec) and isinstance(getattr(torch, s.dtype, None), torch.dtype)
-                    and 0 <= s.offset and s.offset + s.nbytes <= size - start for s in specs)
+                    and 0 <= s.offset and s.offset + s.nbytes <= data_size for s in specs)
+    except allowlist.RefusedGlobal as err:
+        raise CheckpointError(f"{path}: refused: {err}") from err
     except Exception as err:  # a damaged pickle fails in many ways
         raise CheckpointError(f"{path}: damaged header: {type(err).__name__}: {err}") from err
     if not valid:
         raise CheckpointError(f"{path}: damaged header: tensor specs outside the data region")
-    return skeleton, specs, size - start
+    return skeleton, specs
 
 
 def _read_into(f, path: str, buf):

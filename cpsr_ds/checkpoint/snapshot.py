@@ -13,7 +13,6 @@ check it for NaN and Inf (``SnapshotFile.nonfinite``), off the training path.
 
 from __future__ import annotations
 
-import pickle
 import queue
 import threading
 from dataclasses import dataclass
@@ -194,10 +193,11 @@ class Copier:
 
 
 def snapshot_file(rel: str, state: Any, buffers: HostBuffers, chunk_bytes: Optional[int]) -> SnapshotFile:
-    """Capture ``state`` for file ``rel``: skeleton pickled now, tensors to be copied into ``buffers``."""
+    """Capture ``state`` for file ``rel``: skeleton pickled now (a type reading it back would refuse raises
+    CheckpointError), tensors to be copied into ``buffers``."""
     skeleton, tensors = flatten(state)
     specs, total = layout(tensors)
-    prefix = file_prefix(pickle.dumps((skeleton, specs), protocol=pickle.HIGHEST_PROTOCOL))
+    prefix = file_prefix(rel, skeleton, specs)
     arena = buffers.get(rel, len(prefix) + total)
     pieces = plan(specs, total, chunk_bytes, len(prefix))
     return SnapshotFile(rel, skeleton, specs, prefix, arena, tensors, pieces, chunk_bytes)

@@ -42,7 +42,6 @@ import hashlib
 import json
 import logging
 import os
-import pickle
 import shutil
 import signal
 import sys
@@ -255,7 +254,7 @@ def write_dump(directory: str, contents: dict, manifest: dict, checksum: str,
     private_dir.ensure(tmp, SETTING)
     skeleton, tensors = flatten(contents)
     specs, _ = layout(tensors)
-    prefix = file_prefix(pickle.dumps((skeleton, specs), protocol=pickle.HIGHEST_PROTOCOL))
+    prefix = file_prefix(os.path.join(directory, STATE_FILE), skeleton, specs)
     size, digest = store.write_atomic(os.path.join(tmp, STATE_FILE), _chunks(prefix, tensors, specs), checksum,
                                       mode=private_dir.FILE_MODE)
     rank = manifest["rank"]

@@ -1,6 +1,7 @@
 """The ``torch`` strategy: DeepSpeed's synchronous ``torch.save`` engine, with manifests and an atomic commit.
 
-``save`` serialises a file with ``torch.save`` as DeepSpeed's engine does, writes it
+``save`` serialises a file with ``torch.save`` as DeepSpeed's engine does (refusing a
+state that ``load``, whose unpickler allows only allowlist.py's types, would refuse), writes it
 atomically (temporary name, fsync, rename) and records its size, checksum and
 non-finite tensors. The engine is decoupled: DeepSpeed commits it before the next
 optimizer step (``cleanup`` commits the last one), where every rank writes its manifest
@@ -27,10 +28,10 @@ import torch
 from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
 
-from cpsr_ds.checkpoint import exiting, store, throttle
+from cpsr_ds.checkpoint import allowlist, exiting, store, throttle
 from cpsr_ds.checkpoint.checkfreq import measured_interval
 from cpsr_ds.checkpoint.engine import CheckpointStats
-from cpsr_ds.checkpoint.fileformat import flatten, nonfinite_tensors
+from cpsr_ds.checkpoint.fileformat import CheckpointError, flatten, nonfinite_tensors
 from cpsr_ds.checkpoint.store import describe_error
 from cpsr_ds.config import CheckpointConfig
 
@@ -98,6 +99,9 @@ class TorchEngine(TorchCheckpointEngine):
             return
         buf = io.BytesIO()
         torch.save(state_dict, buf, _use_new_zipfile_serialization=self.zipfile_serialization)
+        refused = allowlist.unsafe_globals(buf)
+        if refused:
+            raise CheckpointError(f"{path}: not written: {allowlist.RefusedGlobal(refused)}")
         if ckpt is None:
             # Outside create()/commit(), as DeepSpeed's engine allows: atomic, but part of no checkpoint.
             store.write_atomic(path, [buf.getbuffer()], throttle=self.throttle)
