@@ -10,11 +10,14 @@ import shutil
 import subprocess
 import sys
 
+from functools import partial
+
 import pytest
 
 from conftest import ROOT, finish, free_port, run_job, tiny_config
-from cpsr_ds.checkpoint import store
+from cpsr_ds.checkpoint import layout, store
 from cpsr_ds.checkpoint.exiting import EXIT_RESTART_CANNOT_HELP
+from cpsr_ds.config import CPSRConfig
 from cpsr_ds.recovery import REPORTS, read_reports
 from cpsr_ds.rundir import recorded_attempt
 
@@ -157,6 +160,13 @@ def small_tmpfs(path, size: str):
         subprocess.run(["umount", "-l", str(path)], capture_output=True)
 
 
+def part_bytes(directory, tag: str, page: int = 4096) -> int:
+    """What rank 0's part of ``tag`` in ``directory`` takes on a tmpfs: its files, manifest and commit record, each
+    in whole pages."""
+    files = store.read_manifests(str(directory / tag))[0]["files"].values()
+    return sum(-(-entry["size"] // page) * page for entry in files) + 2 * page
+
+
 def fill(path, leave: int) -> None:
     """Fill the file system of ``path``'s directory with ``path`` until ``leave`` bytes are free."""
     free = os.statvfs(path.parent).f_bavail * os.statvfs(path.parent).f_frsize
@@ -171,8 +181,9 @@ def fill(path, leave: int) -> None:
 def test_a_restart_that_cannot_restore_a_replica_onto_a_full_disk_stops_named_and_is_not_restarted(tmp_path):
     """As above, node 0 goes and the job restarts as one rank on node 1, now under DeepSpeed's launcher and
     resilient.sh, but node 1's disk is full: rank 0's parts cannot be copied from the replicas. The restart stops
-    with RestartCannotHelp, whose exit status the launcher passes on and resilient.sh does not restart; with
-    space freed the next start restores the parts and resumes, no commit lost."""
+    with RestartCannotHelp, whose exit status the launcher passes on and resilient.sh does not restart. With room
+    for the older checkpoints only, recovery takes the newest of those (checked in this process); with space
+    freed the next start restores every part and resumes from the newest, no commit lost."""
     with small_tmpfs(tmp_path / "disk", "64m") as disk:
         dirs = [tmp_path / "node0", disk / "node1"]
         config = node_local_config(dirs[0], stages=1, zero_stage=1, kill_rank=0)
@@ -190,6 +201,14 @@ def test_a_restart_that_cannot_restore_a_replica_onto_a_full_disk_stops_named_an
         assert "RestartCannotHelp" in output and "ENOSPC" in output and "not restarting" in output, output[-4000:]
         assert "restart 1 of" not in output
         assert not (dirs[1] / REPORTS).exists()  # no resumption reported
+
+        # Room for rank 0's parts of the older checkpoints alone: the newest is left out, the next newest serves.
+        assert len(replicated) >= 2, replicated
+        part = partial(part_bytes, dirs[1] / store.REPLICAS)
+        os.unlink(disk / "filler")
+        fill(disk / "filler", leave=sum(map(part, replicated[:-1])) + part(replicated[-1]) // 2)
+        restorable = layout.agreed_checkpoints(CPSRConfig.parse_block(config["cpsr"]).checkpoint)
+        assert [c.tag for c in restorable] == replicated[:-1], (restorable, replicated)
 
         os.unlink(disk / "filler")
         run_job(tmp_path, config, "--train-iters", ITERATIONS, supervised=True, nprocs=1)

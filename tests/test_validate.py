@@ -17,6 +17,7 @@ import torch
 from conftest import tiny_config
 from cpsr_ds.checkpoint import host_snapshot, store, survivor
 from cpsr_ds.checkpoint.fileformat import read_snapshot
+from cpsr_ds.predictor.base import Predictor
 from cpsr_ds.recovery import engine_state
 from cpsr_ds.recovery.sources import summaries
 from cpsr_ds.recovery.validate import Spec, clamp_second_moments, problem, specs_of
@@ -178,6 +179,27 @@ def test_a_host_snapshot_with_a_negative_second_moment_is_left_for_the_one_befor
     assert losses == {i: first[i] for i in (9, 10, 11)} and sound
     assert "rank 0's host snapshot of iteration 10 is left out" in warnings_of(cpsr_logs)
     assert key in warnings_of(cpsr_logs)
+
+
+def test_a_prediction_past_zero_of_a_second_moment_is_clamped_and_resumed(tmp_path, cpsr_logs, monkeypatch):
+    """linear with predicted moments, its second moments taken past zero (as extrapolating one that shrinks
+    does): the restart predicts, with those values at zero, and trains on with finite losses."""
+    run_dir = tmp_path / "run"
+    cfg = config(run_dir, "predict")
+    cfg["cpsr"]["predictor"]["moments"] = "predict"
+    first_run(cfg)
+    predict = Predictor.predict
+
+    def past_zero(self, target, **options):
+        predicted = predict(self, target, **options)
+        return {k: t - t.max() / 2 if k.startswith("exp_avg_sq/") else t for k, t in predicted.items()}
+
+    monkeypatch.setattr(Predictor, "predict", past_zero)
+    report, losses, sound = restarted(cfg)
+    assert (report.method, report.predictor, report.resume_iteration) == ("predict", "linear", F), report
+    assert all(math.isfinite(loss) for loss in losses.values()) and sound, losses
+    assert "negative values of Adam's second moments (exp_avg_sq) at iteration 11: set to zero" in \
+        warnings_of(cpsr_logs)
 
 
 def summary_path(run_dir, iteration: int) -> str:
