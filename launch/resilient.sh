@@ -7,6 +7,14 @@
 # The job itself finds where the failed attempt got to (cpsr_ds reads its progress
 # journal and checkpoints on start), so every attempt runs the same command.
 #
+# Exit status 78 (sysexits' EX_CONFIG; cpsr_ds.checkpoint.exiting.EXIT_RESTART_CANNOT_HELP)
+# means the job stopped at its start because a restart cannot help (no valid state to
+# resume from, a disk too full to restore a checkpoint into; its last error says which):
+# the script stops with that status instead of restarting. DeepSpeed's launcher
+# (`deepspeed --num_gpus N`, and `--hostfile` over pdsh, which returns the largest status
+# of the nodes) exits with its failed worker's status. torchrun exits 1 whatever its
+# workers' status, so under torchrun the job is restarted all the same.
+#
 # Each attempt runs in a process group of its own. SIGTERM, SIGINT or SIGHUP to this
 # script goes to that whole group (DeepSpeed's launcher, its per-node launchers and
 # workers, pdsh and ssh), so nothing of the job outlives the supervisor; DeepSpeed's
@@ -43,6 +51,7 @@ trap 'stop TERM' TERM
 trap 'stop INT' INT
 trap 'stop HUP' HUP
 
+cannot_help=78
 attempt=0
 while true; do
   "$@" &
@@ -62,6 +71,11 @@ while true; do
   if [ "$code" -eq 0 ]; then
     [ "$attempt" -gt 0 ] && echo "[resilient] job finished after $attempt restart(s)"
     exit 0
+  fi
+  if [ "$code" -eq "$cannot_help" ]; then
+    echo "[resilient] attempt $((attempt + 1)) exited with code $code: the job says a restart cannot help" \
+      "(see its last error); not restarting" >&2
+    exit "$code"
   fi
   if [ "$attempt" -ge "$max_restarts" ]; then
     echo "[resilient] attempt $((attempt + 1)) failed with exit code $code; no restarts left ($max_restarts)" >&2

@@ -2,6 +2,7 @@
 c''s parameters and the last committed checkpoint's optimizer state, instead of recomputing from there."""
 
 import json
+import math
 import os
 import shutil
 
@@ -10,6 +11,8 @@ import pytest
 from conftest import run_job, tiny_config
 from cpsr_ds import runlog
 from cpsr_ds.checkpoint import store
+from cpsr_ds.checkpoint.fileformat import read_snapshot
+from cpsr_ds.checkpoint.snapshot import HostBuffers, snapshot_file
 from cpsr_ds.checkpoint.journal import journal_path, read_journal
 from cpsr_ds.recovery import read_reports
 from cpsr_ds.runlog import CostRow, StateRow
@@ -119,6 +122,56 @@ def test_a_damaged_landed_layer_file_is_not_used(failed, tmp_path):
     report, _, output = restarted(failed, tmp_path, "damaged", damage=True)
     assert report.resume_iteration == C and report.sources is None, report
     assert "checksum mismatch" in output and "global_step16" in output
+
+
+def rewritten_layer_file(change):
+    """A ``prepare`` of :func:`restarted`: the last landed layer file's state dict changed by ``change`` and
+    written again in the checkpoint format, its progress line made to vouch for it (size and digest, no note of
+    non-finite values): a file whose only fault is what it holds."""
+
+    def prepare(run):
+        tag_dir = run / f"global_step{IN_FLIGHT}"
+        path = sorted(tag_dir.glob("layer_*"))[-1]
+        state = read_snapshot(str(path))
+        change(state)
+        snap = snapshot_file(path.name, state, HostBuffers(pin=False), None)
+        snap.copy(None)
+        for record in tag_dir.glob("cpsr_progress.rank*.jsonl"):
+            lines = [json.loads(line) for line in record.read_text().splitlines()]
+            for line in lines:
+                if line["file"] == path.name:
+                    size, digest = store.write_atomic(str(path), snap.chunks(), line["checksum"])
+                    line.update(size=size, digest=digest)
+                    line.pop("nonfinite", None)
+            record.write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+    return prepare
+
+
+def first_tensor(state: dict) -> str:
+    return next(k for k, v in sorted(state.items()) if hasattr(v, "is_floating_point") and v.is_floating_point())
+
+
+def nan_in_first_tensor(state: dict) -> None:
+    state[first_tensor(state)].view(-1)[0] = math.nan
+
+
+def first_tensor_a_row_short(state: dict) -> None:
+    key = first_tensor(state)
+    state[key] = state[key][:-1].clone()
+
+
+@pytest.mark.parametrize("change, said", [(nan_in_first_tensor, "non-finite values in"),
+                                          (first_tensor_a_row_short, "where the engine holds")])
+def test_a_landed_layer_file_whose_progress_line_vouches_for_a_wrong_state_is_not_used(failed, tmp_path, change,
+                                                                                        said):
+    """A NaN, or a tensor of another shape (which the layer's load_state_dict would raise on at every restart), in
+    a layer file whose progress line was made to match it: recomputing starts from the committed checkpoint."""
+    report, run, output = restarted(failed, tmp_path, change.__name__, prepare=rewritten_layer_file(change))
+    assert (report.method, report.resume_iteration, report.sources) == ("recompute", C, None), report
+    assert f"global_step{IN_FLIGHT}" in output and said in output, output[-3000:]
+    _, again = losses(run, 0)
+    assert all(math.isfinite(loss) for loss in again.values())
 
 
 def test_recovery_mode_recompute_takes_only_exact_states(failed, tmp_path):

@@ -11,6 +11,7 @@ import uuid
 import pytest
 
 from conftest import JOB_ENV, ROOT, NoLoopbackSsh, finish, free_port, kill_tagged, loopback_ssh, start, tiny_config
+from cpsr_ds.checkpoint.exiting import EXIT_RESTART_CANNOT_HELP
 from cpsr_ds.elastic import STORE_SETTING, restart_problem
 
 TRAIN_ITERS = 14
@@ -147,3 +148,22 @@ def test_resilient_takes_the_whole_attempt_down_when_stopped(tmp_path):
         if pid_file.exists() and pid_file.read_text().strip() and os.path.exists(f"/proc/{int(pid_file.read_text())}"):
             os.kill(int(pid_file.read_text()), signal.SIGKILL)
         supervisor.wait()
+
+
+
+@pytest.mark.parametrize("error, attempts, code", [("exiting.RestartCannotHelp", 1, EXIT_RESTART_CANNOT_HELP),
+                                                   ("RuntimeError", 3, 1)])
+def test_resilient_restarts_a_failed_job_but_not_one_that_says_a_restart_cannot_help(tmp_path, error, attempts, code):
+    """An uncaught RestartCannotHelp exits with EXIT_RESTART_CANNOT_HELP once the atexit handlers ran; resilient.sh
+    stops there and says why, and restarts any other failure."""
+    counter = tmp_path / "attempts"
+    script = ("import atexit; from cpsr_ds.checkpoint import exiting; exiting.install(); "
+              f"open({str(counter)!r}, 'a').write('attempt '); atexit.register(print, 'atexit ran'); "
+              f"raise {error}('no state left')")
+    result = subprocess.run([os.path.join(ROOT, "launch", "resilient.sh"), "--max-restarts", "2", "--",
+                             sys.executable, "-c", script], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
+                            capture_output=True, text=True, timeout=120)
+    assert counter.read_text().split() == ["attempt"] * attempts, result.stderr
+    assert result.returncode == code and "atexit ran" in result.stdout, result.stderr
+    said = f"attempt 1 exited with code {code}: the job says a restart cannot help (see its last error); not restarting"
+    assert (said in result.stderr) == (attempts == 1), result.stderr

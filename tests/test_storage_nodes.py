@@ -2,15 +2,23 @@
 shared memory and its directory), or a node the job restarts without, loses no committed checkpoint, its ranks'
 parts come back from the replicas."""
 
+import contextlib
+import errno
 import json
 import os
 import shutil
 import subprocess
 import sys
 
-from conftest import ROOT, finish, free_port, tiny_config
-from cpsr_ds.checkpoint import store
-from cpsr_ds.recovery import read_reports
+from functools import partial
+
+import pytest
+
+from conftest import ROOT, finish, free_port, run_job, tiny_config
+from cpsr_ds.checkpoint import layout, store
+from cpsr_ds.checkpoint.exiting import EXIT_RESTART_CANNOT_HELP
+from cpsr_ds.config import CPSRConfig
+from cpsr_ds.recovery import REPORTS, read_reports
 from cpsr_ds.rundir import recorded_attempt
 
 KILL_AT = 17
@@ -139,3 +147,71 @@ def test_a_job_restarted_on_the_node_left_resumes_from_its_parts_and_replicas(tm
     assert report.reached in (KILL_AT - 1, KILL_AT) and "data-parallel degree 2 -> 1" in report.world_change, report
     assert "restored from this node's replicas" in log_path.read_text()
     assert store.read_latest(str(dirs[1])) == f"global_step{ITERATIONS}"
+
+
+@contextlib.contextmanager
+def small_tmpfs(path, size: str):
+    """A file system of ``size`` mounted at ``path``: a disk that fills up."""
+    path.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True, capture_output=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def part_bytes(directory, tag: str, page: int = 4096) -> int:
+    """What rank 0's part of ``tag`` in ``directory`` takes on a tmpfs: its files, manifest and commit record, each
+    in whole pages."""
+    files = store.read_manifests(str(directory / tag))[0]["files"].values()
+    return sum(-(-entry["size"] // page) * page for entry in files) + 2 * page
+
+
+def fill(path, leave: int) -> None:
+    """Fill the file system of ``path``'s directory with ``path`` until ``leave`` bytes are free."""
+    free = os.statvfs(path.parent).f_bavail * os.statvfs(path.parent).f_frsize
+    with open(path, "wb") as f:
+        try:
+            f.write(bytes(max(0, free - leave)))
+        except OSError as err:
+            assert err.errno == errno.ENOSPC, err
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs (a disk that fills up) needs root")
+def test_a_restart_that_cannot_restore_a_replica_onto_a_full_disk_stops_named_and_is_not_restarted(tmp_path):
+    """As above, node 0 goes and the job restarts as one rank on node 1, now under DeepSpeed's launcher and
+    resilient.sh, but node 1's disk is full: rank 0's parts cannot be copied from the replicas. The restart stops
+    with RestartCannotHelp, whose exit status the launcher passes on and resilient.sh does not restart. With room
+    for the older checkpoints only, recovery takes the newest of those (checked in this process); with space
+    freed the next start restores every part and resumes from the newest, no commit lost."""
+    with small_tmpfs(tmp_path / "disk", "64m") as disk:
+        dirs = [tmp_path / "node0", disk / "node1"]
+        config = node_local_config(dirs[0], stages=1, zero_stage=1, kill_rank=0)
+        codes = run_nodes(tmp_path, write_config(tmp_path, config), dirs, "first")
+        assert codes[0] == -9 and codes[1] != 0, logs(tmp_path, "first")
+        replicated = [c.tag for c in store.list_checkpoints(str(dirs[1] / store.REPLICAS), ranks={0}) if c.valid]
+        assert replicated, logs(tmp_path, "first")
+
+        del config["cpsr"]["faults"]
+        config["cpsr"]["checkpoint"]["dir"] = str(dirs[1])
+        fill(disk / "filler", leave=64 << 10)
+        stopped = run_job(tmp_path, config, "--train-iters", ITERATIONS, supervised=True, nprocs=1, check=False)
+        output = stopped.stdout + stopped.stderr
+        assert stopped.returncode == EXIT_RESTART_CANNOT_HELP, output[-4000:]
+        assert "RestartCannotHelp" in output and "ENOSPC" in output and "not restarting" in output, output[-4000:]
+        assert "restart 1 of" not in output
+        assert not (dirs[1] / REPORTS).exists()  # no resumption reported
+
+        # Room for rank 0's parts of the older checkpoints alone: the newest is left out, the next newest serves.
+        assert len(replicated) >= 2, replicated
+        part = partial(part_bytes, dirs[1] / store.REPLICAS)
+        os.unlink(disk / "filler")
+        fill(disk / "filler", leave=sum(map(part, replicated[:-1])) + part(replicated[-1]) // 2)
+        restorable = layout.agreed_checkpoints(CPSRConfig.parse_block(config["cpsr"]).checkpoint)
+        assert [c.tag for c in restorable] == replicated[:-1], (restorable, replicated)
+
+        os.unlink(disk / "filler")
+        run_job(tmp_path, config, "--train-iters", ITERATIONS, supervised=True, nprocs=1)
+        *_, report = read_reports(str(dirs[1]))
+        assert (report.method, report.checkpoint) == ("recompute", store.tag_iteration(replicated[-1])), report
+        assert store.read_latest(str(dirs[1])) == f"global_step{ITERATIONS}"

@@ -12,6 +12,10 @@ end a process without ``atexit``, so nothing there waits at all.
 A failing process waits for no other rank: their manifests may never come. Its own
 files in flight get :data:`EXIT_GRACE_S` to become durable; what is still in flight
 then is abandoned, never committed, and ``latest`` stays on the last committed checkpoint.
+
+A restart that cannot proceed, and that another restart would meet the same way, raises
+:class:`RestartCannotHelp`; left uncaught, the process exits with :data:`EXIT_RESTART_CANNOT_HELP`,
+which ``launch/resilient.sh`` does not restart.
 """
 
 from __future__ import annotations
@@ -25,6 +29,15 @@ from typing import Optional
 # Long enough for a file already being written to finish on healthy storage, short
 # enough that a supervisor sees the process leave and restarts the node in seconds.
 EXIT_GRACE_S = 2.0
+# The exit status of a process stopped by RestartCannotHelp: sysexits' EX_CONFIG. DeepSpeed's launcher exits with
+# its first failed worker's status, so a supervisor sees it; launch/resilient.sh stops on it.
+EXIT_RESTART_CANNOT_HELP = 78
+
+
+class RestartCannotHelp(RuntimeError):
+    """A restart cannot proceed, and restarting again would not either: no state is left to resume from, or
+    the storage it needs is full. The message says what to do; the process exits with
+    :data:`EXIT_RESTART_CANNOT_HELP`."""
 
 _reason: Optional[str] = None
 
@@ -68,12 +81,16 @@ def _hook(previous):
     def excepthook(kind, value, traceback):
         mark(f"uncaught {kind.__name__}: {value}")
         previous(kind, value, traceback)
+        if issubclass(kind, RestartCannotHelp):
+            # Raised from the hook, SystemExit sets the exit status; atexit's handlers still run.
+            sys.exit(EXIT_RESTART_CANNOT_HELP)
 
     excepthook.cpsr_marks_failure = True
     return excepthook
 
 
 def install() -> None:
-    """Chain a ``sys.excepthook`` that marks the process failing (once per process)."""
+    """Chain a ``sys.excepthook`` that marks the process failing, and exits with :data:`EXIT_RESTART_CANNOT_HELP`
+    after a :class:`RestartCannotHelp` (once per process)."""
     if not getattr(sys.excepthook, "cpsr_marks_failure", False):
         sys.excepthook = _hook(sys.excepthook)

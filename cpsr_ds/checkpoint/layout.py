@@ -517,9 +517,9 @@ def agreed_checkpoints(cfg: CheckpointConfig, read_data: bool = True) -> list[st
     reports = _gathered(local)
     agreed = agree(reports)
     _log_rejected(rank, local["parts"].get(rank, {}), agreed)
-    replica.restore(cfg.dir, rank, nodes, placement(agreed, nodes))
+    lost = replica.restore(cfg.dir, rank, nodes, placement(agreed, nodes))
     found = {c.tag: c for c in store.scan(cfg.dir)}
-    return [as_agreed(found[a.tag], a) for a in agreed if a.tag in found]
+    return replica.whole(cfg.dir, [as_agreed(found[a.tag], a) for a in agreed if a.tag in found], lost)
 
 
 def _shared_checkpoints(cfg: CheckpointConfig, read_data: bool) -> list[store.Checkpoint]:

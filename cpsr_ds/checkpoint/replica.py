@@ -7,7 +7,8 @@ node, ``(node + 1) % nodes``, and the checkpoint commits once every rank's has a
 of its own, never taken for the node's own checkpoints (store.scan skips it), verified
 with the same manifests and checksums, and retained alike. At recovery, before DeepSpeed loads, each
 node gets the parts it lacks (its ranks' own; on a job of another world size, every
-rank's) from its replicas or from the node holding them (:func:`restore`).
+rank's) from its replicas or from the node holding them (:func:`restore`); a checkpoint
+whose parts could not all be written there (a full disk) is left out on every rank.
 
 The transfer uses a gloo process group made at start for this alone
 (:func:`open_channel`) and used only by the replicating thread, and at recovery, before
@@ -32,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from cpsr_ds.checkpoint import store
+from cpsr_ds.checkpoint.exiting import RestartCannotHelp
 
 log = logging.getLogger(__name__)
 
@@ -142,10 +144,20 @@ def _write_part(into: str, header: dict, contents: Callable[[str, int], Iterator
 
 
 def _receive_part(group, src: int, into: str) -> Optional[str]:
-    """Write the part ``src`` sends into ``into``/TAG; returns the tag, None for an empty part."""
+    """Write the part ``src`` sends into ``into``/TAG; returns the tag, None for an empty part. Where writing
+    fails, the rest of what ``src`` sends is received all the same (the sends and receives stay paired)."""
     box = [None]
     dist.recv_object_list(box, src=src, group=group)
-    return _write_part(into, box[0], lambda rel, size: _chunks(group, size, src))
+    header = box[0]
+    files = header["manifest"]["files"] if header["manifest"] is not None else {}
+    incoming = {rel: _chunks(group, files[rel]["size"], src) for rel in header["files"]}
+    try:
+        return _write_part(into, header, lambda rel, size: incoming[rel])
+    except OSError:
+        for chunks in incoming.values():  # each generator goes on where writing stopped
+            for _ in chunks:
+                pass
+        raise
 
 
 def _copy_part(ckpt_dir: str, tag: str, owner: int, into: str, only: Optional[re.Pattern]) -> Optional[str]:
@@ -220,9 +232,11 @@ class Move:
     only: bool = False
 
 
-def restore(ckpt_dir: str, rank: int, nodes, moves: list[Move]) -> None:
+def restore(ckpt_dir: str, rank: int, nodes, moves: list[Move]) -> dict[str, str]:
     """Collective at recovery: every rank takes its side of ``moves``, in order (layout.placement); a part on
-    the same node is copied there, one on another node comes over the channel."""
+    the same node is copied there, one on another node comes over the channel. Returns the checkpoints that
+    are not whole where they are needed, each with why (a part not written: a full disk), on every rank."""
+    failed = {}
     for m in moves:
         from_dir = replica_dir(ckpt_dir) if m.replica else ckpt_dir
         only = SHARED_FILE_RE if m.only else None
@@ -230,14 +244,41 @@ def restore(ckpt_dir: str, rank: int, nodes, moves: list[Move]) -> None:
         if rank == m.src and not local:
             _send_part(_restoring(m), from_dir, m.tag, m.owner, m.dst, None, only)
         elif rank == m.dst:
-            tag = _copy_part(from_dir, m.tag, m.owner, ckpt_dir, only) if local else \
-                _receive_part(_restoring(m), m.src, ckpt_dir)
+            try:
+                tag = _copy_part(from_dir, m.tag, m.owner, ckpt_dir, only) if local else \
+                    _receive_part(_restoring(m), m.src, ckpt_dir)
+            except OSError as err:
+                failed.setdefault(m.tag, f"rank {m.owner}'s part not written into {ckpt_dir} on rank {rank}'s node: "
+                                          f"{store.describe_error(err)}")
+                log.error("checkpoint %s: %s; the checkpoint is left out", m.tag, failed[m.tag])
+                continue
             if tag is not None and not m.only:
                 source = ("this node's replicas" if local else f"the replica on rank {m.src}") if m.replica else \
                     f"rank {m.src}'s directory"
                 log.log(logging.WARNING if m.replica else logging.INFO,
                         "checkpoint %s: the part of rank %d (of the job that wrote it) restored from %s into %s",
                         tag, m.owner, source, ckpt_dir)
+    return _everyones(failed)
+
+
+def whole(ckpt_dir: str, checkpoints: list[store.Checkpoint], lost: dict[str, str]) -> list[store.Checkpoint]:
+    """``checkpoints`` but those :func:`restore` could not make whole (``lost``: why, by tag);
+    :class:`RestartCannotHelp` where that leaves none: starting afresh would give the committed ones up."""
+    kept = [c for c in checkpoints if c.tag not in lost]
+    if checkpoints and not kept:
+        raise RestartCannotHelp(f"cpsr recovery: no checkpoint can be restored into {ckpt_dir}: "
+                                f"{'; '.join(f'{tag}: {why}' for tag, why in lost.items())}. Restarting cannot help "
+                                "until that is mended (a full disk: free space there)")
+    return kept
+
+
+def _everyones(failed: dict[str, str]) -> dict[str, str]:
+    """Every rank's ``failed``, merged (a collective on the default group, where there are several ranks)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return failed
+    found = [None] * dist.get_world_size()
+    dist.all_gather_object(found, failed)
+    return {tag: why for ranks in reversed(found) for tag, why in ranks.items()}
 
 
 def _restoring(move: Move):

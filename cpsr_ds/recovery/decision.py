@@ -47,6 +47,7 @@ from cpsr_ds.recovery.sources.checkpoint import load_history, restore, stage_his
 from cpsr_ds.recovery.sources.prediction import checkpoint_as_prediction, load_weights, predicted_share
 from cpsr_ds.recovery.sources import Ahead, host_snapshot, in_flight, replica, summaries, survivor
 from cpsr_ds.recovery.sources.survivor import dump_at, restore_dump
+from cpsr_ds.recovery.validate import Spec, share_specs
 from cpsr_ds.runlog import MEASUREMENTS_DIR, held_out_errors, read_measurements
 
 log = logging.getLogger(__name__)
@@ -123,7 +124,7 @@ def _newest_with_summary(engine, cfg: CPSRConfig, predictor, full: list, exact: 
     # A newest state found non-finite leaves an older one in the engine, which the summary does not fit.
     history, client_state = load_history(engine, cfg.checkpoint.dir, full, 1, predictor.observe)
     load_weights(predictor, client_state)
-    fits = history[-1].iteration == newest.iteration and (exact or predictor.load_summary(summary))
+    fits = history[-1].iteration == newest.iteration and (exact or summaries.load(predictor, summary, newest.tag))
     if all(gathered(fits)):
         return history, size
     log.warning("cpsr recovery: the predictor's summary of checkpoint %s does not fit its state on every rank: "
@@ -272,7 +273,7 @@ def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int, curv
         numbers.update(predictor=predictor.name, relative_error=r, estimated_cost=choice.estimate.lag,
                        cost_model=model.name, guard_lag=choice.guard_lag, loss_excess=choice.loss_excess,
                        predicted_share=share)
-        why, predicted = _prediction(cfg.recovery, predictor, f, r, choice)
+        why, predicted = _prediction(cfg.recovery, predictor, f, r, choice, share_specs(engine))
     else:
         why, predicted = f"predictor {predictor.name} not ready", None
     # Readiness and the held-out error are each rank's own (its stage, its shard): one
@@ -322,16 +323,17 @@ def worst_error(errors: list[float | None]) -> float | None:
     return max(errors, key=lambda e: math.inf if math.isnan(e) else e)
 
 
-def _prediction(rc: RecoveryConfig, predictor, f: int, r: float | None,
-                choice: Choice) -> tuple[str | None, dict | None]:
-    """This rank's (reason to recompute, None) or (None, its share of the predicted state at f)."""
+def _prediction(rc: RecoveryConfig, predictor, f: int, r: float | None, choice: Choice,
+                expected: dict[str, Spec]) -> tuple[str | None, dict | None]:
+    """This rank's (reason to recompute, None) or (None, its share of the predicted state at f, valid against
+    ``expected``)."""
     if rc.mode == "auto":
         # r measures a predictor against skip: skip cannot diverge, only the cost model's choice applies to it.
         why = ((choice.reason if choice.method == RECOMPUTE else None) if predictor.name == SKIP
                else fallback_reason(rc, r, choice))
         if why is not None:
             return why, None
-    return predicted_share(predictor, f)
+    return predicted_share(predictor, f, expected)
 
 
 def fallback_reason(rc: RecoveryConfig, r: float | None, choice: Choice) -> str | None:

@@ -18,7 +18,6 @@ from deepspeed.utils import (
     safe_set_full_optimizer_state,
 )
 
-from cpsr_ds.checkpoint.fileformat import is_finite
 from cpsr_ds.fitter import XiSums, xi_sums
 from cpsr_ds.shard import assemble, pack, packed_length, share, unpack
 
@@ -273,11 +272,16 @@ def own_share(engine, copy: bool = True) -> dict[str, torch.Tensor]:
     reader that copies what it keeps before the engine changes (recovery's predictor, which
     would otherwise hold each checkpoint twice).
     """
+    return {k: t.to("cpu", torch.float32, copy=copy) for k, t in own_views(engine).items() if t.numel()}
+
+
+def own_views(engine) -> dict[str, torch.Tensor]:
+    """:func:`own_share`'s tensors as the engine holds them: views, in the engine's dtypes and on its device."""
     state, _ = local_state(engine)
     dp = data_parallel(engine)
     if not partitioned(engine) and dp.size > 1:
         state = share(state, dp.rank, dp.size, copy=False)
-    return {k: t.to("cpu", torch.float32, copy=copy) for k, t in state.items() if t.numel()}
+    return state
 
 
 def stage_sums(engine, own: dict[str, torch.Tensor]) -> XiSums:
@@ -374,8 +378,3 @@ def planned_iterations(engine) -> int | None:
     """The training length the LR schedule plans (DeepSpeed's decaying schedules); None: unknown."""
     total = getattr(engine.lr_scheduler, "total_num_steps", None)
     return total if isinstance(total, int) else None
-
-
-def nonfinite_tensor(state: dict[str, torch.Tensor]) -> str | None:
-    """The key of the first floating tensor of ``state`` holding a NaN or an infinity."""
-    return next((k for k, t in state.items() if t.is_floating_point() and not is_finite(t)), None)

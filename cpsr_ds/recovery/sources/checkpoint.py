@@ -1,5 +1,5 @@
 """The checkpoint source: retained checkpoints loaded through DeepSpeed (at any data-parallel degree), each
-checked for finiteness, this rank's share of each handed to the predictor as it is loaded."""
+validated (:mod:`cpsr_ds.recovery.validate`), this rank's share of each handed to the predictor as it is loaded."""
 
 from __future__ import annotations
 
@@ -10,16 +10,11 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from cpsr_ds.checkpoint.exiting import RestartCannotHelp
 from cpsr_ds.fitter import NoFit, StageCurvature, curvature_of
 from cpsr_ds.recovery.agree import gathered, on_any_rank
-from cpsr_ds.recovery.engine_io import (
-    MOMENTS,
-    base_optimizer,
-    load_engine_state,
-    nonfinite_tensor,
-    own_share,
-    stage_sums,
-)
+from cpsr_ds.recovery.engine_io import MOMENTS, base_optimizer, load_engine_state, own_share, stage_sums
+from cpsr_ds.recovery.validate import problem
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +26,7 @@ class Retained(NamedTuple):
     curvature: StageCurvature | NoFit  # xi of the stage's whole state (stage_sums), for the paper's cost model
 
 
-# Given each finite checkpoint's iteration and this rank's share of it (own_share: the engine's own tensors, valid
+# Given each valid checkpoint's iteration and this rank's share of it (own_share: the engine's own tensors, valid
 # until the next load), as it is loaded: the predictor's observe, which copies it into its history. Handing
 # each share over at once, instead of keeping copies until the last is loaded, holds the history once, not twice.
 Keep = Callable[[int, dict[str, torch.Tensor]], None]
@@ -120,12 +115,13 @@ def full_zero_state(parts: list[dict], param_shapes: list[dict]) -> dict[str, to
 
 def _load_checked(engine, directory: str, tag: str | None, among=None,
                   keep: Keep | None = None) -> tuple[dict, Retained | None]:
-    """Load ``tag``; (client state, what recovery keeps of it), None where a rank (of those ``among`` names, see
-    :func:`on_any_rank`) holds a non-finite value. ``tag`` None: load nothing, only join the others' check.
+    """Load ``tag``; (client state, what recovery keeps of it), None where a rank's share (of the ranks ``among``
+    names, see :func:`on_any_rank`) fails :func:`~cpsr_ds.recovery.validate.problem`: a non-finite value, a
+    negative second moment. ``tag`` None: load nothing, only join the others' check.
 
     Each rank reads its share only (under ZeRO its own partition: nothing is gathered), the
-    shares, together the whole state, are checked for finiteness each by its rank, and a finite
-    one goes to ``keep``.
+    shares, together the whole state, are checked each by its rank, and a valid one goes
+    to ``keep``. DeepSpeed's load refuses a tensor of another shape itself.
     """
     if tag is None:
         on_any_rank(None, among)
@@ -133,32 +129,32 @@ def _load_checked(engine, directory: str, tag: str | None, among=None,
     client_state = load(engine, directory, tag)
     share = own_share(engine, copy=False)
     kept = Retained(engine.global_steps, curvature_of(stage_sums(engine, share)))
-    bad = on_any_rank(nonfinite_tensor(share), among)
+    bad = on_any_rank(problem(share), among)
     if bad is None:
         if keep is not None:
             keep(kept.iteration, share)
         return client_state, kept
-    log.error("cpsr recovery: checkpoint %s in %s has non-finite values in %s: leaving it out", tag, directory, bad)
+    log.error("cpsr recovery: checkpoint %s in %s has %s: leaving it out", tag, directory, bad)
     return client_state, None
 
 
 def restore(engine, directory: str, candidates, keep: Keep | None = None) -> tuple[dict, Retained]:
-    """Load the first of ``candidates`` (newest first) whose state is finite (to ``keep``); (client state, what is
-    kept of it)."""
+    """Load the first of ``candidates`` (newest first) whose state is valid (to ``keep``); (client state, what is
+    kept of it). :class:`RestartCannotHelp` where none is."""
     tags = [ck.tag for ck in candidates]
     for tag in tags:
         client_state, kept = _load_checked(engine, directory, tag, keep=keep)
         if kept is not None:
             return client_state, kept
-    raise RuntimeError(f"cpsr recovery: no checkpoint in {directory} has a finite state (tried {', '.join(tags)}); "
-                       "move them away to start from scratch")
+    raise RestartCannotHelp(f"cpsr recovery: no checkpoint in {directory} has a valid state (tried "
+                            f"{', '.join(tags)}; why is logged above); move them away to start from scratch")
 
 
 def load_history(engine, directory: str, verified: list, n: int, keep: Keep) -> tuple[list[Retained], dict]:
-    """The finite states among the ``n`` newest checkpoints, oldest first, each given to ``keep`` (this rank's
+    """The valid states among the ``n`` newest checkpoints, oldest first, each given to ``keep`` (this rank's
     share), and c's client state.
 
-    c is the newest checkpoint with a finite state, and the engine is left holding it,
+    c is the newest checkpoint with a valid state, and the engine is left holding it,
     the state RB-R falls back to.
     """
     window = verified[-n:]
@@ -171,15 +167,15 @@ def load_history(engine, directory: str, verified: list, n: int, keep: Keep) -> 
             client_state = loaded
     if good and good[-1] is window[-1]:
         return history, client_state
-    # Reloaded for the engine to hold c: kept already, unless no checkpoint of the window was finite.
+    # Reloaded for the engine to hold c: kept already, unless no checkpoint of the window was valid.
     client_state, kept = restore(engine, directory, [*reversed(good), *reversed(verified[:-n])],
                                  None if history else keep)
     return history or [kept], client_state
 
 
 def stage_history(engine, directory: str, own: list, n: int, stage: int, keep: Keep) -> tuple[list[Retained], dict]:
-    """This stage's finite states among the ``n`` newest of ``own`` checkpoints, oldest first, each given to
-    ``keep`` (this rank's share), and the newest's client state; the engine is left holding the newest finite one.
+    """This stage's valid states among the ``n`` newest of ``own`` checkpoints, oldest first, each given to
+    ``keep`` (this rank's share), and the newest's client state; the engine is left holding the newest valid one.
 
     Stages hold different numbers of checkpoints: every rank loads as often as the one
     with the most (an empty round where it has fewer), so that the checks' collectives pair up.

@@ -14,7 +14,7 @@ from cpsr_ds.config import CheckpointConfig
 from cpsr_ds.recovery.agree import gathered
 from cpsr_ds.recovery.engine_io import advance_counters
 from cpsr_ds.recovery.sources import Ahead
-from cpsr_ds.recovery.sources.survivor import restore_dump
+from cpsr_ds.recovery.sources.survivor import restore_dump, usable
 
 SOURCE = "host snapshot"
 
@@ -30,12 +30,13 @@ def ahead(cfg: CheckpointConfig, engine, attempt: int, c: int, f: int | None) ->
 def agreed_snapshot(cfg: CheckpointConfig, engine, attempt: int, c: int,
                     f: int | None) -> snapshots.survivor.Survivor | None:
     """This rank's host snapshot of the previous attempt at the newest iteration m, c < m <= f, of which every
-    rank has one, on its own stage of a job of this world size; else None on every rank (a collective, unless
-    the config, the attempt or f, the same on every rank, rule snapshots out)."""
+    rank has one, on its own stage of a job of this world size, valid (survivor.usable); else None on every rank
+    (a collective, unless the config, the attempt or f, the same on every rank, rule snapshots out)."""
     if cfg.memory_interval is None or attempt <= 1 or f is None:
         return None
     mine = {snap.iteration: snap for snap in snapshots.read_snapshots(cfg, engine.global_rank, attempt - 1)
-            if (snap.stage, snap.world_size) == (engine.stage_id, engine.world_size) and c < snap.iteration <= f}
+            if (snap.stage, snap.world_size) == (engine.stage_id, engine.world_size) and c < snap.iteration <= f
+            and usable(engine, snap, SOURCE)}
     common = set.intersection(*map(set, gathered(sorted(mine))))
     return mine[max(common)] if common else None
 

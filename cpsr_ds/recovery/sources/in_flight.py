@@ -24,12 +24,15 @@ import logging
 import os
 from typing import NamedTuple
 
+import torch
+
 from cpsr_ds.checkpoint import store
 from cpsr_ds.checkpoint.fileformat import CheckpointError, read_snapshot
 from cpsr_ds.config import CheckpointConfig
 from cpsr_ds.recovery.agree import gathered
 from cpsr_ds.recovery.engine_io import advance_counters, base_optimizer, partitioned
 from cpsr_ds.recovery.sources import Ahead
+from cpsr_ds.recovery.validate import problem, specs_of
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +86,9 @@ def candidates(directory: str, c: int, f: int) -> list[tuple[str, int]]:
 
 
 def read_layers(engine, tag_dir: str, iteration: int, tag: str) -> tuple[Landed | None, str | None]:
-    """(this rank's stage's layers of the checkpoint in ``tag_dir``, None) or (None, why they are not usable)."""
+    """(this rank's stage's layers of the checkpoint in ``tag_dir``, None) or (None, why they are not usable: not
+    landed, damaged, or, checked as every source's state is (:mod:`cpsr_ds.recovery.validate`), a tensor not
+    finite or not of the shape and dtype of the layer's own)."""
     landed = store.landed_files(tag_dir)
     module = engine.module
     layers = {}
@@ -100,7 +105,16 @@ def read_layers(engine, tag_dir: str, iteration: int, tag: str) -> tuple[Landed 
             layers[index] = read_snapshot(path, landed[rel].entry, landed[rel].algorithm, map_location="cpu")
         except (CheckpointError, OSError) as err:
             return None, str(err)
+        bad = problem(tensors(layers[index]), specs_of(tensors(layer.state_dict())))
+        if bad is not None:
+            return None, f"{path} holds {bad}"
     return Landed(iteration, tag, layers), None
+
+
+def tensors(state) -> dict:
+    """The tensors of a layer's state dict (megatron-core's layers keep ``_extra_state`` entries that are not);
+    a file that holds no state dict has none."""
+    return {k: v for k, v in state.items() if torch.is_tensor(v)} if isinstance(state, dict) else {}
 
 
 def resume(engine, found: Landed, c: int) -> int:

@@ -3,12 +3,16 @@ history as it is loaded (:mod:`.checkpoint`), and its share of the state predict
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from cpsr_ds.config import CPSRConfig
 from cpsr_ds.cost_model import SKIP
 from cpsr_ds.predictor import NotReady, make_predictor
-from cpsr_ds.recovery.engine_io import nonfinite_tensor
+from cpsr_ds.recovery.validate import Spec, clamp_second_moments, problem
+
+log = logging.getLogger(__name__)
 
 PREDICTOR_STATE = "cpsr_predictor"  # key of the predictor's weights in DeepSpeed's client state
 
@@ -43,15 +47,21 @@ def load_weights(predictor, client_state: dict) -> None:
         predictor.load_state_dict({**saved, "history": predictor.history.state_dict()})
 
 
-def predicted_share(predictor, f: int) -> tuple[str | None, dict | None]:
-    """This rank's (reason it cannot predict, None) or (None, its share of the predicted state at f)."""
+def predicted_share(predictor, f: int, expected: dict[str, Spec]) -> tuple[str | None, dict | None]:
+    """This rank's (reason it cannot predict, None) or (None, its share of the predicted state at f), which must
+    pass :func:`~cpsr_ds.recovery.validate.problem` against ``expected`` (validate.share_specs: what the engine
+    holds of it) once its negative second moments are clamped to zero (see :mod:`cpsr_ds.recovery.validate`)."""
     try:
         predicted = predictor.predict(f, kept_views=True)
     except NotReady as err:
         return str(err), None
-    bad = nonfinite_tensor(predicted)
+    predicted, clamped = clamp_second_moments(predicted)
+    if clamped:
+        log.warning("cpsr recovery: %s predicted %d negative values of Adam's second moments (exp_avg_sq) at "
+                    "iteration %d: set to zero", predictor.name, clamped, f)
+    bad = problem(predicted, expected)
     if bad is not None:
-        return f"the predicted state has non-finite values in {bad}", None
+        return f"the predicted state has {bad}", None
     return None, predicted
 
 

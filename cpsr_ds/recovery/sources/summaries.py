@@ -222,7 +222,24 @@ def read(directory: str, rank: int, iteration: int, attempt: int) -> tuple[dict 
                     target)
         return None, len(data)
     try:
-        return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True), len(data)
+        summary = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
     except Exception as err:  # a summary of another version: the history serves instead
         log.warning("cpsr recovery: cannot load %s (%s): reading the full history instead", target, err)
         return None, len(data)
+    if not isinstance(summary, dict):
+        log.warning("cpsr recovery: %s holds a %s, not a summary: reading the full history instead", target,
+                    type(summary).__name__)
+        return None, len(data)
+    return summary, len(data)
+
+
+def load(predictor, summary: dict, newest: str) -> bool:
+    """Whether ``predictor`` took ``summary``, the one kept with checkpoint ``newest`` (Predictor.load_summary);
+    one it cannot take (a field of another version, a value of another type) is logged, and the history
+    serves instead."""
+    try:
+        return predictor.load_summary(summary)
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError) as err:
+        log.warning("cpsr recovery: %s cannot take its summary of checkpoint %s (%s: %s): reading the full "
+                    "history instead", predictor.name, newest, type(err).__name__, err)
+        return False
