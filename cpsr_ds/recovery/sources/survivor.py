@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 
 # A module import: the dump's writer imports this package's engine_io, so this may run while it is half loaded.
-from cpsr_ds.checkpoint import survivor as dumps
+from cpsr_ds.checkpoint import rng, survivor as dumps
 from cpsr_ds.config import CheckpointConfig
 from cpsr_ds.recovery.engine_io import load_local_state
 
@@ -35,5 +35,7 @@ def dump_at(cfg: CheckpointConfig, engine, attempt: int, f: int) -> dumps.Surviv
 
 
 def restore_dump(engine, dump: dumps.Survivor) -> None:
-    """Write the dumped state into the engine (a collective over the stage's data-parallel group under ZeRO)."""
+    """Write the dumped state and its random-number state into the engine (a collective over the stage's
+    data-parallel group under ZeRO)."""
     load_local_state(engine, dump.state, dump.fragments)
+    rng.resume(engine, dump.counters.get("rng"), f"the dump of iteration {dump.iteration}")
