@@ -58,10 +58,12 @@ def capture(module=None) -> dict:
 
 def restore(state: dict, module=None) -> None:
     """Set the generators (and ``module``'s micro_offset) to ``state``, as :func:`capture` took it."""
-    torch.set_rng_state(state["torch"])
+    # Copies: the generators read a state from the start of its storage, and a snapshot file's tensors are
+    # views into one buffer (fileformat.read_snapshot).
+    torch.set_rng_state(state["torch"].clone())
     if "cuda" in state and torch.cuda.is_available():
         for device, cuda_state in zip(range(torch.cuda.device_count()), state["cuda"]):
-            torch.cuda.set_rng_state(cuda_state, device)
+            torch.cuda.set_rng_state(cuda_state.clone(), device)
     numpy = state["numpy"]
     np.random.set_state((numpy["algorithm"], numpy["keys"].numpy().astype(np.uint32), numpy["pos"],
                          numpy["has_gauss"], numpy["cached_gaussian"]))
