@@ -71,6 +71,7 @@ def dropout_engine(tmp_path, **checkpoint):
     """A one-stage GPT with dropout whose survivor dumps (and host snapshots) go under tmp_path."""
     config = tiny_config(tmp_path / "run", stages=1)
     config["cpsr"]["checkpoint"].update(survivor_dir=str(tmp_path / "survivors"), **checkpoint)
+    config["cpsr"]["recovery"] = {"mode": "recompute"}
     gpt = GPTConfig(**TEST_MODEL, hidden_dropout=0.3, attention_dropout=0.3)
     model = gpt_pipeline(gpt, num_stages=1, seed=1)
     engine, *_ = cpsr_ds.initialize(model=model, model_parameters=model.parameters(), config=config)
@@ -108,6 +109,17 @@ def test_an_iteration_redone_from_a_dump_or_snapshot_draws_the_same_dropout(tmp_
         resume_from(engine, state, c=2)
     # The forward pass of the redone iteration: the dump's weights, the dump's dropout masks.
     assert engine.train_batch(iter(batches)) == loss
+
+
+@pytest.mark.parametrize("strategy", ["torch", "cpsr", "pccheck"])
+def test_an_iteration_recomputed_from_a_checkpoint_of_each_strategy_draws_the_same_dropout(tmp_path, strategy):
+    engine, batches = dropout_engine(tmp_path, strategy=strategy, interval=2)
+    losses = [engine.train_batch(iter(batches)) for _ in range(3)]
+    engine.destroy()  # the journal is at 3, the newest checkpoint 2
+    restarted, _ = dropout_engine(tmp_path, strategy=strategy, interval=2)
+    assert (restarted.cpsr.recovery.method, restarted.global_steps) == ("recompute", 2)
+    assert restarted.train_batch(iter(batches)) == losses[2]
+    restarted.destroy()
 
 
 def adam_steps(optimizer, param, grads) -> None:
