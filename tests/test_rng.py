@@ -55,6 +55,16 @@ def test_a_dropout_mask_drawn_after_restore_equals_the_one_drawn_after_capture()
     assert only_plain(state)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_a_cuda_dropout_mask_drawn_after_restore_equals_the_one_drawn_after_capture():
+    torch.cuda.init()
+    state = rng.capture()
+    first = F.dropout(torch.ones(256, device="cuda"), p=0.5, training=True)
+    assert not torch.equal(F.dropout(torch.ones(256, device="cuda"), p=0.5, training=True), first)
+    rng.restore(state)
+    assert torch.equal(F.dropout(torch.ones(256, device="cuda"), p=0.5, training=True), first)
+
+
 def test_the_state_comes_back_from_a_snapshot_file(tmp_path):
     state = rng.capture()
     first = draws()

@@ -15,7 +15,8 @@ cpu-adam when loading a checkpoint); we found no DeepSpeed issue on it being ine
 
 Workaround: before an optimizer step whose step count is not the one the C++ object last saw, the steps
 1..t are replayed through the op on a one-element tensor, which leaves the object's beta powers as t
-uninterrupted steps left them (the first call sets beta^1 exactly on every branch; each later one multiplies).
+uninterrupted steps left them (the first call sets beta^1 exactly on every branch; each later one multiplies):
+3.6 us a step on the development host, 0.4 s for a state 100,000 steps in.
 """
 
 from __future__ import annotations
