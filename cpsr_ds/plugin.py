@@ -35,7 +35,7 @@ from deepspeed.runtime.pipe.module import PipelineModule
 from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
 
 from cpsr_ds import planner, runlog, world
-from cpsr_ds.checkpoint import exiting, host_snapshot, survivor, throttle
+from cpsr_ds.checkpoint import exiting, host_snapshot, rng, survivor, throttle
 from cpsr_ds.checkpoint.factory import deepspeed_factory
 from cpsr_ds.checkpoint.layout import verify_storage
 from cpsr_ds.checkpoint.store import reading_each_file_once
@@ -75,8 +75,9 @@ from cpsr_ds.recovery import (
     own_share,
     recover,
 )
-from cpsr_ds.recovery.engine_io import (data_parallel, planned_iterations, replicas_read_once, stage_sums,
-                                       weights_from_partitions)
+from cpsr_ds.recovery.adam_steps import align_bias_correction, stepped
+from cpsr_ds.recovery.engine_io import (base_optimizer, data_parallel, planned_iterations, replicas_read_once,
+                                       stage_sums, weights_from_partitions)
 from cpsr_ds.recovery.sources import summaries
 from cpsr_ds.rundir import RunDirLock, check_writable, claim
 from cpsr_ds.runlog import CostRow, PlanRow, StateRow
@@ -341,6 +342,7 @@ class Runtime:
             engine.checkpoint_engine.select(None if full else [r for r, s in enumerate(self.rank_stages) if s in due],
                                             due)
         engine.save_checkpoint(self.directory, client_state=client_state)
+        rng.save(engine, os.path.join(self.directory, f"global_step{iteration}"))
         for job in feed + record:
             self._run(job)
 
@@ -620,8 +622,20 @@ class CPSRPipelineEngine(PipelineEngine):
         # data-parallel replica reads the stage's files for all.
         with reading_each_file_once(), weights_from_partitions(self, load_optimizer_states, load_module_only), \
                 replicas_read_once(self):
-            return super().load_checkpoint(load_dir, tag, load_module_strict, load_optimizer_states,
-                                           load_lr_scheduler_states, load_module_only, custom_load_fn)
+            load_path, client_state = super().load_checkpoint(load_dir, tag, load_module_strict, load_optimizer_states,
+                                                              load_lr_scheduler_states, load_module_only, custom_load_fn)
+        if load_path is not None and not load_module_only:
+            rng.load(self, os.path.dirname(load_path))
+        return load_path, client_state
+
+    def _take_model_step(self, lr_kwargs):
+        # The fused CPU Adam's bias correction follows a restored step count (adam_steps.py); the random-number
+        # state the next iteration starts from is recorded with the step (rng.py).
+        optimizer = base_optimizer(self)
+        align_bias_correction(optimizer)
+        super()._take_model_step(lr_kwargs)
+        stepped(optimizer)
+        rng.record(self)
 
     def destroy(self):
         # The run directory is another job's to take only once pending checkpoints are done
@@ -674,7 +688,8 @@ class CPSRPipelineEngine(PipelineEngine):
         return [own] * self.mp_world_size if len(names) != self.mp_world_size and own in names else names
 
     def eval_batch(self, *args, **kwargs):
-        with exiting.marks_failure("eval_batch"):
+        # A restart does not redo an evaluation: it must not move the training's random-number streams.
+        with exiting.marks_failure("eval_batch"), rng.preserved(self.module):
             return super().eval_batch(*args, **kwargs)
 
     def _exec_optimizer_step(self, lr_kwargs=None):

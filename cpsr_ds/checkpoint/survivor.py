@@ -55,7 +55,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from cpsr_ds.checkpoint import private_dir, store
+from cpsr_ds.checkpoint import private_dir, rng, store
 from cpsr_ds.checkpoint.persist import Concurrent
 from cpsr_ds.checkpoint.fileformat import CheckpointError, file_prefix, flatten, layout, nonfinite_tensors, read_snapshot
 from cpsr_ds.config import CheckpointConfig
@@ -192,13 +192,14 @@ def prepare(cfg: CheckpointConfig) -> tuple[str, str]:
 
 
 def counters(engine) -> dict:
-    """The step counters and LR schedule the state belongs with."""
+    """The step counters, LR schedule and random-number state (rng.py; None where none is recorded for this
+    iteration) the state belongs with."""
     scheduler = engine.lr_scheduler
     steps = {int(st["step"]) for st in base_optimizer(engine).state.values() if "step" in st}
     return {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
             "skipped_steps": engine.skipped_steps, "micro_steps": engine.micro_steps,
             "optimizer_steps": sorted(steps),
-            "lr_scheduler": None if scheduler is None else scheduler.state_dict()}
+            "lr_scheduler": None if scheduler is None else scheduler.state_dict(), "rng": rng.recorded(engine)}
 
 
 @dataclass(frozen=True)

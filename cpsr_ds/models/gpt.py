@@ -48,6 +48,8 @@ class GPTConfig(BaseModel):
     seq_length: int = Field(128, gt=0)
     vocab_size: int = Field(VOCAB_SIZE, gt=0)
     init_method_std: float = Field(0.02, gt=0)
+    hidden_dropout: float = Field(0.0, ge=0, lt=1, description="megatron-core's dropout after attention and MLP.")
+    attention_dropout: float = Field(0.0, ge=0, lt=1, description="megatron-core's dropout of attention weights.")
     partition_method: str = Field(
         "type:Block",
         description="How the layers are split across pipeline stages: DeepSpeed's partition_method (uniform, "
@@ -100,7 +102,8 @@ class SDPAttention(DotProductAttention):
         seq, batch = query.shape[0], query.shape[1]
         # [s, b, heads, d] -> [b, heads, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        dropout = self.config.attention_dropout if self.training else 0.0
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
         return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
 
 
@@ -111,8 +114,8 @@ def transformer_config(cfg: GPTConfig, params_dtype: torch.dtype) -> Transformer
         num_attention_heads=cfg.num_attention_heads,
         ffn_hidden_size=4 * cfg.hidden_size,
         init_method_std=cfg.init_method_std,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
+        hidden_dropout=cfg.hidden_dropout,
+        attention_dropout=cfg.attention_dropout,
         use_cpu_initialization=not torch.cuda.is_available(),
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,

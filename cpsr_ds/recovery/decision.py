@@ -283,6 +283,8 @@ def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int, curv
         return recompute(why, **numbers)
     if exact and dump is not None:
         restore_dump(engine, dump)
+    # Every other rank keeps the random-number state saved with checkpoint c, the nearest saved (rng.py): a
+    # predicted state is not exact anyway, and a replica's copy holds the state at f but not this rank's streams.
     if from_replica:
         replica.copy_from_replica(engine, holders.index(True))
     elif predicted is not None and weights_from is not None:

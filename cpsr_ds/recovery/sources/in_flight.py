@@ -125,6 +125,7 @@ def resume(engine, found: Landed, c: int) -> int:
     # As DeepSpeed's load_state_dir ends: each tied weight from the stage that owns it (a collective over ties).
     engine.module._synchronize_tied_weights()
     advance_counters(engine, found.iteration - c)
+    # Not exact (Adam's moments are c's): the random-number state stays c's, loaded with it.
     log.info("cpsr recovery: parameters of iteration %d from checkpoint %s, which was persisting when the job "
              "failed; Adam's moments of iteration %d", found.iteration, found.tag, c)
     return found.iteration

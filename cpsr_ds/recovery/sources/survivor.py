@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 
 # A module import: the dump's writer imports this package's engine_io, so this may run while it is half loaded.
-from cpsr_ds.checkpoint import survivor as dumps
+from cpsr_ds.checkpoint import rng, survivor as dumps
 from cpsr_ds.config import CheckpointConfig
 from cpsr_ds.recovery.engine_io import load_local_state
 from cpsr_ds.recovery.validate import Spec, local_specs, problem
@@ -65,8 +65,10 @@ def dump_problem(engine, dump: dumps.Survivor) -> str | None:
 
 
 def restore_dump(engine, dump: dumps.Survivor) -> None:
-    """Write the dumped state into the engine (a collective over the stage's data-parallel group under ZeRO)."""
+    """Write the dumped state and its random-number state into the engine (a collective over the stage's
+    data-parallel group under ZeRO)."""
     load_local_state(engine, dump.state, dump.fragments)
+    rng.resume(engine, dump.counters.get("rng"), f"the dump of iteration {dump.iteration}")
 
 
 def _fragment(span: tuple[int, int] | None) -> str:
