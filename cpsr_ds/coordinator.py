@@ -33,7 +33,8 @@ piece, such as the copy of a checkpoint's share into the predictor's history;
 whose smallest piece has no measured cost yet runs that piece at once, inline, to
 measure it (or, queued behind other work, at the next checkpoint); what is still queued
 at a checkpoint runs inline there, before the predictor sees the new checkpoint, and
-what is queued when the job ends is dropped. With ``coordinator.fill``, a
+what is queued when the job ends is dropped, each job closed where it is (:meth:`Coordinator.drop`), so that
+no piece of it runs later, during the interpreter's teardown. With ``coordinator.fill``, a
 :class:`FillJob` queued last keeps the learning predictor training in every slot left
 until the next checkpoint, which drops it, or until more steps stop lowering its error
 on a split of chunks held out for that (the predictor's ``filling``): it only ever uses
@@ -146,7 +147,7 @@ class Job(Protocol):
         """Work for at most ``budget_s`` seconds (None: to the end); True once the job is done."""
 
     def close(self) -> None:
-        """An optional job's: stop it where it is."""
+        """Stop the job where it is: a flush drops an optional job, the end of the job every one."""
 
 
 class PieceCost:
@@ -181,6 +182,9 @@ class Piecewise:
 
     def cost(self) -> Optional[float]:
         return self.piece.estimate()
+
+    def close(self) -> None:
+        """Nothing runs until the job's next slice."""
 
 
 class CallJob(Piecewise):
@@ -336,13 +340,8 @@ class Coordinator:
                 job.run(None)
 
     def drop(self) -> None:
-        """Give up what is queued (the job ends), saying so."""
-        left = sum(not job.optional for job in self.queue)
-        if left:
-            log.info("cpsr: rank %d: %d job(s) of predictor work left undone at the end of the job", self.rank, left)
-        for job in self.queue:
-            if job.optional:
-                job.close()
+        """Give up what is queued (the job ends), saying so: each job closed here, on the calling thread."""
+        _cancel(self.rank, list(self.queue))
         self.queue.clear()
 
     def slot(self, slot: str) -> None:
@@ -427,12 +426,20 @@ class Background(Coordinator):
             error = None
             try:
                 with self._spent("background_s"), _side_stream(self.side):
-                    job.run(None)
+                    self._run_to_end(job)
             except BaseException as err:  # raised on the training loop's thread at the next flush
                 error = err
             with self.lock:
                 self.running, self.error = False, self.error or error
                 self.lock.notify_all()
+
+    def _run_to_end(self, job: Job) -> None:
+        """``job`` a piece at a time until it is done, or closed where it is once the job ends (:meth:`drop`): the
+        thread is then outside torch before the interpreter's teardown, which aborts a thread inside it."""
+        while not job.run(0.0):
+            if self.stopped:
+                job.close()
+                return
 
     def flush(self) -> None:
         """Wait for the job running on the thread, then run what has not started, inline."""
@@ -450,15 +457,27 @@ class Background(Coordinator):
                 job.run(None)
 
     def drop(self) -> None:
-        """Give up what has not started and end the thread, waiting at most DROP_WAIT_S for its running job."""
+        """Give up what has not started and end the thread, its running job closed after its current piece
+        (waited for at most DROP_WAIT_S)."""
         with self.lock:
-            left = len(self.queue)
+            left = list(self.queue)
             self.queue.clear()
             self.stopped = True
             self.lock.notify_all()
-        if left:
-            log.info("cpsr: rank %d: %d job(s) of predictor work left undone at the end of the job", self.rank, left)
+        _cancel(self.rank, left)
         self.thread.join(timeout=DROP_WAIT_S)
+        if self.thread.is_alive():
+            log.warning("cpsr: rank %d: the predictor's background thread still runs a piece %g s after the end of "
+                        "the job", self.rank, DROP_WAIT_S)
+
+
+def _cancel(rank: int, jobs: list) -> None:
+    """Close ``jobs``, queued when the job ends, saying how many were not optional."""
+    left = sum(not job.optional for job in jobs)
+    if left:
+        log.info("cpsr: rank %d: %d job(s) of predictor work cancelled at the end of the job", rank, left)
+    for job in jobs:
+        job.close()
 
 
 def read_records(directory: str) -> list[dict]:

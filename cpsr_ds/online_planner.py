@@ -20,7 +20,7 @@ keeping the current interval), never an exception.
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field, replace
 from statistics import median
 from typing import Callable, Optional, Sequence
@@ -67,9 +67,17 @@ def failure_rate_per_hour(prior_per_hour: float, failures: int, hours: float) ->
     return (1 + max(0, failures)) / (1 / prior_per_hour + hours)
 
 
-def failures(reached: Sequence[Optional[int]]) -> int:
-    """The job's failures from each start's recovery report ``reached``: a start after progress ended an attempt."""
-    return sum(r is not None for r in reached)
+def failures(reached: Sequence[Optional[int]], finished: Sequence[int] = ()) -> int:
+    """The job's failures from each start's recovery report ``reached``: a start after progress ended an attempt,
+    but for one start at each iteration where an attempt ended cleanly (``finished``, journal.finished_iterations):
+    that start resumed a job that had finished, not failed."""
+    clean, count = Counter(finished), 0
+    for r in (r for r in reached if r is not None):
+        if clean[r]:
+            clean[r] -= 1
+        else:
+            count += 1
+    return count
 
 
 def running_hours(entries: Sequence[tuple[int, float]]) -> float:

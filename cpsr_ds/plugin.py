@@ -34,15 +34,16 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.module import PipelineModule
 from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
 
-from cpsr_ds import planner, runlog, world
+from cpsr_ds import ending, planner, runlog, world
 from cpsr_ds.checkpoint import exiting, host_snapshot, rng, survivor, throttle
 from cpsr_ds.checkpoint.factory import deepspeed_factory
 from cpsr_ds.checkpoint.layout import verify_storage
 from cpsr_ds.checkpoint.store import reading_each_file_once
-from cpsr_ds.checkpoint.journal import ProgressJournal, journal_path, plausible, read_journal, retire_journals
+from cpsr_ds.checkpoint.journal import (ProgressJournal, finished_iterations, journal_path, plausible, read_journal,
+                                       retire_journals)
 from cpsr_ds.config import CPSRConfig
-from cpsr_ds.coordinator import (Background, BubbleSchedule, CallJob, Coordinator, FillJob, PieceCost, PiecesJob,
-                                 PredictorWork, TrainJob)
+from cpsr_ds.coordinator import (DROP_WAIT_S, Background, BubbleSchedule, CallJob, Coordinator, FillJob, PieceCost,
+                                 PiecesJob, PredictorWork, TrainJob)
 from cpsr_ds.elastic import check_restartable
 from cpsr_ds.faults import FaultInjector, check_kill_rank
 from cpsr_ds.fitter import XiSums, curvature_of, fit_loss_o, next_phase, recent_losses
@@ -165,7 +166,7 @@ class Runtime:
         self.summaries = summaries.Writer(throttle.shared(cfg.checkpoint.write_mbps),
                                           persisted and partial(persisted, cfg.checkpoint.commit_timeout_s))
         self._held_summary = None  # the arguments of summaries.submit for the newest checkpoint, until it is sealed
-        exiting.at_exit(self, "_close_summaries")
+        exiting.at_exit(self, "_end_work")
         # With a pipeline the work goes in its bubbles. Without one a learning predictor's goes to a low-priority
         # thread; a simple predictor's (copies and reductions, milliseconds per checkpoint) costs the training loop
         # less at the checkpoint than on that thread, which shares the interpreter's lock and the cores with it.
@@ -251,12 +252,18 @@ class Runtime:
         finaliser at interpreter exit, where no autograd may run. The predictor's summaries
         are written first, as long as checkpoints may take to commit (a failing process: the exit grace).
         """
-        if self.coordinator is not None:
-            self.coordinator.drop()
-        self._close_summaries()
+        self._end_work()
         self.journal.close()
         if self.lock is not None:
             self.lock.release()
+
+    def _end_work(self) -> None:
+        """The predictor's work queued or running cancelled, its summaries written. Also at exit (registered in
+        __init__), where a script that leaves its engine to the interpreter ends: before its teardown, which
+        aborts a thread still inside torch."""
+        if self.coordinator is not None:
+            self.coordinator.drop()
+        self._close_summaries()
 
     def _close_summaries(self) -> None:
         """Write the summaries still queued, bounded as checkpoints' commits are (a failing process: the exit grace).
@@ -592,7 +599,7 @@ class Runtime:
     def _history(self, resumed_at: int, entries: list) -> RunHistory:
         """Rank 0: what the run's earlier attempts (their journal ``entries``) leave to the planner."""
         reports = [*earlier_reports(self.directory), self.recovery]
-        return RunHistory(failures([r.reached for r in reports]),
+        return RunHistory(failures([r.reached for r in reports], finished_iterations(self.directory)),
                           running_hours([(e.iteration, e.wall_time) for e in entries]), time.time(),
                           carried_lag(reports, resumed_at))
 
@@ -610,6 +617,12 @@ class Runtime:
             self.monitor.write_events([(name, value, step) for name, value in events])
         except Exception as err:  # a monitor's failure must not stop training
             logger.warning("cpsr: writing to DeepSpeed's monitor failed: %s", err)
+
+
+def end_bound_s(cfg: CPSRConfig) -> float:
+    """How long an engine's end may take: its checkpoints' commit, then its summaries', each bounded by
+    ``checkpoint.commit_timeout_s``, and the predictor's running piece on the background thread."""
+    return 2 * cfg.checkpoint.commit_timeout_s + DROP_WAIT_S
 
 
 class CPSRPipelineEngine(PipelineEngine):
@@ -640,11 +653,13 @@ class CPSRPipelineEngine(PipelineEngine):
     def destroy(self):
         # The run directory is another job's to take only once pending checkpoints are done
         # (bounded: cleanup waits for no other rank once this process is failing).
-        try:
-            super().destroy()
-        finally:
-            if hasattr(self, "cpsr"):
-                self.cpsr.close()
+        runtime = getattr(self, "cpsr", None)
+        with ending.running(0.0 if runtime is None else end_bound_s(runtime.cfg)):
+            try:
+                super().destroy()
+            finally:
+                if runtime is not None:
+                    runtime.close()
 
     def _train_schedule(self):
         if getattr(self, "cpsr", None) is None or self.cpsr.coordinator is None:
@@ -761,7 +776,7 @@ def _installed(cfg: CPSRConfig, attempt: int):
         deepspeed.PipelineEngine, ds_engine.create_checkpoint_engine = original
 
 
-def _release_shm_allreduce_name(rank: int) -> None:
+def release_shm_allreduce_name(rank: int) -> None:
     """Unlink this rank's name of DeepSpeed's shared-memory allreduce buffer (CPU backend).
 
     DeepSpeed maps a 66 MB buffer in /dev/shm per rank and never unlinks it, so every
@@ -813,7 +828,7 @@ def initialize(*args, **kwargs):
         change = _fit_layout(bound, cfg, lock.attempt)
         with _installed(cfg, lock.attempt):
             engine, optimizer, dataloader, scheduler = deepspeed.initialize(*bound.args, **bound.kwargs)
-        _release_shm_allreduce_name(engine.global_rank)
+        release_shm_allreduce_name(engine.global_rank)
         engine.cpsr = Runtime(engine, cfg, lock)
         engine.cpsr.recovery = replace(engine.cpsr.recovery, world_change=change)
         # After recovery, which reads the earlier dumps and snapshots these remove.

@@ -36,9 +36,10 @@ from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config  # noqa:
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import cpsr_ds  # noqa: E402
-from cpsr_ds.checkpoint.journal import append_validation  # noqa: E402
+from cpsr_ds.checkpoint.journal import append_validation, finished_run, record_finished  # noqa: E402
 from cpsr_ds.data.corpus import Batches, load_corpus  # noqa: E402
 from cpsr_ds.elastic import check_restartable  # noqa: E402
+from cpsr_ds.plugin import release_shm_allreduce_name  # noqa: E402
 from cpsr_ds.models.gpt import GPTConfig, gpt_pipeline  # noqa: E402
 
 
@@ -140,6 +141,7 @@ def setup(argv=None) -> Job:
     gpt_cfg = GPTConfig.model_validate(config.pop("gpt"))
     check_restartable()
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    exit_if_finished(args, cpsr_cfg)
     torch.manual_seed(args.seed)
 
     stages = int(config.get("pipeline", {}).get("stages", 1))
@@ -160,6 +162,28 @@ def setup(argv=None) -> Job:
         valid_sequences=args.valid_sequences,
     )
     return Job(args, cpsr_cfg, gpt_cfg, engine, batches)
+
+
+def exit_if_finished(args: argparse.Namespace, cpsr_cfg: cpsr_ds.CPSRConfig) -> None:
+    """Exit 0, every rank, where an earlier attempt of this run finished at ``--train-iters`` or beyond and nothing
+    trained since (its journal's clean end, :func:`finish`): a supervisor's restart of a job that finished trains
+    nothing, and no recovery report counts it as a failure. Rank 0 reads the run directory, every rank answers."""
+    if not cpsr_cfg.enabled:
+        return
+    if torch.cuda.is_available():
+        torch.cuda.set_device(args.local_rank)  # NCCL's object collectives use the current device
+    leader = torch.distributed.get_rank() == 0
+    box = [finished_run(cpsr_cfg.checkpoint.dir) if leader else None]
+    torch.distributed.broadcast_object_list(box, src=0)
+    finished = box[0]
+    if finished is None or finished < args.train_iters:
+        return
+    if leader:
+        print(f"train_gpt.py: the run in {cpsr_cfg.checkpoint.dir} finished at iteration {finished} "
+              f"(--train-iters {args.train_iters}): nothing to train", flush=True)
+    release_shm_allreduce_name(torch.distributed.get_rank())
+    torch.distributed.destroy_process_group()
+    sys.exit(0)
 
 
 def train(job: Job) -> None:
@@ -197,11 +221,14 @@ def train(job: Job) -> None:
 
 
 def finish(job: Job) -> None:
-    """End a job that trained to the end: its checkpoints persisted and committed (``engine.destroy``), then its
+    """End a job that trained to the end: its checkpoints persisted and committed (``engine.destroy``), the clean
+    end recorded in the run's journal (rank 0; a restart then exits at once, :func:`exit_if_finished`), then its
     process group destroyed while the interpreter still runs. Gloo's threads left to the interpreter's teardown
     can abort a process that finished cleanly ("terminate called without an active exception"). A job that
     failed skips this: a peer still inside a collective would keep the destroy waiting."""
     job.engine.destroy()
+    if job.cpsr_cfg.enabled and job.engine.global_rank == 0:
+        record_finished(job.cpsr_cfg.checkpoint.dir, job.engine.global_steps)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

@@ -30,6 +30,13 @@ def test_failures_are_the_starts_after_progress():
     assert op.failures([None, 120, None, 300]) == 2
 
 
+def test_a_start_after_a_clean_end_is_not_a_failure_but_a_second_one_there_is():
+    # Finished at 120, restarted there (a supervisor's restart, or a longer run): not a failure; that attempt
+    # failed before its first iteration, and the start after it resumed at 120 again.
+    assert op.failures([None, 120, 120, 300], finished=[120]) == 2
+    assert op.failures([None, 120], finished=[120, 300]) == 0
+
+
 def test_running_hours_leave_restart_downtime_out():
     first = [(i, 10.0 * i) for i in range(1, 101)]  # 990 s of running
     # A restart resumed at 81 (recompute) after 5 min, and one predicted on at 141 after 10 min.

@@ -212,6 +212,38 @@ def reached_iteration(directory: str) -> int | None:
     return read_progress(directory).reached
 
 
+FINISHED_NAME = "finished.csv"  # in JOURNAL_DIR: one line "iteration,wall_time" per clean end of the job
+
+
+def finished_path(directory: str) -> str:
+    return os.path.join(directory, JOURNAL_DIR, FINISHED_NAME)
+
+
+def record_finished(directory: str, iteration: int) -> None:
+    """Record that the job ended cleanly after ``iteration`` (one process writes it, at the end of training):
+    a later start there resumes a job that did not fail."""
+    os.makedirs(os.path.join(directory, JOURNAL_DIR), exist_ok=True)
+    with open(finished_path(directory), "a") as f:
+        f.write(f"{iteration},{time.time()!r}\n")
+
+
+def finished_iterations(directory: str) -> list[int]:
+    """The iterations after which the job ended cleanly, oldest first (a line cut short is skipped)."""
+    try:
+        with open(finished_path(directory)) as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return []
+    return [int(fields[0]) for fields in (line.split(",") for line in lines) if len(fields) == 2 and fields[0].isdigit()]
+
+
+def finished_run(directory: str) -> int | None:
+    """The iteration the run finished at, where its last clean end is where its journals end (nothing trained
+    since); None: the run has not finished, or trained on after it did."""
+    ends = finished_iterations(directory)
+    return ends[-1] if ends and ends[-1] == reached_iteration(directory) else None
+
+
 VALIDATION_FILE = "validation.csv"
 
 
