@@ -68,10 +68,13 @@ def test_a_cuda_dropout_mask_drawn_after_restore_equals_the_one_drawn_after_capt
 def test_the_state_comes_back_from_a_snapshot_file(tmp_path):
     state = rng.capture()
     first = draws()
-    manifest = {"rank": 0, "world_size": 1, "attempt": 1, "run": "r", "stage": 0, "iteration": 3, "reason": "test"}
-    survivor.write_dump(str(tmp_path / "dump"), {"state": {}, "fragments": {}, "counters": {"rng": state}},
-                        manifest, CheckpointConfig().checksum)
-    read = survivor.read_dump(str(tmp_path / "dump"), 0, "r", 1, "test dump")
+    (tmp_path / "run").mkdir()
+    cfg = CheckpointConfig(dir=str(tmp_path / "run"), survivor_dir=str(tmp_path / "survivors"))
+    root, run = survivor.prepare(cfg)
+    manifest = {"rank": 0, "world_size": 1, "attempt": 1, "run": run, "stage": 0, "iteration": 3, "reason": "test"}
+    survivor.write_dump(survivor.dump_dir(root, run, 0), {"state": {}, "fragments": {}, "counters": {"rng": state}},
+                        manifest, cfg.checksum)
+    read = survivor.read_survivor(root, 0, run, 1)
     draws()
     rng.restore(read.counters["rng"])
     assert same(draws(), first)
