@@ -91,7 +91,8 @@ class Child:
     def kill(self) -> None:
         if self.poll() is None:
             os.kill(self.pid, signal.SIGKILL)
-            self.wait()
+            _, status = os.waitpid(self.pid, 0)
+            self.code = os.waitstatus_to_exitcode(status)
 
     def output(self) -> str:
         with open(self.log, errors="replace") as f:
