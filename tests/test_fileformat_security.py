@@ -15,11 +15,13 @@ from deepspeed.utils.tensor_fragment import fragment_address
 
 import cpsr_ds
 from conftest import TEST_MODEL, tiny_config, train_on_random_tokens
-from cpsr_ds.checkpoint import store
+from cpsr_ds.checkpoint import store, survivor
+from cpsr_ds.checkpoint.factory import create_engine
 from cpsr_ds.checkpoint.fileformat import (MAGIC, PAGE, CheckpointError, align, flatten, layout, read_skeleton,
                                            read_snapshot, scan_file)
 from cpsr_ds.checkpoint.snapshot import HostBuffers, snapshot_file
 from cpsr_ds.models.gpt import GPTConfig, gpt_pipeline
+from test_checkpoint_engine import MODEL, checkpoint, config
 from test_checkpoint_damage import NEW, RANK1, deepspeed_checkpoint, edit_json, run_inspect
 from test_checkpoint_store import assert_same, two_checkpoints, write_snapshot  # noqa: F401 (a fixture)
 from test_torch_engine import process_group  # noqa: F401 (a fixture)
@@ -137,7 +139,14 @@ def test_a_state_a_restart_would_refuse_is_not_written(tmp_path):
     state = {"w": torch.ones(3), "x": Command(tmp_path / "ran")}
     with pytest.raises(CheckpointError, match="f.pt: not written: it names posix.system"):
         snapshot_file("f.pt", state, HostBuffers(pin=False), None)
-    assert not (tmp_path / "ran").exists()
+    dump = str(tmp_path / "dump")
+    with pytest.raises(CheckpointError, match=f"{dump}/{survivor.STATE_FILE}: not written: it names posix.system"):
+        survivor.write_dump(dump, state, {"rank": 0}, "xxh3_64")
+    d = str(tmp_path / "run")
+    engine = create_engine(config(d, strategy="torch"), 0, 1)
+    with pytest.raises(CheckpointError, match=f"{MODEL}: not written: it names posix.system"):
+        checkpoint(engine, d, 1, {"model": state, "optim": {}})
+    assert not (tmp_path / "ran").exists() and not os.path.exists(os.path.join(d, "global_step1", MODEL))
 
 
 @pytest.mark.parametrize("strategy", ["cpsr", "torch"])

@@ -1,4 +1,4 @@
-"""The types a checkpoint file may name when it is unpickled; every load goes through :func:`loads` or :func:`torch_load`.
+"""The types a checkpoint file may name when it is unpickled, and the loaders that refuse every other.
 
 Unpickling calls whatever the pickle names, so a planted file naming ``os.system`` runs
 a command as whoever reads it. Our snapshot headers are read by an unpickler that
@@ -43,6 +43,8 @@ class RefusedGlobal(pickle.UnpicklingError):
 
 
 class _Restricted(pickle.Unpickler):
+    """An unpickler that resolves the globals of :data:`ALLOWED` and torch's dtypes, and no other."""
+
     def find_class(self, module: str, name: str) -> Any:
         if f"{module}.{name}" in ALLOWED:
             return super().find_class(module, name)
@@ -81,13 +83,13 @@ def torch_load(source, map_location: Any = None) -> Any:
     try:
         return torch.load(source, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as err:
-        refused = unsafe_globals(source)
+        refused = _unsafe_globals(source)
         if refused:
             raise RefusedGlobal(refused) from err
         raise
 
 
-def unsafe_globals(source) -> list[str]:
+def _unsafe_globals(source) -> list[str]:
     """The globals of a ``torch.save`` file that :func:`torch_load` refuses, sorted; [] where none or unreadable."""
     if hasattr(source, "seek"):
         source.seek(0)

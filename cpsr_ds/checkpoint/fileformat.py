@@ -54,13 +54,18 @@ def align(n: int, to: int = ALIGN) -> int:
     return -(-n // to) * to
 
 
-def file_prefix(path: str, skeleton: Any, specs: list["TensorSpec"]) -> bytes:
-    """Everything in snapshot file ``path`` before the data region; :class:`CheckpointError` naming the file and
-    the type where the skeleton holds one that reading it back would refuse."""
+def allowed_pickle(path: str, obj: Any) -> bytes:
+    """``obj`` pickled, for file ``path``; :class:`CheckpointError` naming the file and the type where it holds one
+    that reading it back would refuse (allowlist.py)."""
     try:
-        header = allowlist.dumps((skeleton, specs))
+        return allowlist.dumps(obj)
     except allowlist.RefusedGlobal as err:
         raise CheckpointError(f"{path}: not written: {err}") from err
+
+
+def file_prefix(path: str, skeleton: Any, specs: list["TensorSpec"]) -> bytes:
+    """Everything in snapshot file ``path`` before the data region (see :func:`allowed_pickle`)."""
+    header = allowed_pickle(path, (skeleton, specs))
     head = MAGIC + struct.pack("<Q", len(header)) + header
     return head + bytes(align(len(head), PAGE) - len(head))
 

@@ -28,10 +28,10 @@ import torch
 from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
 
-from cpsr_ds.checkpoint import allowlist, exiting, store, throttle
+from cpsr_ds.checkpoint import exiting, store, throttle
 from cpsr_ds.checkpoint.checkfreq import measured_interval
 from cpsr_ds.checkpoint.engine import CheckpointStats
-from cpsr_ds.checkpoint.fileformat import CheckpointError, flatten, nonfinite_tensors
+from cpsr_ds.checkpoint.fileformat import allowed_pickle, flatten, nonfinite_tensors
 from cpsr_ds.checkpoint.store import describe_error
 from cpsr_ds.config import CheckpointConfig
 
@@ -98,10 +98,9 @@ class TorchEngine(TorchCheckpointEngine):
         if ckpt is not None and ckpt.failed is not None:
             return
         buf = io.BytesIO()
+        skeleton, tensors = flatten(state_dict)
+        allowed_pickle(path, skeleton)  # the tensors' own globals are torch's, which load allows
         torch.save(state_dict, buf, _use_new_zipfile_serialization=self.zipfile_serialization)
-        refused = allowlist.unsafe_globals(buf)
-        if refused:
-            raise CheckpointError(f"{path}: not written: {allowlist.RefusedGlobal(refused)}")
         if ckpt is None:
             # Outside create()/commit(), as DeepSpeed's engine allows: atomic, but part of no checkpoint.
             store.write_atomic(path, [buf.getbuffer()], throttle=self.throttle)
@@ -115,7 +114,7 @@ class TorchEngine(TorchCheckpointEngine):
                       ckpt.info.tag, ckpt.failed)
             return
         if rel.split(os.sep)[0] != "..":  # save_16bit_model writes beside the checkpoints, not into one
-            ckpt.files[rel] = {"size": size, "digest": digest, "nonfinite": nonfinite_tensors(*flatten(state_dict))}
+            ckpt.files[rel] = {"size": size, "digest": digest, "nonfinite": nonfinite_tensors(skeleton, tensors)}
 
     def load(self, path: str, map_location=None):
         return store.load_file(path, map_location)
