@@ -118,7 +118,8 @@ class CheckpointConfig(_Strict):
     survivor_dir: Optional[str] = Field(
         None, min_length=1,
         description="Fast local storage for survivor dumps, one directory per run and rank below it; null: "
-        "/dev/shm/cpsr-survivors-<uid> (the system's temporary directory where there is no /dev/shm).",
+        "/dev/shm/cpsr-survivors-<uid> (the system's temporary directory where there is no /dev/shm). It is yours "
+        "alone: made 0700, and refused where another user owns it or may write to it, or a symlink is in its place.",
     )
     survivor_timeout_s: float = Field(
         20.0, gt=0.0, le=3600.0,

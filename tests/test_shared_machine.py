@@ -7,9 +7,10 @@ Another user is ``nobody`` (uid 65534): files are given to it with chown, and pr
 import contextlib
 import fcntl
 import logging
-import multiprocessing
 import os
+import select
 import shutil
+import signal
 import stat
 import tempfile
 
@@ -40,16 +41,19 @@ def give_to_nobody(path) -> None:
             os.lchown(os.path.join(top, name), NOBODY, NOBODY)
 
 
-def as_nobody(fn, *args) -> str:
-    """``fn(*args)`` in a child process of user nobody: what it returned, or the error it raised, as text."""
+def forked(fn, *args, uid=None) -> tuple[int, int]:
+    """``fn(*args)`` started in a child process (of user ``uid``; None: this one): its pid, and the descriptor its
+    outcome comes from (:func:`outcome`)."""
     read, write = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the child: no exec (the interpreter may lie where another user cannot reach it)
+    if pid == 0:  # no exec: the interpreter may lie where another user cannot reach it
         try:
+            signal.set_wakeup_fd(-1)  # the parent's, where a signal to the child would wake the parent's dumper
             os.close(read)
-            os.setgroups([])
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
+            if uid is not None:
+                os.setgroups([])
+                os.setgid(uid)
+                os.setuid(uid)
             try:
                 out = repr(fn(*args))
             except BaseException as err:
@@ -58,10 +62,24 @@ def as_nobody(fn, *args) -> str:
         finally:
             os._exit(0)
     os.close(write)
+    return pid, read
+
+
+def outcome(child: tuple[int, int], timeout_s: float = 120.0) -> str:
+    """What the ``forked`` child's function returned, or the error it raised, as text (or that it did not end
+    within ``timeout_s``: then it is killed)."""
+    pid, read = child
     with os.fdopen(read, "rb") as f:
-        out = f.read().decode()
+        ended = select.select([f], [], [], timeout_s)[0]
+        if not ended:
+            os.kill(pid, signal.SIGKILL)
+        out = f.read().decode() if ended else f"did not end within {timeout_s:g} s"
     os.waitpid(pid, 0)
     return out
+
+
+def as_nobody(fn, *args) -> str:
+    return outcome(forked(fn, *args, uid=NOBODY))
 
 
 @pytest.fixture
@@ -190,11 +208,10 @@ def test_every_process_that_sees_a_run_directory_gets_one_identity(tmp_path):
     """Ranks on one node ask at once, at the first start and in a copy; each directory gets one identity."""
     first, copy = tmp_path / "run", tmp_path / "copy"
     first.mkdir()
-    with multiprocessing.get_context("fork").Pool(4) as pool:
-        made = set(pool.map(survivor.run_identity, [str(first)] * 8))
-        shutil.copytree(first, copy)
-        copied = set(pool.map(survivor.run_identity, [str(copy)] * 8))
-    assert len(made) == len(copied) == 1 and made != copied
+    made = {outcome(child) for child in [forked(survivor.run_identity, str(first)) for _ in range(8)]}
+    shutil.copytree(first, copy)
+    copied = {outcome(child) for child in [forked(survivor.run_identity, str(copy)) for _ in range(8)]}
+    assert len(made) == len(copied) == 1 and made != copied, (made, copied)
 
 
 def test_a_dump_whose_run_directory_holds_another_run_now_is_refused(tmp_path, caplog):
@@ -237,27 +254,23 @@ def test_another_user_cannot_open_the_lock_file(reachable):
 def held_by_nobody(path):
     """A process of user nobody holding a shared flock on ``path``, which it opened read-only; yields its pid."""
     ready, release = os.pipe(), os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.setgroups([])
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
-            fcntl.flock(os.open(path, os.O_RDONLY), fcntl.LOCK_SH)
-            os.write(ready[1], b"held")
-            os.close(release[1])
-            os.read(release[0], 1)  # until the test closes its end
-        finally:
-            os._exit(0)
+
+    def hold():
+        fcntl.flock(os.open(path, os.O_RDONLY), fcntl.LOCK_SH)
+        os.write(ready[1], b"held")
+        os.close(release[1])
+        os.read(release[0], 1)  # until the test closes its end
+
+    child = forked(hold, uid=NOBODY)
     os.close(ready[1])
     os.close(release[0])
     try:
         assert os.read(ready[0], 4) == b"held"
-        yield pid
+        yield child[0]
     finally:
         os.close(release[1])
         os.close(ready[0])
-        os.waitpid(pid, 0)
+        outcome(child)
 
 
 @as_root
