@@ -27,12 +27,12 @@ written, :func:`check_writable` stops every rank with an error naming
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import json
 import logging
 import os
 import socket
+import stat
 import tempfile
 import time
 from typing import Iterator, Optional
@@ -121,19 +121,24 @@ def _open_own(path: str) -> int:
               f"(rm {path}) and let only yourself write to the run directory {os.path.dirname(path)}")
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
-    except OSError as err:
-        if err.errno == errno.ELOOP:
-            raise PrivateDirError(path, f"is a symlink ({describe(os.lstat(path))})", remedy) from None
+    except OSError:
+        _refuse_foreign(path, os.lstat(path), remedy)  # a symlink, or another user's file not open to us
         raise
     try:
-        st = os.fstat(fd)
-        if st.st_uid != os.geteuid():
-            raise PrivateDirError(path, f"is {describe(st)}, not by you ({user(os.geteuid())})", remedy)
+        _refuse_foreign(path, os.fstat(fd), remedy)
         os.fchmod(fd, FILE_MODE)
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def _refuse_foreign(path: str, st: os.stat_result, remedy: str) -> None:
+    """Raise :class:`PrivateDirError` where ``st`` (of ``path``) is a symlink or another user's."""
+    if stat.S_ISLNK(st.st_mode):
+        raise PrivateDirError(path, f"is a symlink ({describe(st)})", remedy)
+    if st.st_uid != os.geteuid():
+        raise PrivateDirError(path, f"is {describe(st)}, not by you ({user(os.geteuid())})", remedy)
 
 
 @contextlib.contextmanager

@@ -185,6 +185,23 @@ def test_a_planted_dump_is_refused_when_read_and_the_restart_stops_with_a_named_
            in caplog.text
 
 
+@as_root
+def test_another_users_directory_or_lock_file_we_cannot_open_is_refused_by_name_not_with_a_raw_error(reachable):
+    """Seen by user nobody: a survivor root and a lock file of root's, 0700 and 0600."""
+    root, run_dir = os.path.join(reachable, "survivors"), os.path.join(reachable, "run")
+    os.mkdir(root, 0o700)
+    os.mkdir(run_dir)
+    os.chmod(run_dir, 0o777)
+    refused = as_nobody(survivor.prepare, CPSRConfig.parse_block(
+        {"checkpoint": {"dir": run_dir, "survivor_dir": root}}).checkpoint)
+    assert refused.startswith(f"cpsr_ds.checkpoint.private_dir.PrivateDirError: cpsr: {root} is owned by root (uid 0), "
+                              "mode 0700, not by you (nobody (uid 65534))"), refused
+    acquire(run_dir).release()
+    refused = as_nobody(acquire, run_dir)
+    assert refused.startswith(f"cpsr_ds.checkpoint.private_dir.PrivateDirError: cpsr: {run_dir}/{GUARD} is owned by "
+                              "root (uid 0), mode 0600, not by you (nobody (uid 65534))"), refused
+
+
 # ---------------------------------------------------------------- the run's identity
 
 

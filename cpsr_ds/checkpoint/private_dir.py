@@ -12,7 +12,6 @@ that no umask widens or narrows it.
 
 from __future__ import annotations
 
-import errno
 import os
 import pwd
 import stat
@@ -88,10 +87,10 @@ def ensure(path: str, setting: str) -> None:
 
 
 def _open_dir(path: str, setting: str) -> int:
-    """``path`` opened as a directory, never through a symlink (one there is refused by name)."""
+    """``path`` opened as a directory, never through a symlink; one that cannot be opened because it is a
+    symlink, not a directory or another user's is refused by name."""
     try:
         return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as err:
-        if err.errno in (errno.ELOOP, errno.ENOTDIR):
-            check(path, setting)
+    except OSError:
+        check(path, setting)
         raise
