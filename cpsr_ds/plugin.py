@@ -349,7 +349,6 @@ class Runtime:
             engine.checkpoint_engine.select(None if full else [r for r, s in enumerate(self.rank_stages) if s in due],
                                             due)
         engine.save_checkpoint(self.directory, client_state=client_state)
-        rng.save(engine, os.path.join(self.directory, f"global_step{iteration}"))
         for job in feed + record:
             self._run(job)
 
@@ -640,6 +639,12 @@ class CPSRPipelineEngine(PipelineEngine):
         if load_path is not None and not load_module_only:
             rng.load(self, os.path.dirname(load_path))
         return load_path, client_state
+
+    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
+        # Each rank's random-number state goes with every checkpoint, the user's own saves too (rng.py).
+        saved = super().save_checkpoint(save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+        rng.save(self, os.path.join(save_dir, str(tag if tag is not None else f"global_step{self.global_steps}")))
+        return saved
 
     def _take_model_step(self, lr_kwargs):
         # The fused CPU Adam's bias correction follows a restored step count (adam_steps.py); the random-number
