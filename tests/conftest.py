@@ -41,6 +41,15 @@ def load_benchmark(name: str):
     return module
 
 
+@pytest.fixture(autouse=True)
+def not_failing():
+    """Each test starts in a process not marked failing: the mark (exiting.py) is per process, and a test that
+    raised out of train_batch would otherwise shorten the exit waits of the next test on the same worker."""
+    from cpsr_ds.checkpoint import exiting
+    exiting._reason = None
+    yield
+
+
 @pytest.fixture
 def shm_path(tmp_path):
     """A fresh directory in shared memory (/dev/shm, where survivor dumps and host snapshots go by default),
