@@ -182,6 +182,25 @@ def test_sigterm_while_the_main_thread_is_blocked_still_dumps(tmp_path, monkeypa
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
 
+def test_sigterm_handled_on_the_main_thread_inside_the_optimizer_step_dumps_once_the_step_ends(tmp_path, monkeypatch):
+    engine, batches = trained(tmp_path, survivor_timeout_s=10)
+    died = threading.Event()
+    monkeypatch.setattr(survivor, "die", lambda signum: died.set())
+    take_step = engine._take_model_step.__wrapped__
+
+    def signalled_step(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.5)  # Python runs the signal's handler here, on the main thread, inside the step
+        return take_step(*args, **kwargs)
+
+    engine._take_model_step = engine.survivor.stepping(signalled_step)
+    started = time.monotonic()
+    engine.train_batch(iter(batches))
+    assert died.wait(30)
+    assert time.monotonic() - started < 10, "the dump waited for a step that waited for the dump"
+    assert read(engine, tmp_path).iteration == 3
+
+
 def test_after_the_dump_the_process_ends_by_the_signal_even_with_a_python_handler_installed():
     """Launchers read the signal's meaning from the exit status: -SIGTERM, as without a dump."""
     script = ("import signal; from cpsr_ds.checkpoint.survivor import die; "

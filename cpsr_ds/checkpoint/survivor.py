@@ -523,8 +523,8 @@ class _Watcher:
         threading.Thread(target=self._watch, name="cpsr-signals", daemon=True).start()
 
     def _handler(self, signum, frame) -> None:
-        # Runs on the main thread once it executes Python again; the watcher usually got there first.
-        self.terminate(signum)
+        """Nothing: the watcher dumps and ends the process. This runs on the main thread wherever it executes
+        Python next, possibly inside the optimizer step, which holds the lock the dump waits for."""
 
     def _watch(self) -> None:
         while True:
