@@ -179,6 +179,7 @@ def fill(path, leave: int) -> None:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs (a disk that fills up) needs root")
+@pytest.mark.serial  # with two workers only one checkpoint had replicated before the kill
 def test_a_restart_that_cannot_restore_a_replica_onto_a_full_disk_stops_named_and_is_not_restarted(tmp_path):
     """As above, node 0 goes and the job restarts as one rank on node 1, now under DeepSpeed's launcher and
     resilient.sh, but node 1's disk is full: rank 0's parts cannot be copied from the replicas. The restart stops
