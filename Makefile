@@ -17,7 +17,7 @@ TEST_WORKERS ?= 2
 export DS_ACCELERATOR ?= cpu
 export PYTHONUNBUFFERED := 1
 
-.PHONY: demo test clean gpu-bench .venv
+.PHONY: demo test test-fast clean gpu-bench .venv
 
 .venv: $(STAMP)
 
@@ -37,6 +37,9 @@ else
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial" tests
 	$(PY) -m pytest -q -m serial tests
 endif
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) tests/unit
 
 GPU_OUT  ?= benchmarks/results/gpu
 GPU_PART ?= all

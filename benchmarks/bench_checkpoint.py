@@ -70,10 +70,10 @@ from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config  # noqa:
 
 import cpsr_ds  # noqa: E402
 import cpsr_ds.plugin  # noqa: E402
-from cpsr_ds.checkpoint.factory import create_engine  # noqa: E402
-from cpsr_ds.checkpoint.fileformat import PAGE, flatten  # noqa: E402
+from cpsr_ds.checkpoint.engines.factory import create_engine  # noqa: E402
+from cpsr_ds.checkpoint.storage.fileformat import PAGE, flatten  # noqa: E402
 from cpsr_ds.config import CheckpointConfig  # noqa: E402
-from cpsr_ds.models.gpt import GPTConfig, gpt_pipeline  # noqa: E402
+from examples.gpt.model import GPTConfig, gpt_pipeline  # noqa: E402
 
 STRATEGIES = ("torch", "checkfreq", "pccheck", "cpsr", "ds_decoupled")
 OURS = ("checkfreq", "pccheck", "cpsr")

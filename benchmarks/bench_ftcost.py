@@ -4,7 +4,7 @@
     python benchmarks/bench_ftcost.py --quick --json benchmarks/results/bench_ftcost_quick.json \\
         --plot benchmarks/results/bench_ftcost_quick.png | tee benchmarks/results/bench_ftcost_quick.txt
 
-The tiny GPT of ``launch/train_gpt.py`` (one process, DeepSpeed's pipeline engine with one
+The tiny GPT of ``examples/gpt/train_gpt.py`` (one process, DeepSpeed's pipeline engine with one
 stage, the product's checkpoint engines) trains to the same end under every strategy:
 
 - ``torch``, ``checkfreq``, ``pccheck``: ``interval: auto`` (their own overhead-budget rule,
@@ -89,11 +89,11 @@ from jobs import ROOT, Child, finish_benchmark, tail  # noqa: E402  (first: it s
 
 import train_gpt  # noqa: E402
 
-from cpsr_ds import planner  # noqa: E402
-from cpsr_ds.checkpoint.journal import journal_path, read_journal, read_validation  # noqa: E402
-from cpsr_ds.checkpoint.store import list_checkpoints  # noqa: E402
+from cpsr_ds.planning import planner# noqa: E402
+from cpsr_ds.checkpoint.capture.journal import journal_path, read_journal, read_validation  # noqa: E402
+from cpsr_ds.checkpoint.storage.store import list_checkpoints  # noqa: E402
 from cpsr_ds.config import CheckpointConfig, PredictorConfig  # noqa: E402
-from cpsr_ds.cost_model import MEASURED_REDUCTION  # noqa: E402
+from cpsr_ds.planning.cost_model import MEASURED_REDUCTION  # noqa: E402
 from cpsr_ds.lag import Unmeasurable, fit_curve, late_lag  # noqa: E402
 from cpsr_ds.lag import summarize as summarize_values  # noqa: E402
 from cpsr_ds.recovery import read_reports  # noqa: E402
@@ -129,7 +129,7 @@ PAPER_STORAGE_MBPS = (250.0, 2000.0)  # the A30 and H100 servers
 PAPER_JOBS_S = {"VGG16": 61 * 3600 + 10 * 60, "GPT2-0.35B": 7 * 3600 + 41 * 60, "GPT3-3.35B": 10 * 3600 + 55 * 60}
 
 
-# The checkpoint engines' log line for each commit (cpsr_ds.checkpoint.persist, torch_engine).
+# The checkpoint engines' log line for each commit (cpsr_ds.checkpoint.engines.persist, torch_engine).
 COMMITTED = re.compile(r"checkpoint global_step\d+ committed")
 
 

@@ -6,7 +6,7 @@
         | tee benchmarks/results/bench_multinode.txt
 
 Two nodes on one machine, on 127.0.0.1, one process each, train the tiny GPT of
-``launch/train_gpt.py`` for ITERATIONS iterations, checkpointing every INTERVAL.
+``examples/gpt/train_gpt.py`` for ITERATIONS iterations, checkpointing every INTERVAL.
 
 Layouts (``checkpoint.storage``): ``shared``, one directory both nodes see; ``node_local``,
 a directory per node (``--checkpoint-dir`` per node), each rank's part replicated to the
@@ -78,7 +78,7 @@ from conftest import (JOB_ENV, NoLoopbackSsh, finish, free_port, kill_tagged, lo
                       tiny_config)
 from lose_node_dir import commit_records  # noqa: E402
 
-from cpsr_ds.checkpoint.journal import journal_path, read_journal  # noqa: E402
+from cpsr_ds.checkpoint.capture.journal import journal_path, read_journal  # noqa: E402
 from cpsr_ds.elastic import STORE_SETTING  # noqa: E402
 from cpsr_ds.faults import FAULTS_DIR  # noqa: E402
 from cpsr_ds.lag import summarize  # noqa: E402
@@ -92,7 +92,7 @@ INTERVAL = 4
 KILL_AT = 10
 ATTEMPT_TIMEOUT_S = 420
 BIN = os.path.dirname(sys.executable)
-TRAIN = os.path.join(ROOT, "launch", "train_gpt.py")
+TRAIN = os.path.join(ROOT, "examples", "gpt", "train_gpt.py")
 LOSE_DIR = os.path.join(ROOT, "benchmarks", "lose_node_dir.py")
 RESILIENT = os.path.join(ROOT, "launch", "resilient.sh")
 RECOVERED = ("recompute", "predict")
@@ -252,7 +252,7 @@ class Run:
         with open(hostfile, "w") as f:
             f.write("".join(f"node{node} slots=1\n" for node in nodes))
         tag = uuid.uuid4().hex
-        # The interpreter's bin/ last, as in tests/test_launch.py: another ninja there would rebuild DeepSpeed's op.
+        # The interpreter's bin/ last, as in tests/jobs/test_launch.py: another ninja there would rebuild DeepSpeed's op.
         path = f"{self.ssh_bin}:{os.environ['PATH']}:{BIN}"
         env_file = os.path.join(self.base, f"{name}-deepspeed_env")
         with open(env_file, "w") as f:

@@ -6,7 +6,7 @@
 
 The GPT of ``configs/gpt_tiny_cpu.json`` (4 layers, hidden 128, sequence 128), with
 ``--micro-batches`` (2) micro-batches of ``--micro-batch`` (64) sequences and ZeRO stage 1,
-trains through ``launch/train_gpt.py`` under ``deepspeed --num_gpus N`` (CPU, gloo, one
+trains through ``examples/gpt/train_gpt.py`` under ``deepspeed --num_gpus N`` (CPU, gloo, one
 thread per process) with predictor ``vitp`` (its defaults) learning a fixed number
 of steps after each checkpoint (``predictor.train_steps``, no time limit, so that the
 predictor's work does not depend on the machine's load), a checkpoint every
@@ -82,14 +82,14 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 from conftest import JOB_ENV, finish, free_port, start  # noqa: E402
 from overhead_job import RECORD_DIR as MEMORY_DIR  # noqa: E402
 
-from cpsr_ds.checkpoint.journal import journal_path, read_journal  # noqa: E402
+from cpsr_ds.checkpoint.capture.journal import journal_path, read_journal  # noqa: E402
 from cpsr_ds.coordinator import read_records  # noqa: E402
 from cpsr_ds.lag import summarize  # noqa: E402
 from cpsr_ds.predictor import VITPPredictor  # noqa: E402
 from cpsr_ds.runlog import StateRow, held_out_errors, read_measurements  # noqa: E402
 
 BASE_CONFIG = os.path.join(ROOT, "configs", "gpt_tiny_cpu.json")
-TRAIN = os.path.join(ROOT, "launch", "train_gpt.py")
+TRAIN = os.path.join(ROOT, "examples", "gpt", "train_gpt.py")
 JOB = os.path.join(ROOT, "benchmarks", "overhead_job.py")
 DEEPSPEED = os.path.join(os.path.dirname(sys.executable), "deepspeed")
 HISTORY = 6

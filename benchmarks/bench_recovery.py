@@ -44,7 +44,7 @@ median, the mean and its interval. Their loss excess at f + 4d is reported all t
 ``--merge`` estimates every stored case again from its validation curve, so that
 results measured before a change to the estimator are summarised by the current one.
 
-The recovery cost models (``cpsr_ds.cost_model``) are checked against the measured lags:
+The recovery cost models (``cpsr_ds.planning.cost_model``) are checked against the measured lags:
 for every case a predictor recovered, each model's estimate of the lag is stored beside
 it (``cost_model`` in the case's record, with the paper model's inputs), and the summary
 reports per model and predictor Spearman's rank correlation and the median ratio
@@ -90,15 +90,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import cpsr_ds  # noqa: E402
-from cpsr_ds import cost_model  # noqa: E402
-from cpsr_ds.checkpoint.journal import ProgressJournal, journal_path, read_journal  # noqa: E402
-from cpsr_ds.checkpoint.store import list_checkpoints  # noqa: E402
+from cpsr_ds.planning import cost_model# noqa: E402
+from cpsr_ds.checkpoint.capture.journal import ProgressJournal, journal_path, read_journal  # noqa: E402
+from cpsr_ds.checkpoint.storage.store import list_checkpoints  # noqa: E402
 from cpsr_ds import predictor  # noqa: E402
 from cpsr_ds.predictor import NotReady  # noqa: E402
 from cpsr_ds.config import CPSRConfig, PredictorConfig  # noqa: E402
-from cpsr_ds.fitter import fit_loss_o, fit_loss_p, held_out_error, stage_xi  # noqa: E402
-from cpsr_ds.data.corpus import Batches, load_corpus  # noqa: E402
-from cpsr_ds.models.gpt import GPTConfig, gpt_pipeline  # noqa: E402
+from cpsr_ds.planning.fitter import fit_loss_o, fit_loss_p, held_out_error, stage_xi  # noqa: E402
+from examples.gpt.corpus import Batches, load_corpus  # noqa: E402
+from examples.gpt.model import GPTConfig, gpt_pipeline  # noqa: E402
 from cpsr_ds.plugin import Runtime  # noqa: E402
 from cpsr_ds.recovery import engine_state, new_predictor  # noqa: E402
 from cpsr_ds.lag import Unmeasurable, fit_curve, lag_at, late_lag, transient  # noqa: E402

@@ -1,6 +1,6 @@
 """Fault campaign: the faults of the reliability issue, repeated with randomised timing, against invariants.
 
-Every trial trains the tiny GPT through the product's entry point (``launch/train_gpt.py``,
+Every trial trains the tiny GPT through the product's entry point (``examples/gpt/train_gpt.py``,
 one process, DeepSpeed's pipeline engine on the CPU), injects one fault at a random
 moment or into a random file, restarts the job where the fault calls for it, and checks
 what a user must be able to rely on. A broken invariant is a violation; a job that
@@ -104,10 +104,11 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 
 from cpsr_ds import rundir  # noqa: E402
 from cpsr_ds.__main__ import inspect_report, main as cli_main  # noqa: E402
-from cpsr_ds.checkpoint import store, survivor  # noqa: E402
-from cpsr_ds.checkpoint.factory import create_engine  # noqa: E402
-from cpsr_ds.checkpoint.fileformat import MAGIC, PAGE, align, new_hasher, read_snapshot  # noqa: E402
-from cpsr_ds.checkpoint.journal import journal_path, read_journal  # noqa: E402
+from cpsr_ds.checkpoint.storage import store
+from cpsr_ds.checkpoint.capture import survivor# noqa: E402
+from cpsr_ds.checkpoint.engines.factory import create_engine  # noqa: E402
+from cpsr_ds.checkpoint.storage.fileformat import MAGIC, PAGE, align, new_hasher, read_snapshot  # noqa: E402
+from cpsr_ds.checkpoint.capture.journal import journal_path, read_journal  # noqa: E402
 from cpsr_ds.config import CheckpointConfig  # noqa: E402
 from cpsr_ds.recovery.sources import host_snapshot as host_source, summaries, survivor as survivor_source  # noqa: E402
 
@@ -1168,7 +1169,7 @@ def fault_clean_end(rng: random.Random, trial_dir: str) -> str:
     # own interpreter start): it starts both ranks and logs how each exits.
     world = base64.urlsafe_b64encode(json.dumps({"localhost": [0, 1]}).encode()).decode()
     command = [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world}",
-               "--master_addr=127.0.0.1", f"--master_port={free_port()}", os.path.join(ROOT, "launch", "train_gpt.py"),
+               "--master_addr=127.0.0.1", f"--master_port={free_port()}", os.path.join(ROOT, "examples", "gpt", "train_gpt.py"),
                "--deepspeed_config", config, "--train-iters", str(iters), "--valid-sequences", "4",
                "--log-interval", "1000", "--eval-interval", "100000"]
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}

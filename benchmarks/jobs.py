@@ -24,7 +24,7 @@ os.environ["OMP_NUM_THREADS"] = "1"
 os.environ.setdefault("PYTHONWARNINGS", "ignore")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "launch"))
+sys.path.insert(0, os.path.join(ROOT, "examples", "gpt"))
 
 import torch  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Run under DeepSpeed's launcher by bench_overhead.py: launch/train_gpt.py with the host memory of recovery measured.
+"""Run under DeepSpeed's launcher by bench_overhead.py: examples/gpt/train_gpt.py with the host memory of recovery measured.
 
 Every rank appends one line to ``RUN_DIR/recovery_memory/rankNNNNN.jsonl`` per start:
 its resident memory before recovery and the peak (Linux VmHWM, reset just before)
@@ -13,13 +13,13 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "launch"))
+sys.path.insert(0, os.path.join(ROOT, "examples", "gpt"))
 
 import train_gpt  # noqa: E402
 
 from cpsr_ds import plugin  # noqa: E402
 from cpsr_ds.predictor.footprint import _reset_peak, _status_kib  # noqa: E402
-from cpsr_ds.recovery.engine_io import own_share  # noqa: E402
+from cpsr_ds.integration.deepspeed.engine_state import own_share  # noqa: E402
 
 RECORD_DIR = "recovery_memory"
 

@@ -2,7 +2,7 @@
 
     python benchmarks/bench_recovery.py --layouts pp2 dp2 crash [pp2dp2] [--quick] [--json PATH]
 
-Every job is ``launch/train_gpt.py`` under DeepSpeed's launcher (``deepspeed --num_gpus N``,
+Every job is ``examples/gpt/train_gpt.py`` under DeepSpeed's launcher (``deepspeed --num_gpus N``,
 one thread per process, gloo), with the product's defaults apart from what a layout
 or method names. Per seed and T_c:
 
@@ -65,10 +65,10 @@ from bench_recovery import (  # noqa: E402
     reduction_summary,
     reference_fit,
 )
-from cpsr_ds import cost_model  # noqa: E402
+from cpsr_ds.planning import cost_model# noqa: E402
 from jobs import free_port  # noqa: E402
-from cpsr_ds.checkpoint.journal import JOURNAL_DIR, journal_path, read_journal, read_validation  # noqa: E402
-from cpsr_ds.checkpoint.store import LATEST, list_checkpoints  # noqa: E402
+from cpsr_ds.checkpoint.capture.journal import JOURNAL_DIR, journal_path, read_journal, read_validation  # noqa: E402
+from cpsr_ds.checkpoint.storage.store import LATEST, list_checkpoints  # noqa: E402
 from cpsr_ds.recovery import read_reports  # noqa: E402
 from cpsr_ds.recovery.sources.summaries import SUMMARIES_DIR  # noqa: E402
 from cpsr_ds.rundir import ATTEMPT  # noqa: E402
@@ -163,7 +163,7 @@ class Layouts:
             json.dump(config, f, indent=1)
         log = os.path.join(self.dir, f"{name}.log")
         command = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", str(self.layout.procs),
-                   "--master_port", str(free_port()), os.path.join(ROOT, "launch", "train_gpt.py"),
+                   "--master_port", str(free_port()), os.path.join(ROOT, "examples", "gpt", "train_gpt.py"),
                    "--deepspeed_config", path, "--seed", str(self.seed), "--train-iters", str(train_iters),
                    "--valid-sequences", str(self.args.valid_sequences), "--log-interval", str(NEVER),
                    *map(str, extra)]  # fmt: skip

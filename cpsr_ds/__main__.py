@@ -12,9 +12,10 @@ import os
 import sys
 from typing import Optional
 
-from cpsr_ds import node_view, plan_report, planner
-from cpsr_ds.checkpoint import store
-from cpsr_ds.checkpoint.journal import reached_iteration
+from cpsr_ds import node_view
+from cpsr_ds.planning import plan_report, planner
+from cpsr_ds.checkpoint.storage import store
+from cpsr_ds.checkpoint.capture.journal import reached_iteration
 from cpsr_ds.recovery import earlier_reports
 
 

@@ -113,7 +113,7 @@ class CheckpointConfig(_Strict):
         True,
         description="When the job fails around a rank (SIGTERM from the launcher, or a failed collective in "
         "train_batch), the rank writes its exact state at the last iteration it completed to survivor_dir "
-        "(cpsr_ds/checkpoint/survivor.py), for recovery to use; false: no dump.",
+        "(cpsr_ds/checkpoint/capture/survivor.py), for recovery to use; false: no dump.",
     )
     survivor_dir: Optional[str] = Field(
         None, min_length=1,

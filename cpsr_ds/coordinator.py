@@ -23,7 +23,7 @@ work is issued on a side stream that waits on the compute stream at the slot
 (:func:`_side_stream`), and the compute stream waits for it before the training loop's
 thread touches the predictor again (:meth:`Coordinator.join`); its spans are CPU time,
 not GPU time. Only a predictor on the GPU (``predictor.device: cuda``) issues work there;
-``tests/test_coordinator_cuda.py`` checks that path where a GPU is (``benchmarks/gpu``), not
+``tests/jobs/test_coordinator_cuda.py`` checks that path where a GPU is (``benchmarks/gpu``), not
 in ``make test``.
 
 Predictor work is queued as jobs (:class:`TrainJob`: the learning predictor's steps

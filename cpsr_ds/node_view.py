@@ -19,8 +19,8 @@ import os
 import re
 from typing import Optional
 
-from cpsr_ds.checkpoint import layout, store
-from cpsr_ds.checkpoint.journal import JOURNAL_DIR, JOURNAL_NAME_RE, read_progress
+from cpsr_ds.checkpoint.storage import layout, store
+from cpsr_ds.checkpoint.capture.journal import JOURNAL_DIR, JOURNAL_NAME_RE, read_progress
 
 TOKEN_RE = re.compile(r"^rank(\d{5})$")
 

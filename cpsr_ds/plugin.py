@@ -34,20 +34,22 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.module import PipelineModule
 from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
 
-from cpsr_ds import ending, planner, runlog, world
-from cpsr_ds.checkpoint import exiting, host_snapshot, rng, survivor, throttle
-from cpsr_ds.checkpoint.factory import deepspeed_factory
-from cpsr_ds.checkpoint.layout import verify_storage
-from cpsr_ds.checkpoint.store import reading_each_file_once
-from cpsr_ds.checkpoint.journal import (ProgressJournal, finished_iterations, journal_path, plausible, read_journal,
+from cpsr_ds import ending, runlog, world
+from cpsr_ds.planning import planner
+from cpsr_ds.checkpoint.capture import exiting, host_snapshot, rng, survivor
+from cpsr_ds.checkpoint.engines import throttle
+from cpsr_ds.checkpoint.engines.factory import deepspeed_factory
+from cpsr_ds.checkpoint.storage.layout import verify_storage
+from cpsr_ds.checkpoint.storage.store import reading_each_file_once
+from cpsr_ds.checkpoint.capture.journal import (ProgressJournal, finished_iterations, journal_path, plausible, read_journal,
                                        retire_journals)
 from cpsr_ds.config import CPSRConfig
 from cpsr_ds.coordinator import (DROP_WAIT_S, Background, BubbleSchedule, CallJob, Coordinator, FillJob, PieceCost,
                                  PiecesJob, PredictorWork, TrainJob)
 from cpsr_ds.elastic import check_restartable
 from cpsr_ds.faults import FaultInjector, check_kill_rank
-from cpsr_ds.fitter import XiSums, curvature_of, fit_loss_o, next_phase, recent_losses
-from cpsr_ds.online_planner import (
+from cpsr_ds.planning.fitter import XiSums, curvature_of, fit_loss_o, next_phase, recent_losses
+from cpsr_ds.planning.online_planner import (
     Cost,
     CostMeter,
     JobInputs,
@@ -77,7 +79,7 @@ from cpsr_ds.recovery import (
     recover,
 )
 from cpsr_ds.recovery.adam_steps import align_bias_correction, stepped
-from cpsr_ds.recovery.engine_io import (base_optimizer, data_parallel, planned_iterations, replicas_read_once,
+from cpsr_ds.integration.deepspeed.engine_state import (base_optimizer, data_parallel, planned_iterations, replicas_read_once,
                                        stage_sums, weights_from_partitions)
 from cpsr_ds.recovery.sources import summaries
 from cpsr_ds.rundir import RunDirLock, check_writable, claim
@@ -110,7 +112,7 @@ class Runtime:
     Checkpoints: with a fixed ``checkpoint.interval`` N at the multiples of N; with "auto"
     the first at ``planner.first_interval`` iterations after the start, then each at the
     interval the strategy's rule gives at the checkpoint before (cpsr: the online planner,
-    :mod:`cpsr_ds.online_planner`; torch, checkfreq, pccheck: the engine's overhead_budget
+    :mod:`cpsr_ds.planning.online_planner`; torch, checkfreq, pccheck: the engine's overhead_budget
     rule on the measured iteration time), decided on rank 0 and broadcast so that every
     rank takes the same checkpoints. With ``checkpoint.per_stage`` each pipeline stage is
     due at its own interval (:meth:`_schedule_stages`); every rank still saves at an

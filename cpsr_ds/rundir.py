@@ -40,8 +40,8 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from cpsr_ds.checkpoint.private_dir import FILE_MODE, PrivateDirError, describe, user
-from cpsr_ds.checkpoint.store import write_json_atomic
+from cpsr_ds.checkpoint.storage.private_dir import FILE_MODE, PrivateDirError, describe, user
+from cpsr_ds.checkpoint.storage.store import write_json_atomic
 from cpsr_ds.config import CheckpointConfig, ConfigError
 from cpsr_ds.recovery.agree import on_any_rank
 

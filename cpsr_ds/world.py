@@ -21,7 +21,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, replace
 
-from cpsr_ds.checkpoint.store import write_json_atomic
+from cpsr_ds.checkpoint.storage.store import write_json_atomic
 
 LAYOUT = "cpsr_world.json"
 

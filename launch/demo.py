@@ -24,9 +24,9 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from cpsr_ds.checkpoint.journal import journal_path, read_journal, read_validation  # noqa: E402
+from cpsr_ds.checkpoint.capture.journal import journal_path, read_journal, read_validation  # noqa: E402
 from cpsr_ds.config import CPSRConfig  # noqa: E402
-from cpsr_ds.cost_model import PESSIMISM, Estimate, recovery_choice  # noqa: E402
+from cpsr_ds.planning.cost_model import PESSIMISM, Estimate, recovery_choice  # noqa: E402
 from cpsr_ds.lag import fit_curve, late_lag  # noqa: E402
 from cpsr_ds.recovery import fallback_reason, read_reports  # noqa: E402
 
@@ -98,7 +98,7 @@ def main() -> None:
     with open(config_path, "w") as f:
         json.dump(config, f, indent=1)
     deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-    train = [deepspeed, "--num_gpus", "2", os.path.join(ROOT, "launch", "train_gpt.py"),
+    train = [deepspeed, "--num_gpus", "2", os.path.join(ROOT, "examples", "gpt", "train_gpt.py"),
              "--deepspeed_config", config_path, "--train-iters", str(args.train_iters),
              "--eval-interval", str(EVAL_INTERVAL), "--checkpoint-interval", str(INTERVAL)]  # fmt: skip
     env = dict(os.environ, DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"), PYTHONWARNINGS="ignore")

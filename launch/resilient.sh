@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Restart a training job after a failure, up to N times; stop on success.
 #
-#   launch/resilient.sh [--max-restarts N] -- deepspeed launch/train_gpt.py --deepspeed_config CONFIG ...
-#   launch/resilient.sh [--max-restarts N] -- deepspeed --hostfile H launch/train_gpt.py ...   # on the head node
+#   launch/resilient.sh [--max-restarts N] -- deepspeed examples/gpt/train_gpt.py --deepspeed_config CONFIG ...
+#   launch/resilient.sh [--max-restarts N] -- deepspeed --hostfile H examples/gpt/train_gpt.py ...   # on the head node
 #
 # The job itself finds where the failed attempt got to (cpsr_ds reads its progress
 # journal and checkpoints on start), so every attempt runs the same command.
 #
-# Exit status 78 (sysexits' EX_CONFIG; cpsr_ds.checkpoint.exiting.EXIT_RESTART_CANNOT_HELP)
+# Exit status 78 (sysexits' EX_CONFIG; cpsr_ds.checkpoint.capture.exiting.EXIT_RESTART_CANNOT_HELP)
 # means the job stopped at its start because a restart cannot help (no valid state to
 # resume from, a disk too full to restore a checkpoint into; its last error says which):
 # the script stops with that status instead of restarting. DeepSpeed's launcher

@@ -21,6 +21,9 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 # Every job's processes share the machine's cores: one thread each (the ranks inherit it).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, ROOT)
+# Tests share fixtures across tiers by importing each other's modules.
+for _tier in ("unit", "jobs", "benchmarks"):
+    sys.path.insert(0, os.path.join(ROOT, "tests", _tier))
 
 # What every process of a multi-process job started by hand needs.
 JOB_ENV = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": "1"}
@@ -45,7 +48,7 @@ def load_benchmark(name: str):
 def not_failing():
     """Each test starts in a process not marked failing: the mark (exiting.py) is per process, and a test that
     raised out of train_batch would otherwise shorten the exit waits of the next test on the same worker."""
-    from cpsr_ds.checkpoint import exiting
+    from cpsr_ds.checkpoint.capture import exiting
     exiting._reason = None
     yield
 
@@ -75,7 +78,7 @@ def train_on_random_tokens(engine, iterations: int) -> None:
     """``iterations`` of the tiny GPT (TEST_MODEL) on random tokens, inputs as labels: the same for every engine."""
     import torch
 
-    from cpsr_ds.models.gpt import GPTConfig
+    from examples.gpt.model import GPTConfig
 
     gpt = GPTConfig(**TEST_MODEL)
     gen = torch.Generator().manual_seed(0)
@@ -97,8 +100,8 @@ def tiny_config(run_dir, stages=2, zero_stage=0, **cpsr) -> dict:
 
 
 def run_job(tmp_path, config: dict, *args, supervised: bool = False, nprocs: int = 2, timeout: int = 300,
-            script: str = os.path.join(ROOT, "launch", "train_gpt.py"), env: dict | None = None, check: bool = True):
-    """Launch ``script`` (default launch/train_gpt.py) under DeepSpeed's launcher (and the supervisor).
+            script: str = os.path.join(ROOT, "examples", "gpt", "train_gpt.py"), env: dict | None = None, check: bool = True):
+    """Launch ``script`` (default examples/gpt/train_gpt.py) under DeepSpeed's launcher (and the supervisor).
 
     A supervised job goes through DeepSpeed's runner, ``deepspeed --num_gpus N``, as the README's command does.
     Others start the runner's per-node launcher, ``deepspeed.launcher.launch``, as the runner starts it on one node:
@@ -128,7 +131,7 @@ def run_job(tmp_path, config: dict, *args, supervised: bool = False, nprocs: int
 
 
 def probe_rows(stdout: str) -> list[dict]:
-    """tests/end_probe.py's row of each rank (another rank's unfinished line may run into it)."""
+    """tests/jobs/end_probe.py's row of each rank (another rank's unfinished line may run into it)."""
     return [json.loads(row) for row in re.findall(r"probe (\{[^{}]*\})", stdout)]
 
 

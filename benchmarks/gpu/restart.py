@@ -2,7 +2,7 @@
 
     python benchmarks/gpu/restart.py --json PATH [--config configs/gpt2_0.35b.json] [--toy] ...
 
-Two runs of ``launch/train_gpt.py``'s job, one process each (PP = DP = 1), in a run
+Two runs of ``examples/gpt/train_gpt.py``'s job, one process each (PP = DP = 1), in a run
 directory of their own: the first trains with a checkpoint every ``--interval``
 iterations until the fault injector kills it after iteration ``--kill-at``; the second
 is the restart, which recovers (``recovery.mode: predict``, so that every part of PB-R
@@ -43,7 +43,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 
 from cpsr_ds.config import PredictorConfig  # noqa: E402
-TRAIN = os.path.join(ROOT, "launch", "train_gpt.py")
+TRAIN = os.path.join(ROOT, "examples", "gpt", "train_gpt.py")
 PREDICTOR_WORK = ("observe", "step", "validation_error", "state_dict")
 PARTS = ("process_start_s", "model_build_s", "deepspeed_init_s", "reading_s", "prediction_s", "writing_s",
          "plugin_setup_s", "corpus_s", "other_setup_s", "first_step_s")
@@ -116,7 +116,7 @@ def job() -> None:
     from cpsr_ds.recovery import decision
     from cpsr_ds.recovery.sources import checkpoint
 
-    sys.path.insert(0, os.path.join(ROOT, "launch"))
+    sys.path.insert(0, os.path.join(ROOT, "examples", "gpt"))
     import train_gpt
 
     out = os.environ["RESTART_PROBE_OUT"]
@@ -197,7 +197,7 @@ def run_job(args, config_path: str, out: str) -> subprocess.CompletedProcess:
 
 def downtime_s(run_dir: str, kill_at: int) -> float | None:
     """Wall time from the journal's line of ``kill_at`` (the killed run's last) to the next one (the restart's)."""
-    from cpsr_ds.checkpoint.journal import journal_path, read_journal
+    from cpsr_ds.checkpoint.capture.journal import journal_path, read_journal
 
     entries = read_journal(journal_path(run_dir, 0))
     before = [e.wall_time for e in entries if e.iteration == kill_at]

@@ -204,10 +204,10 @@ def device_command(k: dict, out: str, mode: str, scratch: str) -> list[str]:
 MEASUREMENTS = (
     Measurement("device", PARTS, device_command, 120, device_summary, stdout_json=True),
     Measurement("checkpoint_gpt2_0.35b", ("1",), checkpoint_command("gpt2_0.35b", "GPT2"), 450, checkpoint_summary),
-    Measurement("recovery_test", ("1",), pytest_command("tests/test_recovery.py", "-k", "single_process"), 300,
+    Measurement("recovery_test", ("1",), pytest_command("tests/jobs/test_recovery.py", "-k", "single_process"), 300,
                 pytest_summary, pytest=True),
     Measurement("checkpoint_gpt3_3.35b", ("2",), checkpoint_command("gpt3_3.35b", "GPT3"), 420, checkpoint_summary),
-    Measurement("coordinator_test", ("2", "quick"), pytest_command("tests/test_coordinator_cuda.py"), 150,
+    Measurement("coordinator_test", ("2", "quick"), pytest_command("tests/jobs/test_coordinator_cuda.py"), 150,
                 pytest_summary, pytest=True),
 
     Measurement("recovery_bench", ("3",), recovery_command("RECOVERY", "benchmarks/bench_recovery.py",

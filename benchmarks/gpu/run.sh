@@ -19,13 +19,13 @@
 #       the byte vocabulary, bf16 + fp32 masters + Adam, ZeRO-1, PP = DP = 1: 4.3 GB), every strategy,
 #       GPT2_REPEATS checkpoints each after 2 warm-up ones, beside the raw pinned copy and the disk
 #       with fsync (2 GiB probe): 245 s, torch's synchronous save ~10 s of it per checkpoint.
-#     recovery_test: tests/test_recovery.py -k single_process on CUDA (PB-R with bf16 + ZeRO-1,
+#     recovery_test: tests/jobs/test_recovery.py -k single_process on CUDA (PB-R with bf16 + ZeRO-1,
 #       one process; two jobs of the tiny GPT): 49 s.
 #   2 (6-7 min) checkpoint_gpt3_3.35b: GPT3-3.35B's layer shape (hidden 4096, 32 heads, seq 2048) with
 #       GPT3_LAYERS blocks (4: 0.82 B parameters, 11.4 GB of state; all 16 need ~68 GB of GPU memory
 #       before activations and 45 GB per checkpoint on a 64 GB disk), strategies GPT3_STRATEGIES;
 #       torch's synchronous save takes 36 s per checkpoint, cpsr's persist 5.3 s.
-#     coordinator_test: tests/test_coordinator_cuda.py (predictor.device cuda: vitp's work on the
+#     coordinator_test: tests/jobs/test_coordinator_cuda.py (predictor.device cuda: vitp's work on the
 #       coordinator's side stream, the compute stream joining it, a PP = 1 job on and off): 31 s on
 #       2026-11-27, 4 passed and 1 failed (results/gpu/coordinator_test.txt).
 #   3 (7 min) recovery_bench: bench_recovery --quick reduced: a GPT of 8 layers x 768 (57 M

@@ -22,7 +22,7 @@ from typing import Iterator
 
 import torch
 
-from cpsr_ds.fitter import squared_distance
+from cpsr_ds.planning.fitter import squared_distance
 from cpsr_ds.predictor.state import KINDS, MOMENTS, History, Layout
 
 TREATMENTS = ("predict", "keep")

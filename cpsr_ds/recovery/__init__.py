@@ -41,7 +41,7 @@ from cpsr_ds.recovery.decision import (
     recovery_model,
     worst_error,
 )
-from cpsr_ds.recovery.engine_io import advance_counters, engine_state, load_engine_state, own_share, state_shapes
+from cpsr_ds.integration.deepspeed.engine_state import advance_counters, engine_state, load_engine_state, own_share, state_shapes
 from cpsr_ds.recovery.report import REPORTS, RecoveryReport, append_report, carried_lag, earlier_reports, read_reports
 from cpsr_ds.recovery.sources.checkpoint import full_zero_state
 from cpsr_ds.recovery.sources.prediction import PREDICTOR_STATE, new_predictor

@@ -13,11 +13,11 @@ from typing import Callable, NamedTuple
 
 import torch.distributed as dist
 
-from cpsr_ds.checkpoint.journal import Progress, journal_path, plausible, read_journal
-from cpsr_ds.checkpoint.layout import agreed_checkpoints, agreed_progress
-from cpsr_ds.checkpoint.store import bytes_loaded
+from cpsr_ds.checkpoint.capture.journal import Progress, journal_path, plausible, read_journal
+from cpsr_ds.checkpoint.storage.layout import agreed_checkpoints, agreed_progress
+from cpsr_ds.checkpoint.storage.store import bytes_loaded
 from cpsr_ds.config import CPSRConfig, RecoveryConfig
-from cpsr_ds.cost_model import (
+from cpsr_ds.planning.cost_model import (
     PESSIMISM,
     RECOMPUTE,
     SKIP,
@@ -28,7 +28,7 @@ from cpsr_ds.cost_model import (
     paper_model,
     recovery_choice,
 )
-from cpsr_ds.fitter import (
+from cpsr_ds.planning.fitter import (
     MIN_CHECKPOINTS,
     TOO_FEW,
     AccuracyFit,
@@ -41,7 +41,7 @@ from cpsr_ds.fitter import (
     recent_losses,
 )
 from cpsr_ds.recovery.agree import gathered, on_any_rank
-from cpsr_ds.recovery.engine_io import advance_counters, data_parallel, load_own_share, planned_iterations
+from cpsr_ds.integration.deepspeed.engine_state import advance_counters, data_parallel, load_own_share, planned_iterations
 from cpsr_ds.recovery.report import RecoveryReport, carried_lag, earlier_reports
 from cpsr_ds.recovery.sources.checkpoint import load_history, restore, stage_history
 from cpsr_ds.recovery.sources.prediction import checkpoint_as_prediction, load_weights, predicted_share

@@ -18,8 +18,8 @@ from typing import Mapping, NamedTuple
 
 import torch
 
-from cpsr_ds.checkpoint.fileformat import is_finite
-from cpsr_ds.recovery.engine_io import MOMENTS, own_views, partitioned
+from cpsr_ds.checkpoint.storage.fileformat import is_finite
+from cpsr_ds.integration.deepspeed.engine_state import MOMENTS, own_views, partitioned
 
 SECOND_MOMENT = MOMENTS[1]
 

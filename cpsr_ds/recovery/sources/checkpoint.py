@@ -10,10 +10,10 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from cpsr_ds.checkpoint.exiting import RestartCannotHelp
-from cpsr_ds.fitter import NoFit, StageCurvature, curvature_of
+from cpsr_ds.checkpoint.capture.exiting import RestartCannotHelp
+from cpsr_ds.planning.fitter import NoFit, StageCurvature, curvature_of
 from cpsr_ds.recovery.agree import gathered, on_any_rank
-from cpsr_ds.recovery.engine_io import MOMENTS, base_optimizer, load_engine_state, own_share, stage_sums
+from cpsr_ds.integration.deepspeed.engine_state import MOMENTS, base_optimizer, load_engine_state, own_share, stage_sums
 from cpsr_ds.recovery.validate import problem
 
 log = logging.getLogger(__name__)

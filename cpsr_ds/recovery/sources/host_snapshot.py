@@ -1,6 +1,6 @@
 """The host-snapshot source: every rank's snapshot of its exact state at one iteration m,
 taken every ``checkpoint.memory_interval`` iterations into shared memory
-(``cpsr_ds/checkpoint/host_snapshot.py``, two per rank). Where every rank of the job has
+(``cpsr_ds/checkpoint/capture/host_snapshot.py``, two per rank). Where every rank of the job has
 one at the same m after the newest checkpoint c (the processes crashed, the nodes
 survived), recomputing starts at the newest such m rather than c: d = f - m <=
 memory_interval iterations, unless the killed process was still writing its snapshot of
@@ -9,10 +9,10 @@ f's interval, which leaves the one before (2 memory_interval)."""
 from __future__ import annotations
 
 # A module import: the snapshot's writer imports this package's engine_io, so this may run while it is half loaded.
-from cpsr_ds.checkpoint import host_snapshot as snapshots
+from cpsr_ds.checkpoint.capture import host_snapshot as snapshots
 from cpsr_ds.config import CheckpointConfig
 from cpsr_ds.recovery.agree import gathered
-from cpsr_ds.recovery.engine_io import advance_counters
+from cpsr_ds.integration.deepspeed.engine_state import advance_counters
 from cpsr_ds.recovery.sources import Ahead
 from cpsr_ds.recovery.sources.survivor import restore_dump, usable
 

@@ -26,11 +26,11 @@ from typing import NamedTuple
 
 import torch
 
-from cpsr_ds.checkpoint import store
-from cpsr_ds.checkpoint.fileformat import CheckpointError, read_snapshot
+from cpsr_ds.checkpoint.storage import store
+from cpsr_ds.checkpoint.storage.fileformat import CheckpointError, read_snapshot
 from cpsr_ds.config import CheckpointConfig
 from cpsr_ds.recovery.agree import gathered
-from cpsr_ds.recovery.engine_io import advance_counters, base_optimizer, partitioned
+from cpsr_ds.integration.deepspeed.engine_state import advance_counters, base_optimizer, partitioned
 from cpsr_ds.recovery.sources import Ahead
 from cpsr_ds.recovery.validate import problem, specs_of
 

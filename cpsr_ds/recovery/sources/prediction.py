@@ -8,7 +8,7 @@ import logging
 import torch
 
 from cpsr_ds.config import CPSRConfig
-from cpsr_ds.cost_model import SKIP
+from cpsr_ds.planning.cost_model import SKIP
 from cpsr_ds.predictor import NotReady, make_predictor
 from cpsr_ds.recovery.validate import Spec, clamp_second_moments, problem
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from cpsr_ds.recovery.engine_io import MOMENTS, base_optimizer, data_parallel, load_local_state, local_state, partitioned
+from cpsr_ds.integration.deepspeed.engine_state import MOMENTS, base_optimizer, data_parallel, load_local_state, local_state, partitioned
 
 SOURCE = "replica"
 

@@ -40,8 +40,8 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from cpsr_ds.checkpoint.store import describe_error, write_atomic
-from cpsr_ds.checkpoint.throttle import Throttle
+from cpsr_ds.checkpoint.storage.store import describe_error, write_atomic
+from cpsr_ds.checkpoint.engines.throttle import Throttle
 
 log = logging.getLogger(__name__)
 

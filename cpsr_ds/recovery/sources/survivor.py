@@ -1,5 +1,5 @@
 """The survivor source: a rank's own dump of its exact state at the failure point, which
-``cpsr_ds/checkpoint/survivor.py`` wrote when the job failed around the rank (the
+``cpsr_ds/checkpoint/capture/survivor.py`` wrote when the job failed around the rank (the
 launcher's SIGTERM, or a failed collective). A stage whose every rank has its dump at
 the failure point f resumes there exactly: nothing of it is predicted (N_p = 0). A dump
 (or a host snapshot, in the same format) that fails :mod:`cpsr_ds.recovery.validate`
@@ -10,9 +10,9 @@ from __future__ import annotations
 import logging
 
 # A module import: the dump's writer imports this package's engine_io, so this may run while it is half loaded.
-from cpsr_ds.checkpoint import rng, survivor as dumps
+from cpsr_ds.checkpoint.capture import rng, survivor as dumps
 from cpsr_ds.config import CheckpointConfig
-from cpsr_ds.recovery.engine_io import load_local_state
+from cpsr_ds.integration.deepspeed.engine_state import load_local_state
 from cpsr_ds.recovery.validate import Spec, local_specs, problem
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,125 @@
+"""Host snapshots: every ``checkpoint.memory_interval`` iterations each rank copies its
+state into shared memory, beside its survivor dump (``checkpoint.survivor_dir``, by
+default in /dev/shm), and persists nothing. Shared memory outlives the training
+process, so when the process crashes (SIGKILL, a segfault, the OOM killer: no survivor
+dump) and the node survives, a restart resumes from the snapshot rather than from the
+last checkpoint, losing at most ``memory_interval`` iterations once the newest snapshot
+is in place; a crash while it is still being written falls back to the one before it
+(up to ``2 * memory_interval - 1`` iterations lost).
+
+A snapshot is a dump in the survivor dump's format (``survivor.write_dump``: manifest,
+checksum, atomic rename). Each rank keeps two, in alternating slots, each replacing the
+one before it: a process killed while writing one (the kill can come right after the
+iteration that started it) still has the one before, so every rank holds a snapshot of
+a common iteration, which recovery needs (a rank's newest alone may be one interval
+older than its peers'). The cost is twice the rank's state in shared memory. The copy
+of the state to the host is the training loop's only cost; writing it into shared
+memory runs on a thread, and a snapshot due while the previous one is still being
+written is skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Optional
+
+from cpsr_ds.checkpoint.storage import private_dir
+from cpsr_ds.checkpoint.capture import survivor
+from cpsr_ds.config import CheckpointConfig
+from cpsr_ds.integration.deepspeed.engine_state import local_state
+
+log = logging.getLogger(__name__)
+
+WHAT = "host snapshot"
+
+
+SLOTS = 2
+
+
+def snapshot_dir(root: str, run: str, rank: int, slot: int) -> str:
+    return survivor.dump_dir(root, run, rank) + f".memory{slot}"
+
+
+def read_snapshots(cfg: CheckpointConfig, rank: int, attempt: int) -> list[survivor.Survivor]:
+    """``rank``'s host snapshots of job attempt ``attempt`` of the run in ``cfg.dir``, verified: those usable."""
+    run, root = survivor.run_identity(cfg.dir), survivor.survivor_root(cfg)
+    found = [survivor.read_dump(snapshot_dir(root, run, rank, slot), rank, run, attempt, WHAT) for slot in range(SLOTS)]
+    return [snap for snap in found if snap is not None]
+
+
+class HostSnapshots:
+    """Writes this rank's host snapshot every ``interval`` iterations (:meth:`after_iteration`)."""
+
+    def __init__(self, engine, root: str, run: str, attempt: int, interval: int, checksum: str):
+        self.engine = engine
+        self.directories = [snapshot_dir(root, run, engine.global_rank, slot) for slot in range(SLOTS)]
+        self.manifest = survivor.identity(engine, run, attempt)
+        self.interval = interval
+        self.checksum = checksum
+        self.written = self.skipped = 0
+        self._writer: Optional[threading.Thread] = None
+
+    def after_iteration(self, iteration: int) -> None:
+        if iteration % self.interval:
+            return
+        if self._writer is not None and self._writer.is_alive():
+            self.skipped += 1
+            log.warning("cpsr: host snapshot of iteration %d skipped: the one before is still being written",
+                        iteration)
+            return
+        state, fragments = local_state(self.engine)
+        # The copy is what the training loop waits for; the next optimizer step may then change the state.
+        contents = {"state": {k: t.detach().to("cpu", copy=True) for k, t in state.items()},
+                    "fragments": fragments, "counters": survivor.counters(self.engine)}
+        manifest = {**self.manifest, "iteration": iteration, "reason": WHAT, "written_ns": time.time_ns()}
+        directory = self.directories[iteration // self.interval % SLOTS]
+        self._writer = threading.Thread(target=self._write, args=(directory, contents, manifest),
+                                        name="cpsr-host-snapshot", daemon=True)
+        self._writer.start()
+
+    def _write(self, directory: str, contents: dict, manifest: dict) -> None:
+        try:
+            survivor.write_dump(directory, contents, manifest, self.checksum)
+            self.written += 1
+        # A full /dev/shm, or a root another user took over since the start, must not stop training: the
+        # checkpoints still run.
+        except (OSError, private_dir.PrivateDirError) as err:
+            log.error("cpsr: host snapshot of iteration %d not written to %s: %s", manifest["iteration"],
+                      directory, err)
+
+    def wait(self, timeout_s: Optional[float] = None) -> None:
+        """Until the snapshot being written is in place."""
+        if self._writer is not None:
+            self._writer.join(timeout_s)
+
+
+def install(engine, cfg: CheckpointConfig, attempt: int) -> Optional[HostSnapshots]:
+    """Remove the rank's snapshots of an earlier attempt (recovery has read them) and, with ``cfg.memory_interval``,
+    set ``engine.host_snapshots``, which the plugin calls after each iteration; None without memory_interval.
+
+    Raises :class:`private_dir.PrivateDirError` where memory_interval is set and the survivor root or the run's
+    directory under it is not this user's alone; without memory_interval such a directory is left alone.
+    """
+    if cfg.memory_interval is None:
+        _remove_earlier(cfg, engine.global_rank)
+        return None
+    root, run = survivor.prepare(cfg)
+    for slot in range(SLOTS):
+        survivor.remove_dump(snapshot_dir(root, run, engine.global_rank, slot))
+    snapshots = HostSnapshots(engine, root, run, attempt, cfg.memory_interval, cfg.checksum)
+    engine.host_snapshots = snapshots
+    return snapshots
+
+
+def _remove_earlier(cfg: CheckpointConfig, rank: int) -> None:
+    """Remove ``rank``'s snapshots of an earlier attempt that had memory_interval, where they are this user's."""
+    root, run = survivor.survivor_root(cfg), survivor.run_identity(cfg.dir)
+    try:
+        survivor.check_private(root, os.path.join(root, run))
+    except (OSError, private_dir.PrivateDirError):
+        return
+    for slot in range(SLOTS):
+        survivor.remove_dump(snapshot_dir(root, run, rank, slot))

@@ -1,0 +1,1 @@
+"""Storage: the file format, atomic writes, records, scan/verify/select, retention, the per-node layout, replicas."""

@@ -1,0 +1,380 @@
+"""The engine-state I/O: a stage's fp32 parameters and Adam moments read from and written into DeepSpeed's
+engine (plain, ZeRO-1/2 and bf16 partitions), this data-parallel rank's share of them, and the step counters."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from deepspeed.runtime.pipe.module import PipelineModule
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+from deepspeed.runtime.lr_schedules import LRRangeTest, OneCycle, WarmupCosineLR, WarmupLR
+from deepspeed.utils import (
+    safe_get_full_fp32_param,
+    safe_get_full_optimizer_state,
+    safe_set_full_fp32_param,
+    safe_set_full_optimizer_state,
+)
+
+from cpsr_ds.planning.fitter import XiSums, xi_sums
+from cpsr_ds.integration.deepspeed.shard import assemble, pack, packed_length, share, unpack
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+# DeepSpeed's schedules compute the rate from the batch index, which step() takes.
+INDEXED_SCHEDULERS = (LRRangeTest, OneCycle, WarmupLR, WarmupCosineLR)
+
+
+def base_optimizer(engine):
+    return getattr(engine.optimizer, "optimizer", engine.optimizer)
+
+
+def partitioned(engine) -> bool:
+    """ZeRO-1/2 and bf16 keep fp32 masters and moments in partitions behind ``_hp_mapping``."""
+    return any(hasattr(p, "_hp_mapping") for p in engine.module.parameters())
+
+
+def _link_partitions(engine) -> None:
+    """(Re)link each parameter's view of the ZeRO optimizer's moments.
+
+    load_checkpoint rebuilds the parameters' fragment mappings without their moment
+    views but leaves the optimizer's "linked" flag set, so the flag is cleared first.
+    """
+    optimizer = engine.optimizer
+    if hasattr(optimizer, "_lazy_init_hp_params_optimizer_state"):
+        optimizer._hp_optimizer_states_linked = False
+        optimizer._lazy_init_hp_params_optimizer_state()
+
+
+def engine_state(engine) -> dict[str, torch.Tensor]:
+    """This stage's full fp32 parameters and Adam moments, keyed ``kind/name``.
+
+    Under ZeRO the values are gathered over the data-parallel group (every rank of it
+    must call this, in the same order).
+    """
+    state = {}
+    zero = partitioned(engine)
+    if zero:
+        _link_partitions(engine)
+    opt_state = base_optimizer(engine).state
+    for name, p in engine.module.named_parameters():
+        if zero:
+            state[f"param/{name}"] = safe_get_full_fp32_param(p).detach().float().cpu()
+            for kind in MOMENTS:
+                state[f"{kind}/{name}"] = safe_get_full_optimizer_state(p, kind).detach().float().cpu()
+        else:
+            state[f"param/{name}"] = p.detach().float().cpu().clone()
+            for kind in MOMENTS:
+                state[f"{kind}/{name}"] = opt_state[p][kind].detach().float().cpu().clone()
+    return state
+
+
+def local_state(engine) -> tuple[dict[str, torch.Tensor], dict[str, tuple[int, int]]]:
+    """(state, fragments): this rank's parameters and Adam moments keyed as ``engine_state`` keys them, no collective.
+
+    Unpartitioned, each is the whole tensor (the live one, not a copy). Under ZeRO/bf16
+    each is this rank's fragment of the fp32 master or moment, flat, at ``fragments[name]``
+    = (start, numel) of the flattened tensor; a fragment covering the whole tensor is
+    given in its shape and not listed. Before the optimizer's first step there are no moments:
+    a KeyError, as without partitions.
+    """
+    state, fragments = {}, {}
+    if not partitioned(engine):
+        opt_state = base_optimizer(engine).state
+        for name, p in engine.module.named_parameters():
+            state[f"param/{name}"] = p.detach()
+            for kind in MOMENTS:
+                state[f"{kind}/{name}"] = opt_state[p][kind].detach()
+        return state, fragments
+    if any(p._hp_mapping is not None and p._hp_mapping.optim_fragment is None for p in engine.module.parameters()):
+        _link_partitions(engine)
+    for name, p in engine.module.named_parameters():
+        mapping = p._hp_mapping
+        if mapping is None:
+            start, numel, parts = 0, 0, {k: torch.empty(0) for k in ("param", *MOMENTS)}
+        else:
+            start, numel = mapping.lp_fragment_address.start, mapping.lp_fragment_address.numel
+            try:
+                parts = {"param": mapping.get_hp_fragment(), **{k: mapping.get_hp_fragment(k) for k in MOMENTS}}
+            except ValueError as err:  # DeepSpeed's words for a moment no optimizer step has made yet
+                raise KeyError(str(err)) from err
+        whole = start == 0 and numel == p.numel()
+        for kind, t in parts.items():
+            state[f"{kind}/{name}"] = t.detach().view(p.shape) if whole else t.detach()
+        if not whole:
+            fragments[name] = (start, numel)
+    return state, fragments
+
+
+def replica_weights(engine) -> dict[str, torch.Tensor] | None:
+    """The module's whole weights by parameter name (live tensors), where a data-parallel peer that lost its state
+    needs them: under ZeRO-1/2 (and bf16) every replica holds the module's weights whole but only its own partition
+    of the fp32 masters and moments. None where the rank's own state already is whole, or it has no replica."""
+    if not partitioned(engine) or data_parallel(engine).size == 1:
+        return None
+    return {name: p.detach() for name, p in engine.module.named_parameters()}
+
+
+def load_local_state(engine, state: dict[str, torch.Tensor], fragments: dict[str, tuple[int, int]]) -> None:
+    """Write ``state``, as :func:`local_state` read it on this rank, back into the engine; under ZeRO/bf16 a
+    collective over the stage's data-parallel group (the module's weights are refreshed from the partitions)."""
+    zero = partitioned(engine)
+    with torch.no_grad():
+        if not zero:
+            opt_state = base_optimizer(engine).state
+            for name, p in engine.module.named_parameters():
+                p.copy_(state[f"param/{name}"])
+                for kind in MOMENTS:
+                    opt_state[p][kind].copy_(state[f"{kind}/{name}"])
+            return
+        _link_partitions(engine)
+        for name, p in engine.module.named_parameters():
+            mapping = p._hp_mapping
+            if mapping is None:
+                continue
+            start, numel = fragments.get(name, (0, p.numel()))
+            if (start, numel) != (mapping.lp_fragment_address.start, mapping.lp_fragment_address.numel):
+                raise ValueError(f"cpsr recovery: rank {engine.global_rank}'s saved fragment of {name} is "
+                                 f"[{start}, {start + numel}), its partition now holds another")
+            for kind in ("param", *MOMENTS):
+                fragment = mapping.get_hp_fragment() if kind == "param" else mapping.get_hp_fragment(kind)
+                fragment.copy_(state[f"{kind}/{name}"].reshape(fragment.shape))
+    update_weights(engine)
+
+
+def update_weights(engine) -> None:
+    """Refresh the module's weights from the fp32 partitions: the optimizer's ``update_lp_params``, what every
+    optimizer step does, except that under ZeRO-1/2 on the host each rank's partition is broadcast into the
+    others' buffers in place.
+
+    DeepSpeed gathers each group's whole flat buffer with one all_gather_into_tensor, which gloo
+    stages through a temporary as large as the stage's weights: at every load of a restart, on top
+    of the predictor's history. A broadcast of a dense tensor needs none.
+    """
+    optimizer = engine.optimizer
+    if not isinstance(optimizer, DeepSpeedZeroOptimizer) or engine.device.type != "cpu":
+        optimizer.update_lp_params()
+        return
+    for parts, fp32, group in zip(optimizer.parallel_partitioned_bit16_groups,
+                                  optimizer.single_partition_of_fp32_groups, optimizer.real_dp_process_group):
+        parts[dist.get_rank(group=group)].data.copy_(fp32.data)
+        if len(parts) > 1:
+            for r, part in enumerate(parts):
+                dist.broadcast(part, src=dist.get_global_rank(group, r), group=group)
+
+
+def _weights_in_partitions(engine) -> bool:
+    """Whether the ZeRO-1/2 optimizer's fp32 partitions, loaded as DeepSpeed loads them by default
+    (``zero_optimization.load_from_fp32_weights``), hold every entry of the pipeline module's state dict (an
+    entry that is None, such as the ``_extra_state`` of megatron-core's linear layers without FP8, holds nothing)."""
+    if not (isinstance(engine.optimizer, DeepSpeedZeroOptimizer) and isinstance(engine.module, PipelineModule)
+            and engine.zero_load_from_fp32_weights()):
+        return False
+    trained = {name for name, p in engine.module.named_parameters() if p.requires_grad}
+    held = {name for name, value in engine.module.state_dict().items() if value is not None}
+    return held == trained
+
+
+@contextlib.contextmanager
+def weights_from_partitions(engine, load_optimizer_states: bool = True, load_module_only: bool = False):
+    """Around the engine's ``load_checkpoint``: under ZeRO-1/2 the module's weights are not read from the
+    checkpoint's layer files but gathered from the fp32 partitions just loaded (``update_lp_params``, what
+    every optimizer step does), so that a stage's data-parallel replicas do not each read its whole weights.
+
+    Only where the partitions hold the whole module state (no frozen parameters, buffers or
+    tied duplicates: :func:`_weights_in_partitions`) and are loaded; otherwise DeepSpeed reads
+    the layer files as usual.
+    """
+    if not load_optimizer_states or load_module_only or not _weights_in_partitions(engine):
+        yield
+        return
+    loaded = []
+    load_zero = engine._load_zero_checkpoint
+
+    def load_zero_noted(*args, **kwargs):
+        loaded.append(load_zero(*args, **kwargs))
+        return loaded[-1]
+
+    # Instance attributes shadow the methods for the one load.
+    engine.module.load_state_dir = lambda *args, **kwargs: None
+    engine._load_zero_checkpoint = load_zero_noted
+    try:
+        yield
+    finally:
+        del engine.module.load_state_dir, engine._load_zero_checkpoint
+    if loaded == [True]:
+        update_weights(engine)
+    elif loaded:
+        raise RuntimeError(f"cpsr: rank {engine.global_rank} found no ZeRO partition files in the checkpoint it "
+                           "loaded, and did not read its layer files: the module's weights are not restored")
+
+
+@contextlib.contextmanager
+def replicas_read_once(engine):
+    """Around the engine's ``load_checkpoint``: without ZeRO a stage's data-parallel replicas load the same files
+    in the same order (its layer files, and its model-states file with the whole optimizer state), so the first
+    replica reads each and broadcasts it to the others in the stage's data-parallel group, rather than every
+    replica reading the stage's whole state. A read that fails on the first replica fails on every one."""
+    dp = data_parallel(engine)
+    if dp.size == 1 or partitioned(engine):
+        yield
+        return
+    checkpoint_engine = engine.checkpoint_engine
+    load = checkpoint_engine.load
+    first = dist.get_global_rank(dp.group, 0)
+
+    def broadcast_load(path, *args, **kwargs):
+        loaded = [None]
+        if dp.rank == 0:
+            try:
+                loaded[0] = load(path, *args, **kwargs)
+            except Exception as err:  # the others wait for this file: they get the error instead
+                loaded[0] = err
+        dist.broadcast_object_list(loaded, src=first, group=dp.group)
+        if isinstance(loaded[0], Exception):
+            raise loaded[0]
+        return loaded[0]
+
+    checkpoint_engine.load = broadcast_load
+    try:
+        yield
+    finally:
+        del checkpoint_engine.load
+
+
+class DataParallel(NamedTuple):
+    """This rank's place among its stage's data-parallel replicas (one replica: no process group)."""
+
+    rank: int
+    size: int
+    group: object = None
+
+
+def data_parallel(engine) -> DataParallel:
+    grid = getattr(engine, "grid", None)
+    if grid is None:
+        return DataParallel(0, 1)
+    return DataParallel(grid.get_data_parallel_rank(), grid.get_data_parallel_world_size(),
+                        grid.get_data_parallel_group())
+
+
+def own_share(engine, copy: bool = True) -> dict[str, torch.Tensor]:
+    """This data-parallel rank's share of its stage's fp32 parameters and Adam moments (:mod:`cpsr_ds.integration.deepspeed.shard`), the
+    predictor's part, on the host in fp32 and keyed as :func:`engine_state` keys them; no collective.
+
+    Under ZeRO/bf16 the share is the rank's own partition, as :func:`local_state` reads it (a
+    parameter outside it is left out), so that nothing gathers the stage's state and a
+    prediction goes back into the partition it came from (:func:`load_own_share`). Otherwise
+    every replica holds the whole state and the share is an even slice of each flattened tensor.
+
+    ``copy`` False: the engine's own tensors wherever they are fp32 on the host already, for a
+    reader that copies what it keeps before the engine changes (recovery's predictor, which
+    would otherwise hold each checkpoint twice).
+    """
+    return {k: t.to("cpu", torch.float32, copy=copy) for k, t in own_views(engine).items() if t.numel()}
+
+
+def own_views(engine) -> dict[str, torch.Tensor]:
+    """:func:`own_share`'s tensors as the engine holds them: views, in the engine's dtypes and on its device."""
+    state, _ = local_state(engine)
+    dp = data_parallel(engine)
+    if not partitioned(engine) and dp.size > 1:
+        state = share(state, dp.rank, dp.size, copy=False)
+    return state
+
+
+def stage_sums(engine, own: dict[str, torch.Tensor]) -> XiSums:
+    """The :class:`~cpsr_ds.planning.fitter.XiSums` of the stage's whole state from every data-parallel rank's ``own`` share
+    (:func:`own_share`): a collective over the stage's data-parallel group, three numbers all-reduced."""
+    sums = xi_sums(own)
+    dp = data_parallel(engine)
+    if dp.size == 1:
+        return sums
+    total = torch.tensor(sums, dtype=torch.float64, device=engine.device)
+    dist.all_reduce(total, group=dp.group)
+    v_sum, count, n_p = total.tolist()
+    return XiSums(v_sum, round(count), round(n_p))
+
+
+def load_own_share(engine, own: dict[str, torch.Tensor]) -> None:
+    """Write this rank's ``own`` share (as :func:`own_share` reads it: a predicted one) into the engine.
+
+    Under ZeRO/bf16 into the rank's own partition, no gather; the module's weights are refreshed
+    from the partitions (:func:`update_weights`, what every optimizer step does). Otherwise each
+    replica holds the whole state, so it is assembled from every replica's share
+    (:func:`full_state`, a collective over the stage's data-parallel group).
+    """
+    if partitioned(engine):
+        _, fragments = local_state(engine)
+        load_local_state(engine, own, fragments)
+    else:
+        load_local_state(engine, full_state(engine, own), {})
+
+
+def state_shapes(engine) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor :func:`engine_state` gives, by key."""
+    return {f"{kind}/{name}": tuple(p.shape) for name, p in engine.module.named_parameters()
+            for kind in ("param", *MOMENTS)}
+
+
+def full_state(engine, own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The stage's state from every data-parallel rank's share of it, ``own`` this rank's (:func:`own_share`).
+
+    A collective over the stage's data-parallel group: one all_gather of each rank's
+    share packed into a vector, padded to the longest share.
+    """
+    dp, shapes = data_parallel(engine), state_shapes(engine)
+    if dp.size == 1:
+        return assemble([own], shapes)
+    lengths = [packed_length(shapes, r, dp.size) for r in range(dp.size)]
+    flat = pack(own)
+    if flat.numel() != lengths[dp.rank]:
+        raise ValueError(f"cpsr recovery: data-parallel rank {dp.rank} of stage {engine.stage_id} holds "
+                         f"{flat.numel()} values of the predicted state, its share is {lengths[dp.rank]}")
+    longest = max(lengths)
+    padded = torch.zeros(longest, device=engine.device)
+    padded[:flat.numel()] = flat.to(engine.device)
+    gathered = [torch.empty_like(padded) for _ in range(dp.size)]
+    dist.all_gather(gathered, padded, group=dp.group)
+    return assemble([unpack(g[:n].cpu(), shapes, r, dp.size) for r, (g, n) in enumerate(zip(gathered, lengths))],
+                    shapes)
+
+
+def load_engine_state(engine, state: dict[str, torch.Tensor]) -> None:
+    """Write the stage's whole ``state`` (as from :func:`engine_state`) into the engine: masters, moments, model
+    weights. Under ZeRO each rank keeps its partition of it."""
+    if not partitioned(engine):
+        load_local_state(engine, state, {})
+        return
+    _link_partitions(engine)
+    with torch.no_grad():
+        for name, p in engine.module.named_parameters():
+            safe_set_full_fp32_param(p, state[f"param/{name}"].to(p.device))
+            for kind in MOMENTS:
+                safe_set_full_optimizer_state(p, state[f"{kind}/{name}"].to(p.device), kind)
+    # The low-precision (or, for fp32 ZeRO, the module's own) weights the forward
+    # pass uses are refreshed from the fp32 partitions.
+    update_weights(engine)
+
+
+def advance_counters(engine, iterations: int) -> None:
+    """Move the step counters as if ``iterations`` optimizer steps had run."""
+    engine.global_steps += iterations
+    engine.global_samples += iterations * engine.train_batch_size()
+    for st in base_optimizer(engine).state.values():
+        if "step" in st:
+            st["step"] += iterations
+    scheduler = engine.lr_scheduler
+    if isinstance(scheduler, INDEXED_SCHEDULERS):
+        scheduler.step(scheduler.last_batch_iteration + iterations)
+    elif scheduler is not None:
+        # A torch scheduler only steps one at a time; the journal's checks bound d.
+        for _ in range(iterations):
+            scheduler.step()
+
+
+def planned_iterations(engine) -> int | None:
+    """The training length the LR schedule plans (DeepSpeed's decaying schedules); None: unknown."""
+    total = getattr(engine.lr_scheduler, "total_num_steps", None)
+    return total if isinstance(total, int) else None

@@ -1,0 +1,83 @@
+"""Host snapshots (checkpoint.memory_interval): each rank's exact state in shared memory every few iterations,
+and a restart after a process crash resuming from them rather than from the last checkpoint."""
+
+
+import pytest
+import torch
+
+from conftest import run_job, tiny_config
+from cpsr_ds.checkpoint.capture import host_snapshot, survivor
+from cpsr_ds.checkpoint.capture.journal import journal_path, read_journal
+from cpsr_ds.config import ConfigError, CPSRConfig
+from cpsr_ds.recovery import engine_state, read_reports
+from cpsr_ds.recovery.sources import host_snapshot as snapshot_source
+from test_plugin import process_group  # noqa: F401 (an autouse fixture: one process group for the module)
+from test_survivor import trained
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_every_memory_interval_the_rank_s_exact_state_is_in_shared_memory(tmp_path, zero_stage):
+    engine, batches = trained(tmp_path, zero_stage, iterations=4, memory_interval=2)
+    at_4 = engine_state(engine)
+    engine.train_batch(iter(batches))  # iteration 5: no snapshot due, the state moves on
+    engine.host_snapshots.wait(30)
+    found = host_snapshot.read_snapshots(engine.cpsr.cfg.checkpoint, 0, attempt=1)
+    assert sorted(snap.iteration for snap in found) == [2, 4]  # the one before is kept too
+    (snap,) = [snap for snap in found if snap.iteration == 4]
+    assert snap.reason == host_snapshot.WHAT
+    assert all(torch.equal(snap.state[k], at_4[k]) for k in at_4)
+    assert any(not torch.equal(v, at_4[k]) for k, v in engine_state(engine).items())
+    assert engine.host_snapshots.written == 2
+
+
+def test_ranks_whose_newest_snapshots_differ_resume_from_the_newest_they_all_hold(tmp_path, monkeypatch):
+    """The killed rank's snapshot of iteration 6 was cut off: it holds 4 (and 2); its peer holds 6 and 4."""
+    engine, batches = trained(tmp_path, 0, iterations=6, memory_interval=2)
+    engine.host_snapshots.wait(30)
+    cfg = engine.cpsr.cfg.checkpoint
+    assert sorted(s.iteration for s in host_snapshot.read_snapshots(cfg, 0, attempt=1)) == [4, 6]
+    monkeypatch.setattr(snapshot_source, "gathered", lambda mine: [mine, [2, 4]])
+    assert snapshot_source.agreed_snapshot(cfg, engine, attempt=2, c=0, f=6).iteration == 4
+    assert snapshot_source.agreed_snapshot(cfg, engine, attempt=2, c=4, f=6) is None  # none after c in common
+    monkeypatch.setattr(snapshot_source, "gathered", lambda mine: [mine, [2]])
+    assert snapshot_source.agreed_snapshot(cfg, engine, attempt=2, c=0, f=6) is None
+
+
+def test_memory_interval_is_checked():
+    with pytest.raises(ConfigError, match="checkpoint.memory_interval"):
+        CPSRConfig.parse_block({"checkpoint": {"memory_interval": 0}})
+
+
+def landed_snapshots(config: dict, rank: int) -> set[int]:
+    """The iterations of ``rank``'s host snapshots in place (verified) in the run of ``config``."""
+    cfg = CPSRConfig.parse_block(config["cpsr"]).checkpoint
+    root, run = survivor.survivor_root(cfg), survivor.run_identity(cfg.dir)
+    found = [survivor.read_dump(host_snapshot.snapshot_dir(root, run, rank, slot), rank, run, None, host_snapshot.WHAT)
+             for slot in range(host_snapshot.SLOTS)]
+    return {snap.iteration for snap in found if snap is not None}
+
+
+def test_a_crashed_process_on_a_surviving_node_resumes_from_the_newest_snapshot_every_rank_holds(tmp_path, shm_path):
+    """PP = 2: rank 1 is SIGKILLed after iteration 13 (no dump), checkpoints every 8, host snapshots every 2: the
+    restart recomputes from the newest snapshot both ranks hold, that of 12 (or, where the kill came while it was
+    still being written, that of 10), exactly as the failed job had computed."""
+    kill_at, memory_interval = 13, 2
+    config = tiny_config(tmp_path / "run", stages=2, recovery={"mode": "recompute"})
+    config["cpsr"]["checkpoint"].update(survivor_dir=str(shm_path), interval=8, memory_interval=memory_interval)
+    failed = run_job(tmp_path, config, "--train-iters", 16, "--kill-rank", 1, "--kill-at-iteration", kill_at,
+                     check=False)
+    assert failed.returncode != 0
+    newest = kill_at - kill_at % memory_interval
+    common = max(landed_snapshots(config, 0) & landed_snapshots(config, 1))
+    assert common in (newest, newest - memory_interval), common
+    run_job(tmp_path, config, "--train-iters", 16)
+    report = read_reports(str(tmp_path / "run"))[-1]
+    assert (report.method, report.reached) == ("recompute", kill_at), report
+    assert report.checkpoint == report.resume_iteration == common, (report, common)
+    assert report.sources == {"0": "host snapshot", "1": "host snapshot"}, report
+    for rank in (0, 1):
+        entries = read_journal(journal_path(str(tmp_path / "run"), rank))
+        first = {e.iteration: e.loss for e in entries[:kill_at]}
+        redone = [e for e in entries[kill_at:] if e.iteration <= kill_at]
+        assert [e.iteration for e in redone] == list(range(common + 1, kill_at + 1))
+        assert all(e.loss == first[e.iteration] for e in redone)  # the exact state at common: the same iterations
