@@ -44,7 +44,7 @@ T_l per run = checkpoint cost + recovery cost, in seconds and as % of the failur
   an unmeasurable checkpoint cost, and so T_l, with the reason, out of every mean, median and ratio;
 - recovery cost: d iterations per RB-R recovery (recovery.jsonl; a restart with no
   checkpoint yet recomputes from 0); PB-R recoveries cost the run's lag behind the
-  reference at the end of training (``end_lag``: ``cpsr_ds.lag``'s estimator over the
+  reference at the end of training (``end_lag``: ``benchmarks.common.lag``'s estimator over the
   last ``WINDOW`` of training), which holds every PB-R recovery's lag together. A run
   that only recomputed is the reference from every restored checkpoint on, so its lag
   is 0 by construction (its final loss shows it). An unmeasurable lag (the reference's
@@ -94,8 +94,9 @@ from cpsr_ds.checkpoint.capture.journal import journal_path, read_journal, read_
 from cpsr_ds.checkpoint.storage.store import list_checkpoints  # noqa: E402
 from cpsr_ds.config import CheckpointConfig, PredictorConfig  # noqa: E402
 from cpsr_ds.planning.cost_model import MEASURED_REDUCTION  # noqa: E402
-from cpsr_ds.lag import Unmeasurable, fit_curve, late_lag  # noqa: E402
-from cpsr_ds.lag import summarize as summarize_values  # noqa: E402
+from benchmarks.common.lag import Unmeasurable, late_lag  # noqa: E402
+from benchmarks.common.lag import summarize as summarize_values  # noqa: E402
+from cpsr_ds.planning.fitter import fit_curve  # noqa: E402
 from cpsr_ds.recovery import read_reports  # noqa: E402
 from cpsr_ds.recovery.sources.in_flight import SOURCE as IN_FLIGHT  # noqa: E402
 from cpsr_ds.runlog import CostRow, measurements_path, read_measurements  # noqa: E402
@@ -305,7 +306,7 @@ def window(iters: int) -> tuple[int, int]:
 
 
 def end_lag(reference: dict[int, float], run: dict[int, float], iters: int) -> dict:
-    """The run's lag behind the reference over the last ``WINDOW`` of training (``cpsr_ds.lag.late_lag``).
+    """The run's lag behind the reference over the last ``WINDOW`` of training (``benchmarks.common.lag.late_lag``).
 
     The estimator's window k in [2d, 4d] after f is placed on the end: d = W / 2, f = end - 2W.
     Fields: lag_iters (the protocol's), lag_paired_iters, or None with unmeasurable (kind) and its reason.

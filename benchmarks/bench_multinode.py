@@ -81,7 +81,7 @@ from lose_node_dir import commit_records  # noqa: E402
 from cpsr_ds.checkpoint.capture.journal import journal_path, read_journal  # noqa: E402
 from cpsr_ds.elastic import STORE_SETTING  # noqa: E402
 from cpsr_ds.faults import FAULTS_DIR  # noqa: E402
-from cpsr_ds.lag import summarize  # noqa: E402
+from benchmarks.common.lag import summarize  # noqa: E402
 from cpsr_ds.recovery import read_reports  # noqa: E402
 
 LAYOUTS = ("shared", "node_local")

@@ -84,7 +84,7 @@ from overhead_job import RECORD_DIR as MEMORY_DIR  # noqa: E402
 
 from cpsr_ds.checkpoint.capture.journal import journal_path, read_journal  # noqa: E402
 from cpsr_ds.coordinator import read_records  # noqa: E402
-from cpsr_ds.lag import summarize  # noqa: E402
+from benchmarks.common.lag import summarize  # noqa: E402
 from cpsr_ds.predictor import VITPPredictor  # noqa: E402
 from cpsr_ds.runlog import StateRow, held_out_errors, read_measurements  # noqa: E402
 
@@ -117,7 +117,7 @@ def throughput(entries, warm_up: int) -> float:
 
 
 def ratios(on: list[float], off: list[float]) -> dict:
-    """Per pair on_k / off_k; their median, mean and 95 % interval (``cpsr_ds.lag.summarize``)."""
+    """Per pair on_k / off_k; their median, mean and 95 % interval (``benchmarks.common.lag.summarize``)."""
     if len(on) != len(off):
         raise ValueError(f"{len(on)} on runs and {len(off)} off runs: not pairs")
     values = [a / b for a, b in zip(on, off)]

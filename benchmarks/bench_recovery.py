@@ -38,7 +38,7 @@ bench_ftcost charges them, the lag at the end of training that their final loss
 excess amounts to, by the failure's place in training (``end_of_training``).
 
 A case whose lag the reference's fit cannot tell (the fit flat or rising around the
-window, or a loss beyond its range: ``cpsr_ds.lag.Unmeasurable``) has no lag, only the
+window, or a loss beyond its range: ``benchmarks.common.lag.Unmeasurable``) has no lag, only the
 reason; the summary counts such cases per method and reason and keeps them out of the
 median, the mean and its interval. Their loss excess at f + 4d is reported all the same.
 ``--merge`` estimates every stored case again from its validation curve, so that
@@ -101,8 +101,9 @@ from examples.gpt.corpus import Batches, load_corpus  # noqa: E402
 from examples.gpt.model import GPTConfig, gpt_pipeline  # noqa: E402
 from cpsr_ds.plugin import Runtime  # noqa: E402
 from cpsr_ds.recovery import engine_state, new_predictor  # noqa: E402
-from cpsr_ds.lag import Unmeasurable, fit_curve, lag_at, late_lag, transient  # noqa: E402
-from cpsr_ds.lag import summarize as summarize_values  # noqa: E402
+from benchmarks.common.lag import Unmeasurable, lag_at, late_lag, transient  # noqa: E402
+from benchmarks.common.lag import summarize as summarize_values  # noqa: E402
+from cpsr_ds.planning.fitter import fit_curve  # noqa: E402
 
 PREDICTORS = tuple(predictor.PREDICTORS)
 NEVER = 10**9  # a checkpoint interval that never comes: recovered runs write no checkpoints

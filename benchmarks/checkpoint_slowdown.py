@@ -44,7 +44,7 @@ from jobs import ROOT, Child, finish_benchmark  # noqa: E402  (first: it sets th
 
 import bench_ftcost  # noqa: E402
 from cpsr_ds import plugin  # noqa: E402
-from cpsr_ds.lag import summarize  # noqa: E402
+from benchmarks.common.lag import summarize  # noqa: E402
 
 VARIANTS = {
     "checkfreq": ("checkfreq", {}),

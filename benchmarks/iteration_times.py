@@ -21,7 +21,7 @@ import os
 import statistics
 
 import bench_ftcost as bench
-from cpsr_ds.lag import summarize
+from benchmarks.common.lag import summarize
 
 BASELINES = ("checkfreq", "pccheck")
 

@@ -6,7 +6,9 @@ held-out errors, Adam's second moment at checkpoints); reading them is the calle
 - :func:`fit_loss_o`: the training loss curve loss_o(t) = exp(-alpha1 t + alpha2), Eq. 11,
   over a recent window of the job's own losses;
 - :func:`fit_recent` / :func:`loss_excess`: the log-linear fit l(t) = a + b ln t the
-  loss-excess guard of recovery uses (see :func:`fit_recent` for why it stays);
+  loss-excess guard of recovery uses (see :func:`fit_recent` for why it stays), a
+  :class:`CurveFit` (:func:`fit_curve`: a polynomial in ln t, which the benchmarks'
+  lag estimator fits to a reference's validation losses too);
 - :func:`held_out_error` (Eq. 9) and :func:`fit_loss_p`: the predictor's accuracy curve
   loss_p(t) = exp(-tau1 t / T_c + tau2), Eq. 8;
 - :func:`stage_xi` (Eq. 7; :func:`xi_sums` and :func:`curvature_of` where the stage's state is
@@ -28,14 +30,16 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-
-from cpsr_ds.lag import CurveFit, fit_curve, t_975
+# scipy.special, not scipy.stats: a third of the import time. Imported with the module: the planner's first fit runs
+# inside a checkpoint's measured time, which an import there (a second for scipy.stats) would be charged to.
+from scipy.special import stdtrit
 
 MIN_POINTS = 16  # losses needed for a loss-curve fit
 MIN_CHECKPOINTS = 3  # held-out errors needed for an accuracy-curve fit (a slope and its error)
 PHASE_THRESHOLD = 0.05  # accumulated relative change of xi that starts a new phase (Section VI-C5)
 # A slope within this many log units over the whole window is no slope (rounding of a constant).
 FLAT_LOG_CHANGE = 1e-9
+FIT_DEGREE = 2  # of a CurveFit: quadratic in log-iterations, smooth, yet bends with the curve over a few T_c
 
 CHUNK = 1 << 20  # values summed at a time in float64 (sum64, squared_distance)
 
@@ -98,6 +102,36 @@ class AccuracyFit:
 
     def __call__(self, t):
         return np.exp(-self.tau1 * np.asarray(t, dtype=float) / self.T_c + self.tau2)
+
+
+@dataclass(frozen=True)
+class CurveFit:
+    """Loss as a polynomial in log(iteration), fitted over ``[lo, hi]``; ``scatter``: the RMS of its residuals."""
+
+    coefficients: np.ndarray
+    lo: float
+    hi: float
+    scatter: float = 0.0
+
+    def __call__(self, iteration):
+        return np.polyval(self.coefficients, np.log(np.asarray(iteration, dtype=float)))
+
+
+def fit_curve(iterations, losses, lo: float, hi: float, degree: int = FIT_DEGREE) -> CurveFit:
+    """Fit the losses measured in ``[lo, hi]`` with a polynomial of ``degree`` in log(iteration)."""
+    it = np.asarray(iterations, dtype=float)
+    ls = np.asarray(losses, dtype=float)
+    keep = (it >= lo) & (it <= hi) & (it > 0)
+    if keep.sum() <= degree + 1:
+        raise ValueError(f"need more than {degree + 1} reference points in [{lo}, {hi}], got {int(keep.sum())}")
+    coefficients = np.polyfit(np.log(it[keep]), ls[keep], degree)
+    residuals = ls[keep] - np.polyval(coefficients, np.log(it[keep]))
+    return CurveFit(coefficients, lo, hi, float(np.sqrt(np.mean(residuals ** 2))))
+
+
+def t_975(dof: int) -> float:
+    """Student's t distribution's 97.5 % quantile with ``dof`` degrees of freedom: a two-sided 95 % interval's."""
+    return float(stdtrit(dof, 0.975))
 
 
 def _falling_exponential(x: np.ndarray, y: np.ndarray, what: str, minimum: int, x_name: str = "t"):

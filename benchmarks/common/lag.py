@@ -1,10 +1,10 @@
-"""Recovery cost as lag behind the reference (DESIGN.md, "Recovery cost").
+"""Recovery cost as lag behind the reference: the estimator the recovery benchmarks measure with.
 
 A recovered run that restarts at iteration f is compared with the failure-free
-reference through a smooth fit of the reference's validation curve: at f + k it
-has the loss the reference had at iteration i*, so it runs L(k) = (f + k) - i*
-iterations behind. The lag L is L(k) averaged over a late window, k in [2d, 4d],
-after the transient has passed. Pure functions, tested directly.
+reference through a smooth fit of the reference's validation curve
+(cpsr_ds.planning.fitter.fit_curve): at f + k it has the loss the reference had at
+iteration i*, so it runs L(k) = (f + k) - i* iterations behind. The lag L is L(k)
+averaged over a late window, k in [2d, 4d], after the transient has passed.
 
 Where the reference's fit cannot tell a lag (it is flat or rises around the window,
 or a loss lies beyond what it spans), the case is :class:`Unmeasurable`, with the
@@ -15,18 +15,14 @@ than every measured case together.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
-# scipy.special, not scipy.stats: a third of the import time. At import, because the planner's first fit
-# ran inside a checkpoint's measured time, where scipy.stats' second-long import made that checkpoint cost 27
-# iterations.
-from scipy.special import stdtrit
+
+from cpsr_ds.planning.fitter import CurveFit, t_975
 
 # A change of the fit below this share of the loss is rounding, not a slope: an exactly
 # flat reference's fit varies by about 1e-16.
 _ROUNDING = 1e-9
-FIT_DEGREE = 2  # quadratic in log-iterations: smooth, yet bends with the curve over a span of a few T_c
 _GRID = 4001
 
 
@@ -38,47 +34,23 @@ class Unmeasurable(Exception):
         self.kind = kind
 
 
-@dataclass(frozen=True)
-class CurveFit:
-    """Loss as a polynomial in log(iteration), fitted over ``[lo, hi]``; ``scatter``: the RMS of its residuals."""
+def iteration_at(fit: CurveFit, loss: float, margin: float) -> float:
+    """The first iteration where ``fit`` reaches ``loss``, searched over its span widened by ``margin``.
 
-    coefficients: np.ndarray
-    lo: float
-    hi: float
-    scatter: float = 0.0
-
-    def __call__(self, iteration):
-        return np.polyval(self.coefficients, np.log(np.asarray(iteration, dtype=float)))
-
-    def iteration_at(self, loss: float, margin: float) -> float:
-        """The first iteration where the fit reaches ``loss``, searched over the span widened by ``margin``.
-
-        Beyond the span's ends the fit is extrapolated; a loss it does not reach within
-        the widened span is :class:`Unmeasurable` (a lag clipped to the search's end would
-        be a number the data never showed).
-        """
-        grid = np.linspace(max(1.0, self.lo - margin), self.hi + margin, _GRID)
-        values = self(grid)
-        below = np.nonzero(values <= loss)[0]
-        if len(below) == 0 or below[0] == 0:
-            raise Unmeasurable("out of range", f"the loss {loss:.4f} lies outside the reference fit's range "
-                               f"{values.min():.4f}-{values.max():.4f} over iterations {grid[0]:.0f}-{grid[-1]:.0f}")
-        j = below[0]
-        # Linear interpolation between the grid points that straddle the loss.
-        x0, x1, y0, y1 = grid[j - 1], grid[j], values[j - 1], values[j]
-        return float(x0 + (loss - y0) * (x1 - x0) / (y1 - y0))
-
-
-def fit_curve(iterations, losses, lo: float, hi: float, degree: int = FIT_DEGREE) -> CurveFit:
-    """Fit the losses measured in ``[lo, hi]`` with a polynomial of ``degree`` in log(iteration)."""
-    it = np.asarray(iterations, dtype=float)
-    ls = np.asarray(losses, dtype=float)
-    keep = (it >= lo) & (it <= hi) & (it > 0)
-    if keep.sum() <= degree + 1:
-        raise ValueError(f"need more than {degree + 1} reference points in [{lo}, {hi}], got {int(keep.sum())}")
-    coefficients = np.polyfit(np.log(it[keep]), ls[keep], degree)
-    residuals = ls[keep] - np.polyval(coefficients, np.log(it[keep]))
-    return CurveFit(coefficients, lo, hi, float(np.sqrt(np.mean(residuals ** 2))))
+    Beyond the span's ends the fit is extrapolated; a loss it does not reach within
+    the widened span is :class:`Unmeasurable` (a lag clipped to the search's end would
+    be a number the data never showed).
+    """
+    grid = np.linspace(max(1.0, fit.lo - margin), fit.hi + margin, _GRID)
+    values = fit(grid)
+    below = np.nonzero(values <= loss)[0]
+    if len(below) == 0 or below[0] == 0:
+        raise Unmeasurable("out of range", f"the loss {loss:.4f} lies outside the reference fit's range "
+                           f"{values.min():.4f}-{values.max():.4f} over iterations {grid[0]:.0f}-{grid[-1]:.0f}")
+    j = below[0]
+    # Linear interpolation between the grid points that straddle the loss.
+    x0, x1, y0, y1 = grid[j - 1], grid[j], values[j - 1], values[j]
+    return float(x0 + (loss - y0) * (x1 - x0) / (y1 - y0))
 
 
 def lag_at(fit: CurveFit, iteration: int, loss: float, margin: float, residual: float = 0.0) -> float:
@@ -88,7 +60,7 @@ def lag_at(fit: CurveFit, iteration: int, loss: float, margin: float, residual: 
     that see the same batch at the same iteration share most of that deviation, so
     subtracting it (the paired estimate) removes noise the fit cannot.
     """
-    return iteration - fit.iteration_at(loss - residual, margin)
+    return iteration - iteration_at(fit, loss - residual, margin)
 
 
 def late_lag(fit: CurveFit, f: int, d: int, points: dict[int, float], margin: float,
@@ -106,7 +78,7 @@ def late_lag(fit: CurveFit, f: int, d: int, points: dict[int, float], margin: fl
     # A run lagging up to d is compared with the reference from f + d on. Checked before
     # inverting: on a rising fit the inversion fails too, but names no cause.
     check_decreasing(fit, f + d, f + 4 * d)
-    found = {i: fit.iteration_at(loss, margin) for i, loss in window.items()}
+    found = {i: iteration_at(fit, loss, margin) for i, loss in window.items()}
     check_decreasing(fit, min(f + d, *found.values()), max(f + 4 * d, *found.values()))
     return float(np.mean([i - found[i] for i in window]))
 
@@ -153,11 +125,6 @@ def transient(fit: CurveFit, f: int, d: int, points: dict[int, float], late: flo
             near = False  # far off the curve, as right after a bad prediction: not settled
         settled = (k if settled is None else settled) if near else None
     return 4 * d if settled is None else settled
-
-
-def t_975(dof: int) -> float:
-    """Student's t distribution's 97.5 % quantile with ``dof`` degrees of freedom: a two-sided 95 % interval's."""
-    return float(stdtrit(dof, 0.975))
 
 
 def mean_ci95(values) -> tuple[float, float, float]:

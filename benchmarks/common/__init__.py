@@ -1,0 +1,1 @@
+"""Code that several benchmarks share."""
