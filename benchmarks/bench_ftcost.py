@@ -93,7 +93,7 @@ from cpsr_ds.planning import planner# noqa: E402
 from cpsr_ds.checkpoint.capture.journal import journal_path, read_journal, read_validation  # noqa: E402
 from cpsr_ds.checkpoint.storage.store import list_checkpoints  # noqa: E402
 from cpsr_ds.config import CheckpointConfig, PredictorConfig  # noqa: E402
-from cpsr_ds.planning.cost_model import MEASURED_REDUCTION  # noqa: E402
+from cpsr_ds.planning.calibration import MEASURED_REDUCTION  # noqa: E402
 from benchmarks.common.lag import Unmeasurable, late_lag  # noqa: E402
 from benchmarks.common.lag import summarize as summarize_values  # noqa: E402
 from cpsr_ds.planning.fitter import fit_curve  # noqa: E402

@@ -56,7 +56,7 @@ checkpoints before it, and xi (Eq. 7) of checkpoint c. ``vitp`` has no paper est
 its held-out error needs a trained network at every checkpoint. The empirical model is
 checked out of sample, leaving one seed out: a case's estimate is (1 - rho) d with rho
 its predictor's mean reduction over the other seeds' cases (the product's rho,
-cost_model.MEASURED_REDUCTION, were measured on the full benchmark's cases).
+calibration.MEASURED_REDUCTION, were measured on the full benchmark's cases).
 
 Methods: ``recompute`` (RB-R; its cost is d by construction: verified once per seed by
 comparing the recomputed losses with the reference's), each predictor forced to PB-R,

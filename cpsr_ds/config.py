@@ -241,7 +241,7 @@ class RecoveryConfig(_Strict):
     max_loss_excess: float = Field(
         0.005, ge=0.0,
         description="auto: PB-R only if the loss the run had a pessimistic lag (the cost model's estimate plus the "
-        "estimated lags of the earlier predictions the run carries, times cost_model.PESSIMISM) before the failure "
+        "estimated lags of the earlier predictions the run carries, times calibration.PESSIMISM) before the failure "
         "is at most this share above the loss at the failure (by the job's loss curve): under a decaying learning "
         "rate a lag stays as a loss excess to the end of training, and the lags of several predictions add up.",
     )

@@ -26,7 +26,8 @@ sys.path.insert(0, ROOT)
 
 from cpsr_ds.checkpoint.capture.journal import journal_path, read_journal, read_validation  # noqa: E402
 from cpsr_ds.config import CPSRConfig  # noqa: E402
-from cpsr_ds.planning.cost_model import PESSIMISM, Estimate, recovery_choice  # noqa: E402
+from cpsr_ds.planning.calibration import PESSIMISM  # noqa: E402
+from cpsr_ds.planning.cost_model import Estimate, recovery_choice  # noqa: E402
 from benchmarks.common.lag import late_lag  # noqa: E402
 from cpsr_ds.planning.fitter import fit_curve  # noqa: E402
 from cpsr_ds.recovery import fallback_reason, read_reports  # noqa: E402

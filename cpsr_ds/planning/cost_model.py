@@ -10,7 +10,7 @@ behind one interface, ``model.estimate(f, c, predictor) -> Estimate``:
   Eq. 8 over the predictor's held-out errors; xi, N_p from Eq. 7) and T_c, the interval
   the held-out errors were measured at;
 - :class:`EmpiricalModel`: T_p = (1 - rho) d, rho per predictor as measured by
-  benchmarks/bench_recovery.py, times the share of the job's parameters predicted; where the
+  the recovery benchmark (calibration.MEASURED_REDUCTION), times the share of the job's parameters predicted; where the
   learning rate schedule plans the run's end, rho of the default by the failure's place in it.
 
 How a failure maps onto the paper's t and T_c. Eq. 10's t is the time on the fits'
@@ -54,27 +54,15 @@ from typing import Callable, Mapping, Optional, Protocol, Sequence
 
 import numpy as np
 
+from cpsr_ds.planning.calibration import END_OF_TRAINING_REDUCTION, MEASURED_REDUCTION
 from cpsr_ds.planning.fitter import AccuracyFit, LossFit, NoFit, StageCurvature
 from cpsr_ds.planning.planner import PbrParams
 
 DISTANCE_EXPONENT = 2.0  # the held-out error's growth with the distance predicted, (d / T_c)^2
-# rho per predictor: the mean share of d a prediction saved on benchmarks/results/bench_recovery.txt
-# (GPT, 4000 iterations, 3 seeds, T_c 50 and 100, 36 failures each).
-MEASURED_REDUCTION = {"trend": 0.690, "linear": 0.484, "vitp": 0.407, "ridge": 0.274, "damped": 0.255, "skip": 0.191}
-# rho at the end of training (the lag a prediction leaves on the final loss, bench_ftcost's charge) by the failure's
-# place in a run whose learning rate decays to its planned end: the means of bench_recovery.json's end_of_training
-# (the default's predicting recoveries trained to the end; 5, 10 and 12 cases at 25, 50 and 75 % of the run;
-# cosine decay to 10 % of the peak). An early prediction leaves a loss excess that the flat end of the schedule needs
-# more than d iterations to make up (benchmarks/results/early_prediction.txt), a late one less.
-END_OF_TRAINING_REDUCTION = {"trend": ((0.25, -0.343), (0.50, 0.615), (0.75, 0.906))}
 PREDICT, RECOMPUTE = "predict", "recompute"
 # The predictor that does not predict: c's state taken as the state at f. Recovery falls back to it for a stage
 # whose own predictor diverges (its held-out error r, which is relative to exactly this, reaches the limit).
 SKIP = "skip"
-# The guard's lag over the estimate: measured lag / the empirical model's estimate was at most 1.63 in 90 % of
-# the 216 predicting cases of benchmarks/results/bench_recovery.json (all six predictors), 1.66 in 80 % of
-# trend's; and 1.6 * (1 - 0.69) d is the d / 2 the guard assumed before it was part of the model.
-PESSIMISM = 1.6
 
 
 def diverging(r: Optional[float], max_relative_error: float) -> bool:
@@ -258,10 +246,8 @@ def recovery_choice(estimate: Estimate, d: int, excess_at: Callable[[float], Opt
     the estimate and ``carried`` (the estimated lag, in iterations, the run already carries
     from its earlier predictions: lags add up, and under a decaying learning rate they stay
     to the end of training): one recovery's lag varies far more than the mean, and the
-    carried estimates are no surer than the new one. In bench_ftcost the lag measured at the end of
-    training was 1.4 to 3.3 times the sum of the estimates in 5 of 6 runs that predicted,
-    and one run, whose guard took the carried estimates as they were, ended 0.83 % above
-    the failure-free run's loss. No estimate,
+    carried estimates are no surer than the new one (in bench_ftcost the lag measured at the end of
+    training was 1.4 to 3.3 times the sum of the estimates in 5 of 6 runs that predicted). No estimate,
     a NaN or None among the inputs, an estimate not below d or an excess above
     ``max_loss_excess`` recompute: every comparison is written so that NaN fails it.
     """

@@ -26,9 +26,9 @@ from statistics import median
 from typing import Callable, Optional, Sequence
 
 from cpsr_ds.planning import planner
+from cpsr_ds.planning.calibration import PESSIMISM
 from cpsr_ds.planning.cost_model import (
     DISTANCE_EXPONENT,
-    PESSIMISM,
     RECOMPUTE,
     SKIP,
     EmpiricalModel,
@@ -104,9 +104,9 @@ def slowdown(block_s: float, times: Sequence[float], baseline: float) -> float:
 
     An estimate: on a shared host one checkpoint's value is noisy, and may fall below the stall
     it includes, or below 0. It is not clamped there: a clamp at the stall biases the sum over a run's
-    checkpoints (bench_ftcost's checkpoint cost) upward, by 26 to 76 % per strategy in bench_ftcost's
-    runs at d8db5c9, where a quarter of the checkpoints measured below 0; a median (the planner's
-    smoothed_costs) is unaffected where most checkpoints measure above the stall."""
+    checkpoints (bench_ftcost's checkpoint cost) upward, by 26 to 76 % per strategy in bench_ftcost
+    where a quarter of the checkpoints measured below 0; a median (the planner's smoothed_costs) is
+    unaffected where most checkpoints measure above the stall."""
     return block_s + sum(t - baseline for t in times)
 
 

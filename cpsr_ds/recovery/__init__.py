@@ -13,7 +13,7 @@ checkpoint is c <= f, d = f - c iterations were lost. Two ways back (Section IV)
 
 "Controlled": the choice is made by the recovery cost model (cost_model.py, the model
 ``planner.cost_model`` names) and logged with its numbers: PB-R when its estimated lag
-T_p is below d and a pessimistic lag (cost_model.PESSIMISM times the sum of T_p and
+T_p is below d and a pessimistic lag (calibration.PESSIMISM times the sum of T_p and
 the lags the run's earlier predictions left: :func:`carried_lag`) leaves a loss excess
 at f of at most ``max_loss_excess`` by the job's own loss curve (under a decaying
 learning rate a lag stays as a loss excess to the end of training; early in

@@ -17,8 +17,8 @@ from cpsr_ds.checkpoint.capture.journal import Progress, journal_path, plausible
 from cpsr_ds.checkpoint.storage.layout import agreed_checkpoints, agreed_progress
 from cpsr_ds.checkpoint.storage.store import bytes_loaded
 from cpsr_ds.config import CPSRConfig, RecoveryConfig
+from cpsr_ds.planning.calibration import PESSIMISM
 from cpsr_ds.planning.cost_model import (
-    PESSIMISM,
     RECOMPUTE,
     SKIP,
     Choice,

@@ -7,7 +7,7 @@ import pytest
 
 from cpsr_ds.planning import online_planner as op
 from cpsr_ds.planning import planner
-from cpsr_ds.planning.cost_model import MEASURED_REDUCTION, PESSIMISM
+from cpsr_ds.planning.calibration import MEASURED_REDUCTION, PESSIMISM
 from cpsr_ds.planning.fitter import AccuracyFit, LossFit, NoFit
 from cpsr_ds.planning.planner import StageCosts
 

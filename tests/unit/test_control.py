@@ -13,7 +13,8 @@ from cpsr_ds import runlog
 from cpsr_ds.checkpoint.capture.journal import Entry, ProgressJournal, Progress, read_progress
 from cpsr_ds.checkpoint.storage.layout import combine_progress
 from cpsr_ds.config import CPSRConfig, RecoveryConfig
-from cpsr_ds.planning.cost_model import MEASURED_REDUCTION, PESSIMISM, EmpiricalModel, Estimate, recovery_choice
+from cpsr_ds.planning.calibration import MEASURED_REDUCTION, PESSIMISM
+from cpsr_ds.planning.cost_model import EmpiricalModel, Estimate, recovery_choice
 from cpsr_ds.planning.fitter import MIN_POINTS, CurveFit, fit_recent, loss_excess, stage_xi
 from cpsr_ds.recovery import (
     RecoveryReport,

@@ -1,16 +1,11 @@
 """The recovery cost model (Eq. 13-14, the empirical model), its loss-excess guard and its check against measured lags."""
 
-import json
 import math
-import os
-import re
 
 import numpy as np
 import pytest
 
 from cpsr_ds.planning.cost_model import (
-    END_OF_TRAINING_REDUCTION,
-    MEASURED_REDUCTION,
     PREDICT,
     RECOMPUTE,
     Case,
@@ -24,7 +19,6 @@ from cpsr_ds.planning.cost_model import (
 from cpsr_ds.planning.fitter import FLAT, AccuracyFit, LossFit, NoFit, StageCurvature, fit_recent, loss_excess
 from cpsr_ds.planning.planner import PbrParams, prediction_deviation
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 P = PbrParams(alpha1=1e-3, alpha2=1.0, tau1=0.5, tau2=-20.0, xi=1e-6, N_p=1e6)
 
 
@@ -130,14 +124,6 @@ def test_beyond_the_horizon_the_predictor_was_checked_at_the_empirical_lag_grows
     assert EmpiricalModel(horizon=None).estimate(1100, 1000, "trend").lag == pytest.approx(31.0)
 
 
-def test_end_of_training_reductions_are_those_of_the_recovery_benchmark():
-    with open(os.path.join(ROOT, "benchmarks", "results", "bench_recovery.json")) as fh:
-        table = json.load(fh)["end_of_training"]
-    measured = tuple((int(share.split()[0]) / 100, round(row["end"]["mean"], 3))
-                     for share, row in table.items() if share != "all")
-    assert END_OF_TRAINING_REDUCTION == {"trend": measured}
-
-
 def test_empirical_model_scales_with_the_share_of_the_parameters_predicted():
     whole, half = EmpiricalModel().estimate(1100, 1000, "trend"), EmpiricalModel(share=0.5).estimate(1100, 1000, "trend")
     assert half.lag == pytest.approx(whole.lag / 2) and half.inputs["share"] == 0.5
@@ -152,12 +138,6 @@ def test_empirical_model_scales_with_the_share_of_the_parameters_predicted():
 def test_no_estimate_without_a_failure_after_the_checkpoint(model, f, c):
     est = model.estimate(f, c, "trend")
     assert not est and "no failure to estimate" in est.reason
-
-
-def test_measured_reductions_are_those_of_the_recovery_benchmark():
-    with open(os.path.join(ROOT, "benchmarks", "results", "bench_recovery.txt")) as fh:
-        table = dict(re.findall(r"^(\w+)\s+\|\s+(-?[\d.]+)% \[", fh.read(), re.M))
-    assert {name: float(table[name]) / 100 for name in MEASURED_REDUCTION} == pytest.approx(MEASURED_REDUCTION)
 
 
 # ---------------------------------------------------------------- the guard and the choice
