@@ -48,14 +48,13 @@ from cpsr_ds.coordinator import (DROP_WAIT_S, Background, BubbleSchedule, CallJo
                                  PiecesJob, PredictorWork, TrainJob)
 from cpsr_ds.elastic import check_restartable
 from cpsr_ds.faults import FaultInjector, check_kill_rank
-from cpsr_ds.planning.fitter import XiSums, curvature_of, fit_loss_o, next_phase, recent_losses
+from cpsr_ds.planning.fitter import XiSums, accuracy_fit, curvature_of, fit_loss_o, next_phase, recent_losses
 from cpsr_ds.planning.online_planner import (
     Cost,
     CostMeter,
     JobInputs,
     Planned,
     StageInputs,
-    accuracy_fit,
     describe,
     drift,
     failure_rate_per_hour,

@@ -7,8 +7,8 @@ behind one interface, ``model.estimate(f, c, predictor) -> Estimate``:
 
 - :class:`PaperModel`: Eq. 13 as written (Eq. 14, its linearisation, with ``exact=False``),
   from the fitted PbrParams (alpha1, alpha2 from Eq. 11 over the journal; tau1, tau2 from
-  Eq. 8 over the predictor's held-out errors; xi, N_p from Eq. 7) and T_c, the interval
-  the held-out errors were measured at;
+  Eq. 8 over the predictor's held-out errors, fitter.accuracy_fit; xi, N_p from Eq. 7) and
+  T_c, the spacing the fit scaled the held-out errors to;
 - :class:`EmpiricalModel`: T_p = (1 - rho) d, rho per predictor as measured by
   the recovery benchmark (calibration.MEASURED_REDUCTION), times the share of the job's parameters predicted; where the
   learning rate schedule plans the run's end, rho of the default by the failure's place in it.
@@ -55,10 +55,9 @@ from typing import Callable, Mapping, Optional, Protocol, Sequence
 import numpy as np
 
 from cpsr_ds.planning.calibration import END_OF_TRAINING_REDUCTION, MEASURED_REDUCTION
-from cpsr_ds.planning.fitter import AccuracyFit, LossFit, NoFit, StageCurvature
+from cpsr_ds.planning.fitter import DISTANCE_EXPONENT, AccuracyFit, LossFit, NoFit, StageCurvature
 from cpsr_ds.planning.planner import PbrParams
 
-DISTANCE_EXPONENT = 2.0  # the held-out error's growth with the distance predicted, (d / T_c)^2
 PREDICT, RECOMPUTE = "predict", "recompute"
 # The predictor that does not predict: c's state taken as the state at f. Recovery falls back to it for a stage
 # whose own predictor diverges (its held-out error r, which is relative to exactly this, reaches the limit).

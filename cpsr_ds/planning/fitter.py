@@ -9,8 +9,9 @@ held-out errors, Adam's second moment at checkpoints); reading them is the calle
   loss-excess guard of recovery uses (see :func:`fit_recent` for why it stays), a
   :class:`CurveFit` (:func:`fit_curve`: a polynomial in ln t, which the benchmarks'
   lag estimator fits to a reference's validation losses too);
-- :func:`held_out_error` (Eq. 9) and :func:`fit_loss_p`: the predictor's accuracy curve
-  loss_p(t) = exp(-tau1 t / T_c + tau2), Eq. 8;
+- :func:`held_out_error` (Eq. 9) and :func:`accuracy_fit` (:func:`fit_loss_p` at one
+  spacing): the predictor's accuracy curve loss_p(t) = exp(-tau1 t / T_c + tau2), Eq. 8, one fit
+  for the planner and recovery alike;
 - :func:`stage_xi` (Eq. 7; :func:`xi_sums` and :func:`curvature_of` where the stage's state is
   split among data-parallel ranks) and :func:`next_phase`: the curvature xi of a pipeline stage
   and the training phases it divides the run into (Section V-C).
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -36,6 +37,8 @@ from scipy.special import stdtrit
 
 MIN_POINTS = 16  # losses needed for a loss-curve fit
 MIN_CHECKPOINTS = 3  # held-out errors needed for an accuracy-curve fit (a slope and its error)
+ACCURACY_WINDOW = 16  # the newest held-out errors the accuracy curve is fitted on
+DISTANCE_EXPONENT = 2.0  # the held-out error's growth with the distance predicted, (d / T_c)^2
 PHASE_THRESHOLD = 0.05  # accumulated relative change of xi that starts a new phase (Section VI-C5)
 # A slope within this many log units over the whole window is no slope (rounding of a constant).
 FLAT_LOG_CHANGE = 1e-9
@@ -268,6 +271,27 @@ def fit_loss_p(points, T_c: float) -> AccuracyFit | NoFit:
         return fit
     tau1, tau2, rmse = fit
     return AccuracyFit(tau1, tau2, float(T_c), rmse, len(pts))
+
+
+def accuracy_fit(errors: Sequence[tuple[int, float]], whose: str = "") -> AccuracyFit | NoFit:
+    """Eq. 8 on (checkpoint iteration, held-out error) pairs, spaced as the checkpoints were: the planner's fit and
+    recovery's paper model's alike.
+
+    Each error predicted its checkpoint from the one before it, h iterations earlier; an interval that changed
+    mid-way (``checkpoint.interval: auto``) changes h. Errors grow as (h / T_c)^DISTANCE_EXPONENT with the
+    distance predicted, as the cost model takes them to, so each is scaled to the newest spacing T_c before
+    fitting the newest ACCURACY_WINDOW of them. The first error has no known spacing and is left out.
+    ``whose``: whose errors they are, for a NoFit's reason.
+    """
+    pairs = sorted(dict(errors).items())
+    spaced = [(t, e, t - before) for (before, _), (t, e) in zip(pairs, pairs[1:])]
+    if len(spaced) < MIN_CHECKPOINTS:
+        of = f" of {whose}" if whose else ""
+        return NoFit(TOO_FEW, f"{len(pairs)} held-out errors{of}, need at least {MIN_CHECKPOINTS + 1} (the first, "
+                              f"with no checkpoint before it to space it by, is left out)")
+    T_c = spaced[-1][2]
+    scaled = [(t, e * (T_c / h) ** DISTANCE_EXPONENT) for t, e, h in spaced[-ACCURACY_WINDOW:]]
+    return fit_loss_p(scaled, T_c)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ names, asks :func:`plan` for the interval; it writes the result as a runlog.Plan
   ``SMOOTHING`` measured checkpoints (:func:`smoothed_costs`; no plan before ``MIN_COSTS``),
   so that one noisy checkpoint does not set or re-plan the interval;
 - alpha1, alpha2 (Eq. 11) from the journal's losses; tau1, tau2 (Eq. 8) from each
-  stage's held-out errors (:func:`accuracy_fit`); xi, N_p (Eq. 7) from its latest state.
+  stage's held-out errors (fitter.accuracy_fit, as recovery fits them); xi, N_p (Eq. 7) from its latest state.
 
 Every interval :func:`plan` returns lies in [1, max_interval]; an input that is not
 finite, or a fit that fails, gives a documented fallback (recompute-based planning, or
@@ -28,7 +28,6 @@ from typing import Callable, Optional, Sequence
 from cpsr_ds.planning import planner
 from cpsr_ds.planning.calibration import PESSIMISM
 from cpsr_ds.planning.cost_model import (
-    DISTANCE_EXPONENT,
     RECOMPUTE,
     SKIP,
     EmpiricalModel,
@@ -36,7 +35,7 @@ from cpsr_ds.planning.cost_model import (
     paper_model,
     recovery_choice,
 )
-from cpsr_ds.planning.fitter import AccuracyFit, LossFit, NoFit, StageCurvature, fit_loss_p
+from cpsr_ds.planning.fitter import AccuracyFit, LossFit, NoFit, StageCurvature
 from cpsr_ds.planning.planner import PbrParams, StageCosts
 
 BASELINE_WINDOW = 32  # iterations whose median is the baseline iteration time
@@ -44,7 +43,6 @@ BRACKET = 8  # iterations without a checkpoint in flight on each side of a check
 HORIZON = 256  # iterations a checkpoint's cost waits, at most, for clean iterations after it
 SMOOTHING = 9  # the newest measured checkpoints whose median is a stage's current cost ...
 MIN_COSTS = 3  # ... and how many are measured before the first plan
-ACCURACY_WINDOW = 16  # newest held-out errors the accuracy curve is fitted on
 MIN_T_S = 1e-3  # iterations: a measured slowdown at or below 0 (noise around a free checkpoint)
 # A pause between two journal lines longer than this many median iterations is a restart, not running time.
 RESTART_GAP = 50
@@ -278,23 +276,6 @@ def smoothed_costs(costs: Sequence[Cost]) -> dict:
     if len(recent) < MIN_COSTS:
         return {}
     return {name: median(getattr(c, name) for c in recent) for name in ("iteration_time_s", "slowdown_s", "persist_s")}
-
-
-def accuracy_fit(errors: Sequence[tuple[int, float]]) -> AccuracyFit | NoFit:
-    """Eq. 8 on (checkpoint iteration, held-out error) pairs, oldest first, spaced as the checkpoints were.
-
-    Each error predicted its checkpoint from the one before it, h iterations earlier; an
-    interval that changed mid-way changes h. Errors grow as (h / T_c)^DISTANCE_EXPONENT
-    with the distance predicted (cost_model), so each is scaled to the newest spacing T_c
-    before fitting the newest ACCURACY_WINDOW of them. The first error has no known spacing.
-    """
-    pairs = sorted(dict(errors).items())
-    spaced = [(t, e, t - before) for (before, _), (t, e) in zip(pairs, pairs[1:])]
-    if not spaced:
-        return fit_loss_p([], 1.0)
-    T_c = spaced[-1][2]
-    scaled = [(t, e * (T_c / h) ** DISTANCE_EXPONENT) for t, e, h in spaced[-ACCURACY_WINDOW:]]
-    return fit_loss_p(scaled, T_c)
 
 
 # ---------------------------------------------------------------- when to plan

@@ -8,7 +8,6 @@ import logging
 import math
 import os
 from functools import partial
-from statistics import median
 from typing import Callable, NamedTuple
 
 import torch.distributed as dist
@@ -28,18 +27,7 @@ from cpsr_ds.planning.cost_model import (
     paper_model,
     recovery_choice,
 )
-from cpsr_ds.planning.fitter import (
-    MIN_CHECKPOINTS,
-    TOO_FEW,
-    AccuracyFit,
-    NoFit,
-    StageCurvature,
-    fit_loss_o,
-    fit_loss_p,
-    fit_recent,
-    loss_excess,
-    recent_losses,
-)
+from cpsr_ds.planning.fitter import NoFit, StageCurvature, accuracy_fit, fit_loss_o, fit_recent, loss_excess, recent_losses
 from cpsr_ds.recovery.agree import gathered, on_any_rank
 from cpsr_ds.integration.deepspeed.engine_state import advance_counters, data_parallel, load_own_share, planned_iterations
 from cpsr_ds.recovery.report import RecoveryReport, carried_lag, earlier_reports
@@ -401,10 +389,8 @@ def recovery_model(name: str, directory: str, losses: dict[int, float], stage: i
     The paper's (Eq. 13; Eq. 14 for ``paper-eq14``) is built from the run's own records:
     Eq. 11 over ``losses`` (rank 0's journaled losses) up to f (the recent window fit_loss_o takes),
     Eq. 8 over the held-out errors the measurements hold for ``stage`` and ``predictor``
-    at the checkpoints up to c, and xi and N_p (Eq. 7) of ``curvature``, stage_xi of the stage's state at c.
-    Each error was measured predicting a checkpoint one interval ahead; under interval
-    auto the intervals differ, so T_c is the median spacing of the checkpoints the
-    errors were measured at. A missing input (no measurements: a run from before they
+    at the checkpoints up to c (fitter.accuracy_fit, the planner's fit), and xi and N_p (Eq. 7) of
+    ``curvature``, stage_xi of the stage's state at c. A missing input (no measurements: a run from before they
     were recorded, or one in recovery.mode recompute) or a NoFit leaves the model
     without params, and its estimate says why. The empirical model's is scaled by ``share``,
     the share of the job's parameters predicted (:func:`predicted_share_of_job`); the paper's
@@ -423,10 +409,3 @@ def recovery_model(name: str, directory: str, losses: dict[int, float], stage: i
     accuracy = accuracy_fit(held_out_errors(rows, stage, predictor, upto=c), whose)
     return paper_model(fit_loss_o(losses, f), accuracy, curvature, exact=name == "paper")
 
-
-def accuracy_fit(points: list[tuple[int, float]], where: str) -> AccuracyFit | NoFit:
-    """Eq. 8 over (checkpoint iteration, held-out error) ``points`` at their median spacing; ``where``: whose."""
-    if len(points) < MIN_CHECKPOINTS:
-        return NoFit(TOO_FEW, f"{len(points)} held-out errors of {where}, need at least {MIN_CHECKPOINTS}")
-    iterations = [t for t, _ in points]
-    return fit_loss_p(points, float(median(b - a for a, b in zip(iterations, iterations[1:]))))

@@ -181,17 +181,6 @@ def test_a_window_closes_when_the_next_checkpoint_begins():
 # ---------------------------------------------------------------- inputs
 
 
-def test_accuracy_fit_scales_errors_to_the_newest_spacing():
-    # The error falls by e each checkpoint; the interval doubled after iteration 40, and errors grow as (h / T_c)^2.
-    its = [10, 20, 30, 40, 60, 80, 100]
-    errors = [(t, math.exp(-k) * ((t - its[k - 1]) / 20) ** 2 if k else 1.0) for k, t in enumerate(its)]
-    fit = op.accuracy_fit(errors)
-    assert isinstance(fit, AccuracyFit) and fit.T_c == 20
-    # tau1 per checkpoint of 20 iterations: e falls once per 10 iterations before, per 20 after.
-    assert 1.0 < fit.tau1 < 2.0
-    assert not op.accuracy_fit(errors[:2]) and not op.accuracy_fit([])
-
-
 def test_drift_names_the_inputs_that_moved_beyond_the_threshold():
     before = {"lambda_per_hour": 0.08, "iteration_time_s": 1.0, "slowdown_s/stage0": 2.0}
     assert op.drift(before, {"lambda_per_hour": 0.09, "iteration_time_s": 1.1, "slowdown_s/stage0": 2.2}, 0.2) == []

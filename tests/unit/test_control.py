@@ -15,7 +15,7 @@ from cpsr_ds.checkpoint.storage.layout import combine_progress
 from cpsr_ds.config import CPSRConfig, RecoveryConfig
 from cpsr_ds.planning.calibration import MEASURED_REDUCTION, PESSIMISM
 from cpsr_ds.planning.cost_model import EmpiricalModel, Estimate, recovery_choice
-from cpsr_ds.planning.fitter import MIN_POINTS, CurveFit, fit_recent, loss_excess, stage_xi
+from cpsr_ds.planning.fitter import MIN_POINTS, CurveFit, accuracy_fit, fit_recent, loss_excess, stage_xi
 from cpsr_ds.recovery import (
     RecoveryReport,
     advance_counters,
@@ -148,7 +148,7 @@ def test_counters_advance_in_one_step_of_a_deepspeed_schedule(scheduler_class, p
 
 ALPHA1, ALPHA2, TAU1, TAU2 = 2e-4, 1.0, 0.1, 0.5
 C, F = 400, 420
-# Checkpoints the held-out errors were measured at, unevenly spaced as under interval auto: median spacing 50.
+# Checkpoints the held-out errors were measured at, unevenly spaced as under interval auto: the newest spacing 50.
 MEASURED_AT = (100, 150, 200, 300, 350, 400)
 
 
@@ -164,6 +164,13 @@ def held_out(t, T_c=50.0):
     return math.exp(-TAU1 * t / T_c + TAU2)
 
 
+def measured_errors():
+    """Eq. 8 at MEASURED_AT, each predicted from the checkpoint before it: (h / 50)^2 times held_out for a spacing h,
+    the error growing with the distance predicted (fitter.DISTANCE_EXPONENT)."""
+    spacings = [50] + [b - a for a, b in zip(MEASURED_AT, MEASURED_AT[1:])]
+    return [(t, held_out(t) * (h / 50) ** 2) for t, h in zip(MEASURED_AT, spacings)]
+
+
 def record(directory, errors, stage=0, predictor="trend"):
     for t, error in errors:
         runlog.append(runlog.measurements_path(str(directory), stage), runlog.StateRow(
@@ -173,7 +180,7 @@ def record(directory, errors, stage=0, predictor="trend"):
 def run_dir(tmp_path, errors=None):
     """A run that failed after F: rank 0's journal on Eq. 11, and (``errors``, default Eq. 8's) stage 0's measurements."""
     directory = journal(tmp_path, {i: math.exp(-ALPHA1 * i + ALPHA2) for i in range(1, F + 1)})
-    record(directory, [(t, held_out(t)) for t in MEASURED_AT] if errors is None else errors)
+    record(directory, measured_errors() if errors is None else errors)
     return directory
 
 
@@ -198,6 +205,21 @@ def test_paper_model_is_built_from_the_runs_journal_measurements_and_state(tmp_p
     assert recovery_model("empirical", directory, losses, 0, "trend", F, C, stage_xi(stage_state())) == EmpiricalModel()
     with pytest.raises(ValueError, match="'eq13'"):
         recovery_model("eq13", directory, losses, 0, "trend", F, C, stage_xi(stage_state()))
+
+
+def test_recovery_fits_eq8_as_the_planner_does_however_the_checkpoints_were_spaced(tmp_path):
+    """One Eq. 8 fit (fitter.accuracy_fit): recovery's paper model takes the fit the online planner makes from the
+    same held-out errors; with errors growing with the distance predicted, its estimate is the one at a fixed
+    spacing of 50, though the checkpoints came every 20, then every 10 iterations (29 errors: more than one window)."""
+    its = list(range(20, 201, 20)) + list(range(210, C + 1, 10))
+    spacings = [20] + [b - a for a, b in zip(its, its[1:])]
+    errors = [(t, held_out(t) * (h / 50) ** 2) for t, h in zip(its, spacings)]
+    directory = run_dir(tmp_path, errors)
+    model = recovery_model("paper", directory, journal_losses(directory), 0, "trend", F, C, stage_xi(stage_state()))
+    planned = accuracy_fit(errors)
+    assert model.T_c == planned.T_c == 10
+    assert (model.params.tau1, model.params.tau2) == (planned.tau1, planned.tau2)
+    assert model.estimate(F, C, "trend").lag == pytest.approx(eq13(), rel=1e-6)
 
 
 def test_every_node_takes_rank_0s_losses_from_the_agreed_progress(tmp_path):

@@ -16,6 +16,7 @@ from cpsr_ds.planning.fitter import (
     LossFit,
     NoFit,
     Phase,
+    accuracy_fit,
     fit_loss_o,
     fit_loss_p,
     held_out_error,
@@ -93,6 +94,17 @@ def test_loss_o_fallbacks(losses, cause):
 def test_loss_p_fallbacks(points, T_c, cause):
     fit = fit_loss_p(points, T_c)
     assert isinstance(fit, NoFit) and fit.cause == cause and fit.reason
+
+
+def test_accuracy_fit_scales_errors_to_the_newest_spacing():
+    # The error falls by e each checkpoint; the interval doubled after iteration 40, and errors grow as (h / T_c)^2.
+    its = [10, 20, 30, 40, 60, 80, 100]
+    errors = [(t, math.exp(-k) * ((t - its[k - 1]) / 20) ** 2 if k else 1.0) for k, t in enumerate(its)]
+    fit = accuracy_fit(errors)
+    assert isinstance(fit, AccuracyFit) and fit.T_c == 20
+    # tau1 per checkpoint of 20 iterations: e falls once per 10 iterations before, per 20 after.
+    assert 1.0 < fit.tau1 < 2.0
+    assert not accuracy_fit(errors[:2]) and not accuracy_fit([])
 
 
 def test_a_fit_is_either_no_fit_or_has_a_finite_positive_rate():
