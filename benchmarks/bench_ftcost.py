@@ -89,7 +89,7 @@ from jobs import ROOT, Child, finish_benchmark, tail  # noqa: E402  (first: it s
 
 import train_gpt  # noqa: E402
 
-from cpsr_ds.planning import planner# noqa: E402
+from cpsr_ds.planning import fault_tolerance_cost, planner, units  # noqa: E402
 from cpsr_ds.checkpoint.capture.journal import journal_path, read_journal, read_validation  # noqa: E402
 from cpsr_ds.checkpoint.storage.store import list_checkpoints  # noqa: E402
 from cpsr_ds.config import CheckpointConfig, PredictorConfig  # noqa: E402
@@ -365,8 +365,9 @@ def baseline_interval(c: dict, budget: float) -> float:
 def strategy_cost(strategy: str, c: dict, lam: float, rho: float):
     """The cost rate as a function of T_c: PB-R by the empirical model for cpsr, else recomputing."""
     if strategy in ("cpsr", "cpsr_fix"):
-        return lambda T_c: planner.empirical_cost_rate(T_c, lam, c["T_s"], rho, c["persist"], c["in_flight"])
-    return lambda T_c: planner.recompute_cost_rate(T_c, lam, c["T_s"], c["persist"], c["in_flight"])
+        return lambda T_c: fault_tolerance_cost.empirical_cost_rate(T_c, lam, c["T_s"], rho, c["persist"],
+                                                                    c["in_flight"])
+    return lambda T_c: fault_tolerance_cost.recompute_cost_rate(T_c, lam, c["T_s"], c["persist"], c["in_flight"])
 
 
 def projected_interval(strategy: str, comps: dict[str, dict], cost, budget: float) -> float:
@@ -386,7 +387,7 @@ def projection(measured: dict[str, dict], rho: float, budget: float) -> list[dic
     checkfreq's components where it has cpsr_fix.
     """
     iteration_s = paper_persist_s() / PAPER_PERSIST_ITERATIONS
-    lam = planner.failure_rate_per_iteration(PAPER_FAILURES_PER_HOUR, iteration_s)
+    lam = units.failure_rate_per_iteration(PAPER_FAILURES_PER_HOUR, iteration_s)
     rows = []
     for storage in PAPER_STORAGE_MBPS:
         comps = {s: projected_components(m, storage) for s, m in measured.items()}

@@ -255,7 +255,7 @@ def ds_config(run_dir: str, stages: int, cpsr: dict, batch: tuple[int, int] | No
         config.update(train_micro_batch_size_per_gpu=batch[0], gradient_accumulation_steps=batch[1])
     config["pipeline"] = {"stages": stages}
     # Each data-parallel rank writes its partition. Without ZeRO, PP = 4 with DP = 2 fails: the ranks of
-    # data-parallel rank 1 settle a checkpoint cost with no persist time (online_planner.CostMeter.settle).
+    # data-parallel rank 1 settle a checkpoint cost with no persist time (checkpoint_cost.CostMeter.settle).
     config["zero_optimization"] = {"stage": 1}
     config["cpsr"] = {**cpsr, "checkpoint": {"dir": run_dir, **cpsr.get("checkpoint", {})}}
     return config

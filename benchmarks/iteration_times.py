@@ -1,7 +1,7 @@
 """A cross-check of bench_ftcost's checkpoint cost that needs no baseline: each run's mean iteration time.
 
 bench_ftcost measures each checkpoint's slowdown against the iterations with no checkpoint in
-flight nearest before and after it (``online_planner.CostMeter``). Where persists fill the
+flight nearest before and after it (``checkpoint_cost.CostMeter``). Where persists fill the
 interval (the baselines' rules at 2 % set it near the persist time) such iterations are few,
 and those there are follow a persist. A run's mean time per trained iteration holds every
 checkpoint's slowdown without a baseline, and the host's drift too: the runs of a trace ran one

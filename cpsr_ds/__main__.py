@@ -13,7 +13,7 @@ import sys
 from typing import Optional
 
 from cpsr_ds import node_view
-from cpsr_ds.planning import plan_report, planner
+from cpsr_ds.planning import fault_tolerance_cost, plan_report, planner
 from cpsr_ds.checkpoint.storage import store
 from cpsr_ds.checkpoint.capture.journal import reached_iteration
 from cpsr_ds.recovery import earlier_reports
@@ -157,7 +157,7 @@ def _what_if(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     options = {dest: default if getattr(args, dest) is None else getattr(args, dest)
                for _, dest, _, default, _ in WHAT_IF_OPTIONS}
     try:
-        p = planner.PbrParams(args.alpha1, args.alpha2, args.tau1, args.tau2, args.xi, args.np)
+        p = fault_tolerance_cost.PbrParams(args.alpha1, args.alpha2, args.tau1, args.tau2, args.xi, args.np)
         report = planner.what_if(args.lam, args.ts, p, **options)
     except ValueError as e:
         parser.error(str(e))

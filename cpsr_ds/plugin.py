@@ -49,21 +49,17 @@ from cpsr_ds.coordinator import (DROP_WAIT_S, Background, BubbleSchedule, CallJo
 from cpsr_ds.elastic import check_restartable
 from cpsr_ds.faults import FaultInjector, check_kill_rank
 from cpsr_ds.planning.fitter import XiSums, accuracy_fit, curvature_of, fit_loss_o, next_phase, recent_losses
+from cpsr_ds.planning.checkpoint_cost import Cost, CostMeter, smoothed_costs
+from cpsr_ds.planning.failure_rate import failure_rate_per_hour, failures, running_hours
 from cpsr_ds.planning.online_planner import (
-    Cost,
-    CostMeter,
     JobInputs,
     Planned,
     StageInputs,
     describe,
     drift,
-    failure_rate_per_hour,
-    failures,
     place_lag,
     plan,
     replan_reason,
-    running_hours,
-    smoothed_costs,
     watched,
 )
 from cpsr_ds.recovery import (

@@ -59,7 +59,7 @@ class CostRow:
     in flight just before and after it; stall_s: training's wait for the snapshot; slowdown_s:
     T_s, all the training time the checkpoint added (the stall and the iterations slowed while
     it persisted, over the baseline), an estimate that noise can take below the stall or 0
-    (online_planner.slowdown); persist_s: from its first write to durable;
+    (checkpoint_cost.slowdown); persist_s: from its first write to durable;
     nbytes: its size on this rank.
     """
 

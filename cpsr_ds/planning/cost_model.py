@@ -56,7 +56,7 @@ import numpy as np
 
 from cpsr_ds.planning.calibration import END_OF_TRAINING_REDUCTION, MEASURED_REDUCTION
 from cpsr_ds.planning.fitter import DISTANCE_EXPONENT, AccuracyFit, LossFit, NoFit, StageCurvature
-from cpsr_ds.planning.planner import PbrParams
+from cpsr_ds.planning.fault_tolerance_cost import PbrParams
 
 PREDICT, RECOMPUTE = "predict", "recompute"
 # The predictor that does not predict: c's state taken as the state at f. Recovery falls back to it for a stage

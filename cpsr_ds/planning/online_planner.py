@@ -1,16 +1,16 @@
 """Online planning (``checkpoint.interval: auto`` with the ``cpsr`` strategy): the math, without side effects.
 
-The plugin measures every checkpoint (:class:`CostMeter`), gathers each pipeline
+The plugin measures every checkpoint (checkpoint_cost.CostMeter), gathers each pipeline
 stage's latest measurements (:class:`StageInputs`) and, at the moments :func:`replan_reason`
 names, asks :func:`plan` for the interval; it writes the result as a runlog.PlanRow.
 
-- lambda: :func:`failure_rate_per_hour`, the configured rate updated by the job's own
+- lambda: failure_rate.failure_rate_per_hour, the configured rate updated by the job's own
   failures (a Gamma-Poisson posterior mean);
-- T_s, the persist time and the iteration time: the median of each stage's last
-  ``SMOOTHING`` measured checkpoints (:func:`smoothed_costs`; no plan before ``MIN_COSTS``),
+- T_s, the persist time and the iteration time: each stage's checkpoint_cost.smoothed_costs,
   so that one noisy checkpoint does not set or re-plan the interval;
-- alpha1, alpha2 (Eq. 11) from the journal's losses; tau1, tau2 (Eq. 8) from each
-  stage's held-out errors (fitter.accuracy_fit, as recovery fits them); xi, N_p (Eq. 7) from its latest state.
+- alpha1, alpha2 (Eq. 11) from the journal's losses; tau1, tau2 (Eq. 8) from each stage's
+  held-out errors (fitter.accuracy_fit, as recovery fits them); xi, N_p (Eq. 7) from its
+  latest state.
 
 Every interval :func:`plan` returns lies in [1, max_interval]; an input that is not
 finite, or a fit that fails, gives a documented fallback (recompute-based planning, or
@@ -20,12 +20,10 @@ keeping the current interval), never an exception.
 from __future__ import annotations
 
 import math
-from collections import Counter, deque
-from dataclasses import dataclass, field, replace
-from statistics import median
+from dataclasses import dataclass, replace
 from typing import Callable, Optional, Sequence
 
-from cpsr_ds.planning import planner
+from cpsr_ds.planning import planner, units
 from cpsr_ds.planning.calibration import PESSIMISM
 from cpsr_ds.planning.cost_model import (
     RECOMPUTE,
@@ -35,204 +33,11 @@ from cpsr_ds.planning.cost_model import (
     paper_model,
     recovery_choice,
 )
+from cpsr_ds.planning.fault_tolerance_cost import PbrParams
 from cpsr_ds.planning.fitter import AccuracyFit, LossFit, NoFit, StageCurvature
-from cpsr_ds.planning.planner import PbrParams, StageCosts
+from cpsr_ds.planning.planner import StageCosts
 
-BASELINE_WINDOW = 32  # iterations whose median is the baseline iteration time
-BRACKET = 8  # iterations without a checkpoint in flight on each side of a checkpoint's window: its baseline
-HORIZON = 256  # iterations a checkpoint's cost waits, at most, for clean iterations after it
-SMOOTHING = 9  # the newest measured checkpoints whose median is a stage's current cost ...
-MIN_COSTS = 3  # ... and how many are measured before the first plan
 MIN_T_S = 1e-3  # iterations: a measured slowdown at or below 0 (noise around a free checkpoint)
-# A pause between two journal lines longer than this many median iterations is a restart, not running time.
-RESTART_GAP = 50
-
-
-# ---------------------------------------------------------------- lambda
-
-
-def failure_rate_per_hour(prior_per_hour: float, failures: int, hours: float) -> float:
-    """The posterior mean failure rate, per hour: (1 + n) / (1 / rate + H).
-
-    The prior is a Gamma distribution worth one failure observed over 1 / rate hours (the
-    configured ``planner.failure_rate_per_hour``); the job then saw n failures in H hours of
-    running. With no history it is the configured rate; after many hours it tends to n / H.
-    A prior rate that is not positive and finite has no posterior: it is returned unchanged.
-    """
-    if not (math.isfinite(prior_per_hour) and prior_per_hour > 0):
-        return prior_per_hour
-    hours = hours if math.isfinite(hours) and hours > 0 else 0.0
-    return (1 + max(0, failures)) / (1 / prior_per_hour + hours)
-
-
-def failures(reached: Sequence[Optional[int]], finished: Sequence[int] = ()) -> int:
-    """The job's failures from each start's recovery report ``reached``: a start after progress ended an attempt,
-    but for one start at each iteration where an attempt ended cleanly (``finished``, journal.finished_iterations):
-    that start resumed a job that had finished, not failed."""
-    clean, count = Counter(finished), 0
-    for r in (r for r in reached if r is not None):
-        if clean[r]:
-            clean[r] -= 1
-        else:
-            count += 1
-    return count
-
-
-def running_hours(entries: Sequence[tuple[int, float]]) -> float:
-    """Hours of running in a journal's (iteration, wall_time) lines, restarts' downtime left out.
-
-    The time between consecutive lines counts where the iteration follows by one and the
-    pause is at most RESTART_GAP median pauses; a restart (the iteration going back, or a
-    predicted one resuming after a long pause) ends one span and begins the next.
-    """
-    gaps = [(b_t - a_t) for (a_i, a_t), (b_i, b_t) in zip(entries, entries[1:])
-            if b_i == a_i + 1 and math.isfinite(b_t - a_t) and b_t >= a_t]
-    if not gaps:
-        return 0.0
-    limit = RESTART_GAP * median(gaps)
-    return sum(g for g in gaps if g <= limit) / 3600
-
-
-# ---------------------------------------------------------------- measuring a checkpoint
-
-
-def slowdown(block_s: float, times: Sequence[float], baseline: float) -> float:
-    """T_s in seconds: the checkpoint's own time in the training loop (``block_s``) plus, over the
-    iterations while it persisted, their time above the baseline.
-
-    An estimate: on a shared host one checkpoint's value is noisy, and may fall below the stall
-    it includes, or below 0. It is not clamped there: a clamp at the stall biases the sum over a run's
-    checkpoints (bench_ftcost's checkpoint cost) upward, by 26 to 76 % per strategy in bench_ftcost
-    where a quarter of the checkpoints measured below 0; a median (the planner's smoothed_costs) is
-    unaffected where most checkpoints measure above the stall."""
-    return block_s + sum(t - baseline for t in times)
-
-
-@dataclass
-class Window:
-    """A checkpoint being measured: the iterations after it until it persisted or the next one began
-    (``times``), and the iterations without a checkpoint in flight nearest before it (``before``;
-    ``fresh`` where the newest of them is among the last BASELINE_WINDOW) and after its persist
-    (``after``), whose median is its baseline; ``started``: the meter's iteration count at its start."""
-
-    iteration: int
-    tag: str
-    block_s: float
-    before: list
-    fresh: bool
-    started: int
-    fallback: Optional[float]
-    times: list = field(default_factory=list)
-    after: list = field(default_factory=list)
-    collecting: bool = True
-    stall_s: Optional[float] = None
-    outcome: Optional[tuple[int, float]] = None  # (bytes, persist seconds) once persisted
-
-    def baseline(self) -> Optional[float]:
-        clean = self.before + self.after
-        return median(clean) if clean else self.fallback
-
-
-@dataclass(frozen=True)
-class Cost:
-    """One checkpoint's measured cost, seconds (the fields of runlog.CostRow)."""
-
-    iteration: int
-    iteration_time_s: float
-    stall_s: float
-    slowdown_s: float
-    persist_s: float
-    nbytes: int
-
-
-class CostMeter:
-    """Iteration times, the baseline, and the checkpoints being measured (no I/O).
-
-    A checkpoint's window collects the iterations after it until it has persisted or the next
-    checkpoint begins (which is then measured instead). Its baseline brackets the window: the
-    median of the BRACKET iterations with no checkpoint in flight nearest before it and the
-    BRACKET nearest after its persist. The host's speed drifts by a third within seconds here,
-    and a baseline from the last such iterations, however old, stayed the same over 300 iterations
-    and a dozen checkpoints where persists took almost the whole interval, and then measured
-    checkpoints at -5 iterations where the host had sped up since. So a checkpoint's cost is
-    final once BRACKET iterations after it are clean, or when the next checkpoint begins where
-    some clean iteration lies within BASELINE_WINDOW before it or after it; one whose persists
-    overlap the next checkpoints waits for the clean iterations after the whole stretch, up to
-    HORIZON iterations. With no clean iteration ever, the baseline is the median of all recent ones.
-    """
-
-    def __init__(self):
-        self.clean: deque = deque(maxlen=BASELINE_WINDOW)  # (iteration count, seconds)
-        self.recent: deque = deque(maxlen=BASELINE_WINDOW)
-        self.pending: list[Window] = []
-        self.done: list[Cost] = []
-        self.count = 0
-
-    def baseline(self) -> Optional[float]:
-        times = [t for _, t in self.clean] or self.recent
-        return median(times) if times else None
-
-    def iteration(self, seconds: float) -> None:
-        if not (math.isfinite(seconds) and seconds >= 0):
-            return
-        self.count += 1
-        self.recent.append(seconds)
-        in_flight = [w for w in self.pending if w.outcome is None]
-        collecting = [w for w in in_flight if w.collecting]
-        if collecting:
-            collecting[-1].times.append(seconds)
-        if in_flight:
-            return
-        self.clean.append((self.count, seconds))
-        for w in list(self.pending):
-            w.after.append(seconds)
-            if len(w.after) >= BRACKET:
-                self._close(w)
-
-    def start(self, iteration: int, tag: str, block_s: float) -> None:
-        for w in list(self.pending):
-            w.collecting = False
-            if w.outcome is not None and (w.fresh or w.after or self.count - w.started > HORIZON):
-                self._close(w)
-        fresh = bool(self.clean) and self.clean[-1][0] > self.count - BASELINE_WINDOW
-        before = [t for _, t in self.clean][-BRACKET:]
-        self.pending.append(Window(iteration, tag, block_s, before, fresh, self.count, self.baseline()))
-
-    def stalled(self, stall_s: Optional[float]) -> None:
-        """The engine's stall, known once the checkpoint after the newest window committed."""
-        if self.pending and self.pending[-1].stall_s is None and self.pending[-1].times:
-            self.pending[-1].stall_s = stall_s
-
-    def settle(self, tag: str, outcome) -> None:
-        """Record the engine's outcome for ``tag``: (bytes, persist_s) persisted, False given up, None pending.
-
-        persist_s None: this rank had a part but wrote no file (a data-parallel rank past the first without
-        ZeRO: DeepSpeed writes the module and optimizer from the first), so it has no cost of its own.
-        The cost, once its baseline is bracketed, comes from :meth:`finished`.
-        """
-        window = next((w for w in self.pending if w.tag == tag and w.outcome is None), None)
-        if window is None or outcome is None:
-            return
-        if outcome is False or outcome[1] is None:
-            self.pending.remove(window)
-            return
-        window.outcome = (int(outcome[0]), float(outcome[1]))
-        window.collecting = False
-
-    def finished(self) -> list[Cost]:
-        """The costs measured since the last call (a checkpoint's once its baseline is bracketed)."""
-        done, self.done = self.done, []
-        return done
-
-    def _close(self, window: Window) -> None:
-        self.pending.remove(window)
-        baseline = window.baseline()
-        if baseline is None:
-            return
-        nbytes, persist_s = window.outcome
-        stall = window.stall_s if window.stall_s is not None else 0.0
-        self.done.append(Cost(window.iteration, baseline, stall, slowdown(window.block_s, window.times, baseline),
-                              persist_s, nbytes))
 
 
 # ---------------------------------------------------------------- each stage's inputs
@@ -262,20 +67,6 @@ class StageInputs:
         return self.iteration_time_s is not None
 
 
-def smoothed_costs(costs: Sequence[Cost]) -> dict:
-    """iteration_time_s, slowdown_s and persist_s: the medians over the newest SMOOTHING costs (empty: fewer
-    than MIN_COSTS).
-
-    With two the median is their mean, and one outlier set the interval: a one-off import in the
-    first plan made a checkpoint cost 27 iterations against 2 for the others, and the next plan, on
-    two costs, chose 138 iterations where 50 were due. One checkpoint's slowdown is noisy on a shared
-    machine (2 to 170 ms around a median of 45 ms in bench_ftcost): over three, T_s swung between 0.5
-    and 5 iterations from one plan to the next, and the interval with it (17 to 84 iterations).
-    """
-    recent = list(costs)[-SMOOTHING:]
-    if len(recent) < MIN_COSTS:
-        return {}
-    return {name: median(getattr(c, name) for c in recent) for name in ("iteration_time_s", "slowdown_s", "persist_s")}
 
 
 # ---------------------------------------------------------------- when to plan
@@ -497,7 +288,7 @@ def plan(job: JobInputs, stages: Sequence[StageInputs],
     """The interval for the job from every stage's measured inputs (iterations, in [1, max_interval]).
 
     Predicting-based where recovery would predict: the empirical model minimises
-    planner.guarded_cost_rate with rho of each stage's predictor (MEASURED_REDUCTION, or at the
+    fault_tolerance_cost.guarded_cost_rate with rho of each stage's predictor (MEASURED_REDUCTION, or at the
     plan's place in the planned run: EmpiricalModel.rho; :func:`stage_predictor`: ``skip`` for a stage
     whose predictor diverges) and the longest
     distance from the durable checkpoint at which :func:`guard` lets a failure predict, d_max
@@ -523,7 +314,7 @@ def plan(job: JobInputs, stages: Sequence[StageInputs],
         T_c = int(planner.clamp_interval(job.current, job.max_interval))
         return Planned(T_c, RECOMPUTE, json_safe(_inputs(job, stages, None, iteration_time_s)), [],
                        "no plan, the interval stays: " + ("; ".join(problems) or "no stage measured"))
-    lam = planner.failure_rate_per_iteration(job.lambda_per_hour, iteration_time_s)
+    lam = units.failure_rate_per_iteration(job.lambda_per_hour, iteration_time_s)
     try:
         return _plan(job, stages, excess_at, lam, iteration_time_s)
     except ValueError as err:  # an input the checks above let through and the planner refuses

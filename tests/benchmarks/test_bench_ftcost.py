@@ -8,7 +8,7 @@ import pytest
 from scipy import stats
 
 from conftest import load_benchmark
-from cpsr_ds.planning import planner
+from cpsr_ds.planning import fault_tolerance_cost
 from cpsr_ds.checkpoint.capture.journal import Entry
 from cpsr_ds.recovery import RecoveryReport, append_report, read_reports
 from cpsr_ds.runlog import CostRow, StateRow, append, measurements_path
@@ -228,11 +228,11 @@ LAM, T_S, PERSIST = 2e-5, 0.5, 19.0
 
 def test_the_empirical_cost_rate_spans_recomputing_and_free_recovery():
     T_c = np.array([5.0, 19.0, 60.0, 400.0])
-    recompute = planner.recompute_cost_rate(T_c, LAM, T_S, PERSIST)
-    assert planner.empirical_cost_rate(T_c, LAM, T_S, 0.0, PERSIST) == pytest.approx(recompute)
+    recompute = fault_tolerance_cost.recompute_cost_rate(T_c, LAM, T_S, PERSIST)
+    assert fault_tolerance_cost.empirical_cost_rate(T_c, LAM, T_S, 0.0, PERSIST) == pytest.approx(recompute)
     period = T_c + T_S + np.maximum(0.0, PERSIST - T_c)
     checkpoints_only = LAM * (T_S + np.maximum(0.0, PERSIST - T_c)) / np.expm1(LAM * period)
-    half = planner.empirical_cost_rate(T_c, LAM, T_S, 0.5, PERSIST)
+    half = fault_tolerance_cost.empirical_cost_rate(T_c, LAM, T_S, 0.5, PERSIST)
     assert half == pytest.approx((recompute + checkpoints_only) / 2)
 
 
@@ -252,7 +252,7 @@ def test_projection_applies_each_strategys_rule_and_cost_rate_at_the_papers_scal
     assert len(rows) == 3 * 2 * 5
     slow = at[("GPT2-0.35B", 250.0, "checkfreq")]
     assert slow["T_c"] == 19  # the persist time: the budget alone would allow 5
-    rate = planner.recompute_cost_rate(19.0, lam, 0.5, 19.0)
+    rate = fault_tolerance_cost.recompute_cost_rate(19.0, lam, 0.5, 19.0)
     assert slow["cost_pct"] == pytest.approx(100 * rate)
     job_s = 7 * 3600 + 41 * 60
     assert slow["ft_cost_h"] == pytest.approx(rate * job_s / 3600)
@@ -264,7 +264,8 @@ def test_projection_applies_each_strategys_rule_and_cost_rate_at_the_papers_scal
     assert at[("GPT2-0.35B", 2000.0, "torch")]["T_c"] == math.ceil(19 / 8 / 0.02)  # its stall is the write
     fix, best = at[("GPT2-0.35B", 250.0, "cpsr_fix")], at[("GPT2-0.35B", 250.0, "cpsr")]
     assert fix["T_c"] == 19
-    assert fix["cost_pct"] == pytest.approx(100 * float(planner.empirical_cost_rate(19.0, lam, 0.5, 0.6, 19.0)))
+    assert fix["cost_pct"] == pytest.approx(
+        100 * float(fault_tolerance_cost.empirical_cost_rate(19.0, lam, 0.5, 0.6, 19.0)))
     assert best["T_c"] > 19 and best["cost_pct"] < fix["cost_pct"] < slow["cost_pct"]
     # The cost rate does not depend on the job's length; T_l does.
     vgg = at[("VGG16", 250.0, "checkfreq")]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from cpsr_ds.planning import online_planner as op
-from cpsr_ds.planning import planner
+from cpsr_ds.planning import checkpoint_cost, failure_rate, fault_tolerance_cost, planner, units
 from cpsr_ds.planning.calibration import MEASURED_REDUCTION, PESSIMISM
 from cpsr_ds.planning.fitter import AccuracyFit, LossFit, NoFit
 from cpsr_ds.planning.planner import StageCosts
@@ -16,25 +16,25 @@ from cpsr_ds.planning.planner import StageCosts
 
 
 def test_failure_rate_starts_at_the_prior_and_learns_from_the_jobs_failures():
-    assert op.failure_rate_per_hour(0.08, 0, 0.0) == pytest.approx(0.08)
+    assert failure_rate.failure_rate_per_hour(0.08, 0, 0.0) == pytest.approx(0.08)
     # No failure in 12.5 h of running halves the rate; 9 in 87.5 h gives 10 / 100 h.
-    assert op.failure_rate_per_hour(0.08, 0, 12.5) == pytest.approx(0.04)
-    assert op.failure_rate_per_hour(0.08, 9, 87.5) == pytest.approx(0.1)
+    assert failure_rate.failure_rate_per_hour(0.08, 0, 12.5) == pytest.approx(0.04)
+    assert failure_rate.failure_rate_per_hour(0.08, 9, 87.5) == pytest.approx(0.1)
     # Many hours: the job's own rate, n / H.
-    assert op.failure_rate_per_hour(0.08, 300, 1000.0) == pytest.approx(0.3, rel=0.01)
+    assert failure_rate.failure_rate_per_hour(0.08, 300, 1000.0) == pytest.approx(0.3, rel=0.01)
     for bad in (math.nan, -1.0, math.inf):
-        assert op.failure_rate_per_hour(0.08, 2, bad) == pytest.approx(0.24)
+        assert failure_rate.failure_rate_per_hour(0.08, 2, bad) == pytest.approx(0.24)
 
 
 def test_failures_are_the_starts_after_progress():
-    assert op.failures([None, 120, None, 300]) == 2
+    assert failure_rate.failures([None, 120, None, 300]) == 2
 
 
 def test_a_start_after_a_clean_end_is_not_a_failure_but_a_second_one_there_is():
     # Finished at 120, restarted there (a supervisor's restart, or a longer run): not a failure; that attempt
     # failed before its first iteration, and the start after it resumed at 120 again.
-    assert op.failures([None, 120, 120, 300], finished=[120]) == 2
-    assert op.failures([None, 120], finished=[120, 300]) == 0
+    assert failure_rate.failures([None, 120, 120, 300], finished=[120]) == 2
+    assert failure_rate.failures([None, 120], finished=[120, 300]) == 0
 
 
 def test_running_hours_leave_restart_downtime_out():
@@ -42,21 +42,21 @@ def test_running_hours_leave_restart_downtime_out():
     # A restart resumed at 81 (recompute) after 5 min, and one predicted on at 141 after 10 min.
     second = [(81 + i, first[-1][1] + 300 + 10.0 * i) for i in range(60)]
     third = [(141 + i, second[-1][1] + 600 + 10.0 * i) for i in range(10)]
-    assert op.running_hours(first + second + third) == pytest.approx((990 + 590 + 90) / 3600)
-    assert op.running_hours([]) == 0.0 and op.running_hours([(5, 1.0)]) == 0.0
+    assert failure_rate.running_hours(first + second + third) == pytest.approx((990 + 590 + 90) / 3600)
+    assert failure_rate.running_hours([]) == 0.0 and failure_rate.running_hours([(5, 1.0)]) == 0.0
 
 
 # ---------------------------------------------------------------- measuring
 
 
 def test_slowdown_is_the_checkpoints_time_plus_the_excess_of_the_iterations_it_slowed():
-    assert op.slowdown(0.2, [1.5, 1.1, 1.0], 1.0) == pytest.approx(0.8)
+    assert checkpoint_cost.slowdown(0.2, [1.5, 1.1, 1.0], 1.0) == pytest.approx(0.8)
     # Noise below the stall, even below 0, stays: a clamp would bias a run's sum upward.
-    assert op.slowdown(0.0, [0.9, 0.95], 1.0) == pytest.approx(-0.15)
+    assert checkpoint_cost.slowdown(0.0, [0.9, 0.95], 1.0) == pytest.approx(-0.15)
 
 
 def test_the_meter_measures_against_the_iterations_without_a_checkpoint_just_before_and_after_it():
-    meter = op.CostMeter()
+    meter = checkpoint_cost.CostMeter()
     for t in [1.0, 1.1, 0.9, 1.0, 5.0]:
         meter.iteration(t)
     assert meter.baseline() == pytest.approx(1.0)
@@ -69,12 +69,12 @@ def test_the_meter_measures_against_the_iterations_without_a_checkpoint_just_bef
     meter.iteration(1.3)
     meter.settle("global_step10", (4096, 1.7))
     assert meter.finished() == []  # persisted: its baseline waits for the iterations after it
-    for t in [1.0] * (op.BRACKET - 1):
+    for t in [1.0] * (checkpoint_cost.BRACKET - 1):
         meter.iteration(t)
     assert meter.finished() == []
     meter.iteration(1.0)
     # Before it: 1.0, 1.1, 0.9, 1.0, 5.0; after it: eight of 1.0. Its window: 1.6, 1.2, 1.3.
-    assert meter.finished() == [op.Cost(10, 1.0, 0.5, pytest.approx(0.3 + 0.6 + 0.2 + 0.3), 1.7, 4096)]
+    assert meter.finished() == [checkpoint_cost.Cost(10, 1.0, 0.5, pytest.approx(0.3 + 0.6 + 0.2 + 0.3), 1.7, 4096)]
     assert meter.finished() == [] and not meter.pending
     meter.start(20, "global_step20", 0.1)
     meter.settle("global_step20", False)
@@ -88,19 +88,19 @@ def test_the_meter_measures_against_the_iterations_without_a_checkpoint_just_bef
 
 def test_a_drifting_host_is_measured_against_the_iterations_next_to_the_checkpoint():
     # The host was fast long ago, slow now: the checkpoint added nothing to the slow iterations around it.
-    meter = op.CostMeter()
-    for t in [0.5] * op.BASELINE_WINDOW:
+    meter = checkpoint_cost.CostMeter()
+    for t in [0.5] * checkpoint_cost.BASELINE_WINDOW:
         meter.iteration(t)
     meter.start(1, "a", 0.0)
     meter.settle("a", (1, 1.0))
-    for t in [1.0] * op.BASELINE_WINDOW:  # clean, and past the last one's bracket
+    for t in [1.0] * checkpoint_cost.BASELINE_WINDOW:  # clean, and past the last one's bracket
         meter.iteration(t)
     meter.finished()
     meter.start(2, "b", 0.1)
     for t in [1.0, 1.0]:
         meter.iteration(t)
     meter.settle("b", (1, 1.0))
-    for t in [1.0] * op.BRACKET:
+    for t in [1.0] * checkpoint_cost.BRACKET:
         meter.iteration(t)
     (cost,) = meter.finished()
     assert cost.iteration_time_s == 1.0 and cost.slowdown_s == pytest.approx(0.1)
@@ -108,16 +108,16 @@ def test_a_drifting_host_is_measured_against_the_iterations_next_to_the_checkpoi
 
 def test_checkpoints_whose_persists_overlap_wait_for_the_clean_iterations_after_the_stretch():
     # The host was slow, then persists overlapped for a stretch while it sped up, then one more was clean.
-    meter = op.CostMeter()
+    meter = checkpoint_cost.CostMeter()
     for t in [2.0] * 3:
         meter.iteration(t)
     meter.start(1, "a", 0.0)
-    for t in [1.5] * (op.BASELINE_WINDOW + 1):
+    for t in [1.5] * (checkpoint_cost.BASELINE_WINDOW + 1):
         meter.iteration(t)
     meter.settle("a", (1, 9.0))
     meter.start(2, "b", 0.0)  # a's bracket closes: the clean iterations before it are fresh
     (a,) = meter.finished()
-    assert a.iteration_time_s == 2.0 and a.slowdown_s == pytest.approx(-0.5 * (op.BASELINE_WINDOW + 1))
+    assert a.iteration_time_s == 2.0 and a.slowdown_s == pytest.approx(-0.5 * (checkpoint_cost.BASELINE_WINDOW + 1))
     for t in [1.1, 1.1]:
         meter.iteration(t)
     meter.settle("b", (1, 9.0))
@@ -125,7 +125,7 @@ def test_checkpoints_whose_persists_overlap_wait_for_the_clean_iterations_after_
     assert meter.finished() == []  # b's clean iterations before it are stale: it waits for those after
     meter.iteration(1.1)
     meter.settle("c", (1, 9.0))
-    for t in [1.0] * op.BRACKET:
+    for t in [1.0] * checkpoint_cost.BRACKET:
         meter.iteration(t)
     b, c = meter.finished()
     # b's baseline: three iterations of 2.0 long before it, eight of 1.0 after the stretch.
@@ -134,39 +134,39 @@ def test_checkpoints_whose_persists_overlap_wait_for_the_clean_iterations_after_
 
 
 def test_a_checkpoint_waits_for_clean_iterations_at_most_the_horizon():
-    meter = op.CostMeter()
+    meter = checkpoint_cost.CostMeter()
     meter.iteration(1.0)
     meter.start(1, "a", 0.0)
-    for t in [2.0] * (op.BASELINE_WINDOW + 1):
+    for t in [2.0] * (checkpoint_cost.BASELINE_WINDOW + 1):
         meter.iteration(t)
     meter.settle("a", (1, 9.0))
-    for i in range(op.HORIZON + 1):  # checkpoints always in flight: no clean iteration
+    for i in range(checkpoint_cost.HORIZON + 1):  # checkpoints always in flight: no clean iteration
         meter.start(2 + i, f"s{i}", 0.0)
         meter.iteration(2.0)
         meter.settle(f"s{i}", (1, 9.0))
     assert [c.iteration for c in meter.finished()] == [1]  # a, at s0's start: its clean iteration was fresh
-    meter.start(3 + op.HORIZON, "last", 0.0)
+    meter.start(3 + checkpoint_cost.HORIZON, "last", 0.0)
     (s0,) = meter.finished()  # past the horizon, on its stale baseline
     assert (s0.iteration, s0.iteration_time_s, s0.slowdown_s) == (2, 1.0, 1.0)
 
 
 def test_costs_are_smoothed_over_the_newest_nine_checkpoints_and_one_outlier_sets_nothing():
     def cost(slowdown_s):
-        return op.Cost(0, 0.03, 0.001, slowdown_s, 0.6, 4096)
+        return checkpoint_cost.Cost(0, 0.03, 0.001, slowdown_s, 0.6, 4096)
 
     ordinary, outlier = 0.06, 0.93  # the first plan's one-off import of scipy landed in a checkpoint's window
-    assert op.smoothed_costs([]) == {} and op.smoothed_costs([cost(ordinary), cost(outlier)]) == {}
-    smoothed = op.smoothed_costs([cost(ordinary), cost(outlier), cost(ordinary)])
+    assert checkpoint_cost.smoothed_costs([]) == {} and checkpoint_cost.smoothed_costs([cost(ordinary), cost(outlier)]) == {}
+    smoothed = checkpoint_cost.smoothed_costs([cost(ordinary), cost(outlier), cost(ordinary)])
     assert smoothed == {"iteration_time_s": 0.03, "slowdown_s": ordinary, "persist_s": 0.6}
-    assert op.smoothed_costs([cost(outlier)] + [cost(0.05)] * 3)["slowdown_s"] == 0.05
+    assert checkpoint_cost.smoothed_costs([cost(outlier)] + [cost(0.05)] * 3)["slowdown_s"] == 0.05
     # Nine: four outliers among them leave the median, and older costs are forgotten.
     noisy = [cost(outlier)] * 4 + [cost(0.05)] * 5
-    assert op.smoothed_costs(noisy)["slowdown_s"] == 0.05
-    assert op.smoothed_costs([cost(0.05)] * 5 + [cost(outlier)] * 9)["slowdown_s"] == outlier
+    assert checkpoint_cost.smoothed_costs(noisy)["slowdown_s"] == 0.05
+    assert checkpoint_cost.smoothed_costs([cost(0.05)] * 5 + [cost(outlier)] * 9)["slowdown_s"] == outlier
 
 
 def test_a_window_closes_when_the_next_checkpoint_begins():
-    meter = op.CostMeter()
+    meter = checkpoint_cost.CostMeter()
     meter.iteration(1.0)
     meter.start(1, "a", 0.0)
     meter.iteration(2.0)
@@ -227,8 +227,9 @@ def test_replan_reasons():
 def test_empirical_cost_rate_at_rho_0_is_the_recompute_rate_with_its_minimum_at_youngs_interval():
     lam, T_s = 1e-5, 0.5
     T_c = np.geomspace(1, 1e5, 50)
-    assert np.allclose(planner.empirical_cost_rate(T_c, lam, T_s, 0.0), planner.recompute_cost_rate(T_c, lam, T_s))
-    best = planner.minimize_interval(lambda x: planner.empirical_cost_rate(x, lam, T_s, 0.0))
+    assert np.allclose(fault_tolerance_cost.empirical_cost_rate(T_c, lam, T_s, 0.0),
+                       fault_tolerance_cost.recompute_cost_rate(T_c, lam, T_s))
+    best = planner.minimize_interval(lambda x: fault_tolerance_cost.empirical_cost_rate(x, lam, T_s, 0.0))
     assert best == pytest.approx(planner.young_interval(lam, T_s), rel=0.02)
     # A prediction that saves rho of the lost work lengthens it as Young's at lambda (1 - rho).
     rho = 0.69
@@ -251,7 +252,7 @@ def stage(**kw):
 
 def test_the_empirical_plan_predicts_and_checkpoints_less_often_than_recomputing():
     planned = op.plan(job(), [stage()])
-    lam = planner.failure_rate_per_iteration(36.0, 1.0)
+    lam = units.failure_rate_per_iteration(36.0, 1.0)
     assert planned.recovery == "predict" and not planned.fallback
     rho = MEASURED_REDUCTION["trend"]
     # No loss-excess guard binds: every failure predicts, whatever its distance from the durable checkpoint.
@@ -293,7 +294,7 @@ def test_where_recovery_would_recompute_the_phase_is_planned_for_recomputing():
 
 
 def test_where_the_guard_binds_the_plan_counts_the_failures_it_would_recompute():
-    lam = planner.failure_rate_per_iteration(3.6, 1.0)
+    lam = units.failure_rate_per_iteration(3.6, 1.0)
     costs, rho = StageCosts(0.5, 3.0), MEASURED_REDUCTION["trend"]
     recompute = op.plan(job(lambda_per_hour=3.6, mode="recompute"), [stage()])
     unguarded = op.plan(job(lambda_per_hour=3.6), [stage()])
@@ -303,8 +304,8 @@ def test_where_the_guard_binds_the_plan_counts_the_failures_it_would_recompute()
     assert "up to 10 iterations behind" in bounded.fallback and "max_loss_excess" in bounded.fallback
     assert bounded.T_c < unguarded.T_c
     assert bounded.T_c == planner.plan_job_guarded(lam, [(costs, rho)], 10).T_c
-    assert (planner.guarded_cost_rate(bounded.T_c, lam, 0.5, rho, 10, 3.0)
-            < planner.guarded_cost_rate(recompute.T_c, lam, 0.5, rho, 0, 3.0))
+    assert (fault_tolerance_cost.guarded_cost_rate(bounded.T_c, lam, 0.5, rho, 10, 3.0)
+            < fault_tolerance_cost.guarded_cost_rate(recompute.T_c, lam, 0.5, rho, 0, 3.0))
     # Where recovery would predict only failures closer than a persist, nothing predicts: recomputing is planned.
     tight = op.plan(job(lambda_per_hour=3.6), [stage()], excess_at=lambda lag: lag * 1e-2)
     assert tight.recovery == "recompute" and tight.T_c == recompute.T_c
@@ -314,23 +315,23 @@ def test_where_the_guard_binds_the_plan_counts_the_failures_it_would_recompute()
 def test_the_guarded_cost_rate_charges_the_persist_and_the_failures_beyond_the_bound_in_full():
     lam, T_s, rho, P = 1e-3, 0.5, 0.69, 19.0
     T_c = np.array([20.0, 40.0, 60.0, 80.0])
-    checkpoints = planner.guarded_cost_rate(T_c, lam, T_s, rho, 0, P) - lam * (T_c / 2 + P)
+    checkpoints = fault_tolerance_cost.guarded_cost_rate(T_c, lam, T_s, rho, 0, P) - lam * (T_c / 2 + P)
     assert np.all(checkpoints > 0)
     # Every failure predicted: (1 - rho) of the mean distance T_c / 2 + P.
-    everything = planner.guarded_cost_rate(T_c, lam, T_s, rho, 1e6, P)
+    everything = fault_tolerance_cost.guarded_cost_rate(T_c, lam, T_s, rho, 1e6, P)
     assert np.allclose(everything, checkpoints + lam * (1 - rho) * (T_c / 2 + P))
     # Between: a failure at d ~ U[P, P + T_c] predicts up to d_max, recomputes beyond.
-    half = planner.guarded_cost_rate(60.0, lam, T_s, rho, P + 30, P)
+    half = fault_tolerance_cost.guarded_cost_rate(60.0, lam, T_s, rho, P + 30, P)
     lost = ((1 - rho) * ((P + 30) ** 2 - P ** 2) + (P + 60) ** 2 - (P + 30) ** 2) / (2 * 60)
     assert half == pytest.approx(float(checkpoints[2]) + lam * lost)
     bounds = [0, P, P + 10, P + 40, P + 80, 1e6]
-    rates = [float(planner.guarded_cost_rate(60.0, lam, T_s, rho, b, P)) for b in bounds]
+    rates = [float(fault_tolerance_cost.guarded_cost_rate(60.0, lam, T_s, rho, b, P)) for b in bounds]
     assert rates == sorted(rates, reverse=True) and rates[0] == rates[1] > rates[2]
     # The optimum shortens as the bound tightens, since a shorter interval keeps failures within it.
     plans = [planner.plan_job_guarded(lam, [(StageCosts(T_s, P), rho)], b).T_c for b in (1e6, P + 40, P + 20)]
     assert plans[0] > plans[1] > plans[2]
     with pytest.raises(ValueError, match="d_max"):
-        planner.guarded_cost_rate(60.0, lam, T_s, rho, -1, P)
+        fault_tolerance_cost.guarded_cost_rate(60.0, lam, T_s, rho, -1, P)
 
 
 def test_guard_bound_finds_the_longest_passing_interval():

@@ -17,7 +17,7 @@ from cpsr_ds.planning.cost_model import (
     recovery_choice,
 )
 from cpsr_ds.planning.fitter import FLAT, AccuracyFit, LossFit, NoFit, StageCurvature, fit_recent, loss_excess
-from cpsr_ds.planning.planner import PbrParams, prediction_deviation
+from cpsr_ds.planning.fault_tolerance_cost import PbrParams, prediction_deviation
 
 P = PbrParams(alpha1=1e-3, alpha2=1.0, tau1=0.5, tau2=-20.0, xi=1e-6, N_p=1e6)
 

@@ -5,9 +5,10 @@ import math
 import numpy as np
 import pytest
 
-from cpsr_ds.planning import planner
+from cpsr_ds.planning import fault_tolerance_cost, planner, units
 from cpsr_ds.__main__ import main
-from cpsr_ds.planning.planner import PbrParams, StageCosts
+from cpsr_ds.planning.fault_tolerance_cost import PbrParams
+from cpsr_ds.planning.planner import StageCosts
 
 
 def params(alpha1, tau1, excess0, alpha2=1.0, xi=1e-8, N_p=3.5e8):
@@ -19,7 +20,7 @@ def params(alpha1, tau1, excess0, alpha2=1.0, xi=1e-8, N_p=3.5e8):
 def closed_over_numerical(lam, T_s, p):
     """Theorem 1's cost over the numerical optimum's, and the approximations failing at either interval."""
     def cost(T_c):
-        return planner.pbr_cost_rate(T_c, lam, T_s, p)
+        return fault_tolerance_cost.pbr_cost_rate(T_c, lam, T_s, p)
 
     closed, numerical = planner.theorem1_interval(lam, T_s, p), planner.minimize_interval(cost)
     ratio = float(cost(closed) / cost(numerical))
@@ -68,13 +69,13 @@ def test_theorem1_solves_the_papers_first_order_condition():
 def test_eq13_is_the_iterations_a_deviation_delays_the_loss_curve():
     p, T_c, t = params(2e-3, 0.1, 0.05), 40.0, 300.0
     loss = lambda i: math.exp(-p.alpha1 * i + p.alpha2)  # noqa: E731
-    dF = planner.prediction_deviation(t, T_c, p)
-    T_p = planner.pbr_cost(t, T_c, p)
+    dF = fault_tolerance_cost.prediction_deviation(t, T_c, p)
+    T_p = fault_tolerance_cost.pbr_cost(t, T_c, p)
     for s in (0.0, 50.0, 500.0):  # Eq. 12: restarted from loss(t) + dF, it trails the curve by T_p
         assert (loss(t) + dF) * math.exp(-p.alpha1 * s) == pytest.approx(loss(t + s - T_p), rel=1e-12)
-    assert planner.relative_excess(t, T_c, p) == pytest.approx(dF / loss(t))
-    linear = planner.pbr_cost_linear(t, T_c, p)
-    assert T_p < linear < T_p * (1 + planner.relative_excess(t, T_c, p))
+    assert fault_tolerance_cost.relative_excess(t, T_c, p) == pytest.approx(dF / loss(t))
+    linear = fault_tolerance_cost.pbr_cost_linear(t, T_c, p)
+    assert T_p < linear < T_p * (1 + fault_tolerance_cost.relative_excess(t, T_c, p))
 
 
 def brute_force_expectation(T_p_at, lam, points=400_000):
@@ -88,8 +89,8 @@ def test_expected_recovery_cost_matches_a_direct_integral_of_eq13(T_c, excess0):
     lam, p = 1e-4, params(1e-3, 0.5, excess0)
     k = p.alpha1 - p.tau1 / T_c
     direct = brute_force_expectation(lambda t: np.logaddexp(0.0, p.log_excess0 + k * t) / p.alpha1, lam)
-    assert float(planner.expected_pbr_cost(T_c, lam, p)) == pytest.approx(direct, rel=2e-3)
-    linear = float(planner.expected_pbr_cost(T_c, lam, p, exact=False))
+    assert float(fault_tolerance_cost.expected_pbr_cost(T_c, lam, p)) == pytest.approx(direct, rel=2e-3)
+    linear = float(fault_tolerance_cost.expected_pbr_cost(T_c, lam, p, exact=False))
     assert linear >= direct * (1 - 2e-3)  # ln(1 + x) <= x
     if excess0 < 0.01 and k < 0:
         assert linear == pytest.approx(direct, rel=0.01)
@@ -99,18 +100,19 @@ def test_checkpoint_term_matches_eq15_summed_period_by_period():
     lam, T_s, T_c, p = 1e-3, 2.0, 30.0, params(1e-3, 0.5, 1e-3)
     period = T_c + T_s
     direct = brute_force_expectation(lambda t: np.floor(t / period) * T_s, lam, points=2_000_000)
-    recovery = float(planner.expected_pbr_cost(T_c, lam, p))
-    assert float(planner.pbr_cost_rate(T_c, lam, T_s, p)) == pytest.approx(lam * (direct + recovery), rel=1e-3)
+    recovery = float(fault_tolerance_cost.expected_pbr_cost(T_c, lam, p))
+    assert float(fault_tolerance_cost.pbr_cost_rate(T_c, lam, T_s, p)) == pytest.approx(lam * (direct + recovery),
+                                                                                       rel=1e-3)
 
 
 def test_the_storage_wait_is_charged_and_the_plan_stays_above_the_persist_floor():
     lam, T_s, p = 1e-5, 0.5, params(1e-3, 0.3, 1e-3)
     free = planner.plan_stage(lam, StageCosts(T_s), p)
     persist = 3 * free.T_c
-    assert float(planner.checkpoint_wait(free.T_c, persist)) == pytest.approx(2 * free.T_c)
+    assert float(fault_tolerance_cost.checkpoint_wait(free.T_c, persist)) == pytest.approx(2 * free.T_c)
     # a snapshot waiting W costs as much as a checkpoint costing T_s + W
-    slow = planner.pbr_cost_rate(free.T_c, lam, T_s, p, persist=persist)
-    assert slow == pytest.approx(planner.pbr_cost_rate(free.T_c, lam, T_s + 2 * free.T_c, p))
+    slow = fault_tolerance_cost.pbr_cost_rate(free.T_c, lam, T_s, p, persist=persist)
+    assert slow == pytest.approx(fault_tolerance_cost.pbr_cost_rate(free.T_c, lam, T_s + 2 * free.T_c, p))
     assert slow > free.cost_rate * 2
     bound = planner.plan_stage(lam, StageCosts(T_s, persist), p)
     assert bound.T_c >= persist and bound.cost_rate < slow
@@ -121,7 +123,7 @@ def test_the_storage_wait_is_charged_and_the_plan_stays_above_the_persist_floor(
 def test_young_and_daly_approximate_the_recompute_optimum_daly_better_when_checkpoints_are_costly():
     def excess_cost(rule, lam, T_s):
         def cost(T_c):
-            return planner.recompute_cost_rate(T_c, lam, T_s)
+            return fault_tolerance_cost.recompute_cost_rate(T_c, lam, T_s)
         return float(cost(rule(lam, T_s)) / cost(planner.minimize_interval(cost)))
 
     assert excess_cost(planner.young_interval, 1e-5, 1.0) < 1.001
@@ -152,7 +154,7 @@ def test_job_interval_minimises_the_summed_cost_of_its_stages():
     assert own[1] < job.T_c < own[0]
 
     def total(T_c):
-        return sum(float(planner.pbr_cost_rate(T_c, lam, c.T_s, p, c.persist)) for c, p in (small, large))
+        return sum(float(fault_tolerance_cost.pbr_cost_rate(T_c, lam, c.T_s, p, c.persist)) for c, p in (small, large))
 
     assert job.cost_rate == pytest.approx(total(job.T_c))
     assert all(total(job.T_c) <= total(T_c) for T_c in own + [job.T_c - 1, job.T_c + 1])
@@ -162,7 +164,7 @@ def test_minimize_interval_finds_the_minimum_of_a_dense_grid():
     lam, T_s, p = 1e-5, 0.5, params(1e-4, 0.05, 0.3)
 
     def cost(T_c):
-        return planner.pbr_cost_rate(T_c, lam, T_s, p)
+        return fault_tolerance_cost.pbr_cost_rate(T_c, lam, T_s, p)
 
     calls = []
 
@@ -202,7 +204,7 @@ def test_bad_inputs_raise_naming_them(bad):
     with pytest.raises(ValueError, match="T_s"):
         planner.young_interval(1e-5, bad)
     with pytest.raises(ValueError, match="T_c"):
-        planner.pbr_cost_rate(np.array([10.0, bad]), 1e-5, 0.5, p)
+        fault_tolerance_cost.pbr_cost_rate(np.array([10.0, bad]), 1e-5, 0.5, p)
     for name in ("alpha1", "tau1", "xi", "N_p"):
         with pytest.raises(ValueError, match=name):
             PbrParams(**{**p.__dict__, name: bad})
@@ -213,9 +215,9 @@ def test_bad_inputs_raise_naming_them(bad):
 
 
 def test_converters_between_seconds_hours_and_iterations():
-    assert planner.failure_rate_per_iteration(0.08, 1.8) == pytest.approx(0.08 / 2000)
-    assert planner.iterations(planner.seconds(37.0, 0.25), 0.25) == pytest.approx(37.0)
-    assert planner.iterations(3.0, 0.5) == pytest.approx(6.0)
+    assert units.failure_rate_per_iteration(0.08, 1.8) == pytest.approx(0.08 / 2000)
+    assert units.iterations(units.seconds(37.0, 0.25), 0.25) == pytest.approx(37.0)
+    assert units.iterations(3.0, 0.5) == pytest.approx(6.0)
 
 
 def test_plan_command_prints_the_what_if_plan_as_json(capsys):
@@ -226,7 +228,7 @@ def test_plan_command_prints_the_what_if_plan_as_json(capsys):
     p = PbrParams(1e-3, 1.0, 0.3, -12.0, 1e-8, 3.5e8)
     assert report["T_c"] == planner.plan_stage(2e-5, StageCosts(0.5), p).T_c
     assert report["baselines"]["young"] == pytest.approx(planner.young_interval(2e-5, 0.5))
-    assert report["at_t"]["T_p_eq13"] == pytest.approx(planner.pbr_cost(500.0, report["T_c"], p))
+    assert report["at_t"]["T_p_eq13"] == pytest.approx(fault_tolerance_cost.pbr_cost(500.0, report["T_c"], p))
     with pytest.raises(SystemExit):
         main(argv[:2] + ["0"] + argv[3:])
     assert "lambda must be positive" in capsys.readouterr().err
