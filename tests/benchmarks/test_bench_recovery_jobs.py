@@ -1,7 +1,8 @@
-"""bench_recovery --layouts (benchmarks/recovery_jobs.py): the failed job's run directory made from the reference's,
+"""bench_recovery --layouts (benchmarks/common/recovery_jobs.py): the failed job's run directory made from the reference's,
 the copies each method restarts from, and the summary, on synthetic directories and cases."""
 
 import argparse
+import importlib
 import json
 import os
 import shutil
@@ -9,14 +10,13 @@ import sys
 
 import pytest
 
-from conftest import load_benchmark
 from cpsr_ds.checkpoint.storage import store
-from test_checkpoint_store import make_checkpoint
+from support.checkpoints import make_checkpoint
 
 
 @pytest.fixture(scope="module")
 def jobs():
-    return load_benchmark("recovery_jobs")
+    return importlib.import_module("benchmarks.common.recovery_jobs")
 
 
 @pytest.fixture

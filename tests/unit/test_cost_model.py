@@ -131,7 +131,7 @@ def test_beyond_the_horizon_the_predictor_was_checked_at_the_empirical_lag_grows
 
 
 def test_end_of_training_reductions_are_those_of_the_recovery_benchmark():
-    with open(os.path.join(ROOT, "benchmarks", "results", "bench_recovery.json")) as fh:
+    with open(os.path.join(ROOT, "benchmarks", "results", "bench_recovery", "bench_recovery.json")) as fh:
         table = json.load(fh)["end_of_training"]
     measured = tuple((int(share.split()[0]) / 100, round(row["end"]["mean"], 3))
                      for share, row in table.items() if share != "all")
@@ -155,7 +155,7 @@ def test_no_estimate_without_a_failure_after_the_checkpoint(model, f, c):
 
 
 def test_measured_reductions_are_those_of_the_recovery_benchmark():
-    with open(os.path.join(ROOT, "benchmarks", "results", "bench_recovery.txt")) as fh:
+    with open(os.path.join(ROOT, "benchmarks", "results", "bench_recovery", "bench_recovery.txt")) as fh:
         table = dict(re.findall(r"^(\w+)\s+\|\s+(-?[\d.]+)% \[", fh.read(), re.M))
     assert {name: float(table[name]) / 100 for name in MEASURED_REDUCTION} == pytest.approx(MEASURED_REDUCTION)
 

@@ -11,14 +11,15 @@ import torch.nn.functional as F
 from deepspeed.ops.adam import FusedAdam
 
 import cpsr_ds
-from conftest import TEST_MODEL, tiny_config
+from benchmarks.common.processes import TEST_MODEL, tiny_config
 from cpsr_ds.checkpoint.capture import host_snapshot, rng, survivor
 from cpsr_ds.config import CheckpointConfig
 from examples.gpt.model import GPTConfig, gpt_pipeline
 from cpsr_ds.recovery.adam_steps import align_bias_correction, stepped
 from cpsr_ds.recovery.sources.host_snapshot import resume_from
 from cpsr_ds.recovery.sources.survivor import restore_dump
-from test_plugin import process_group  # noqa: F401 (an autouse fixture: one process group for the module)
+from support.training import process_group  # noqa: F401 (a fixture; process_group is autouse)
+
 
 PLAIN = (torch.Tensor, int, float, str)
 
