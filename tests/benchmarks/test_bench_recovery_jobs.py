@@ -6,7 +6,6 @@ import importlib
 import json
 import os
 import shutil
-import sys
 
 import pytest
 
@@ -74,7 +73,7 @@ def test_each_method_s_copy_shares_the_checkpoint_files_but_not_what_a_job_appen
 
 
 def test_the_summary_reports_each_method_and_checks_the_recovery_s_estimates(jobs):
-    Case = sys.modules["bench_recovery"].Case
+    Case = jobs.Case
 
     def case(method, lag, estimate=None, lost=0):
         return Case(1, method, 50, 500, 25, lag, 1 - lag / 25, lag, 1 - lag / 25, 0.0, 0, 0.001, decision="",
