@@ -1,5 +1,8 @@
-"""What every tier shares: the repository's root, the tiny GPT's config, each test's process state reset, a fresh
-directory in shared memory, and a multi-process job launched as a user launches one."""
+"""What every tier shares: the repository's root, each test's process state reset, a fresh directory in shared
+memory, the tiny GPT trained on random tokens, and a multi-process job launched as a user launches one.
+
+Helpers and fixtures that only some modules share are in ``support/``; the tiny GPT's config and the processes a
+test starts by hand are the benchmarks' too (``benchmarks.common.processes``)."""
 
 import base64
 import glob
@@ -20,6 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 # Every job's processes share the machine's cores: one thread each (the ranks inherit it).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 @pytest.fixture(autouse=True)
 def not_failing():

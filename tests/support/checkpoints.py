@@ -23,6 +23,7 @@ from cpsr_ds.checkpoint.storage import layout, store
 from cpsr_ds.config import CheckpointConfig
 
 
+# ---------------------------------------------------------------- files in a checkpoint directory
 
 def nested_state():
     """A state dict with the types of DeepSpeed's; a file may hold no others (allowlist.py)."""
@@ -82,6 +83,8 @@ def two_checkpoints(tmp_path):
     assert store.read_latest(str(tmp_path)) == "global_step20"
     return str(tmp_path)
 
+
+# ---------------------------------------------------------------- engines through the factory
 
 MODEL = "mp_rank_00_model_states.pt"
 
@@ -165,6 +168,8 @@ def timed_cleanup(eng, limit_s=30.0) -> float:
     return time.monotonic() - t0
 
 
+# ---------------------------------------------------------------- two nodes, a directory each
+
 TWO_NODES = layout.Nodes(((0,), (1,)), run="test")
 
 
@@ -193,6 +198,25 @@ def both(engines, dirs, step, st=None):
     assert all(eng.flush(30) for eng in engines)
 
 
+def replicate(dirs, tag):
+    """What replication leaves: each node's part of ``tag`` also under the next node's replicas/."""
+    for n, d in enumerate(dirs):
+        shutil.copytree(os.path.join(d, tag), os.path.join(dirs[(n + 1) % len(dirs)], store.REPLICAS, tag))
+
+
+def journal(d, rank, last):
+    j = ProgressJournal(d, rank)
+    for i in range(1, last + 1):
+        j.append(i, 5.0 - i / 10)
+    j.close()
+
+
+def start_token(d, rank, run="run-1"):
+    os.makedirs(os.path.join(d, layout.TOKENS), exist_ok=True)
+    with open(os.path.join(d, layout.TOKENS, f"rank{rank:05d}"), "w") as f:
+        f.write(run)
+
+
 @pytest.fixture
 def two_nodes(node_engines):
     """Nodes 0 and 1 (a rank each): global_step5 and global_step10 committed and replicated, journals to 12 and 11."""
@@ -206,10 +230,15 @@ def two_nodes(node_engines):
     return dirs
 
 
+# ---------------------------------------------------------------- damage and inspection
+
 NEW = "global_step20"
-
-
 RANK1 = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+
+
+def write(path, data):
+    with open(path, "wb") as f:
+        f.write(data)
 
 
 def run_inspect(ckpt_dir, capsys, *flags):
@@ -236,33 +265,12 @@ def deepspeed_checkpoint(ckpt_dir, tag, state):
     write(os.path.join(ckpt_dir, store.LATEST), tag.encode())
 
 
+# ---------------------------------------------------------------- DeepSpeed's torch engine
+
 @pytest.fixture
 def process_group():
+    """One process group of world size 1 for the test (DeepSpeed's torch engine saves through it)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     deepspeed.init_distributed(dist_backend="gloo")
     yield
     torch.distributed.destroy_process_group()
-
-
-def replicate(dirs, tag):
-    """What replication leaves: each node's part of ``tag`` also under the next node's replicas/."""
-    for n, d in enumerate(dirs):
-        shutil.copytree(os.path.join(d, tag), os.path.join(dirs[(n + 1) % len(dirs)], store.REPLICAS, tag))
-
-
-def journal(d, rank, last):
-    j = ProgressJournal(d, rank)
-    for i in range(1, last + 1):
-        j.append(i, 5.0 - i / 10)
-    j.close()
-
-
-def start_token(d, rank, run="run-1"):
-    os.makedirs(os.path.join(d, layout.TOKENS), exist_ok=True)
-    with open(os.path.join(d, layout.TOKENS, f"rank{rank:05d}"), "w") as f:
-        f.write(run)
-
-
-def write(path, data):
-    with open(path, "wb") as f:
-        f.write(data)

@@ -14,9 +14,9 @@ from cpsr_ds.checkpoint.capture.journal import ProgressJournal, journal_path
 from examples.gpt.model import GPTConfig, gpt_pipeline
 
 
-
 @pytest.fixture(scope="module", autouse=True)
 def process_group():
+    """One process group of world size 1 for the whole module that imports it (autouse there)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     deepspeed.init_distributed(dist_backend="gloo")
     yield
