@@ -515,7 +515,8 @@ def print_table(label: str, row: dict) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="10 checkpoints per strategy, ~0.5 s iterations")
-    ap.add_argument("--json", help="write the results here (default, where no output is named: into benchmarks/results/NAME/)")
+    ap.add_argument("--json", help="write the results here (default, where no output is "
+                    "named: into benchmarks/results/NAME/)")
     ap.add_argument("--dir", help="directory on the storage to measure (default: a temporary one)")
     ap.add_argument("--states", nargs="+", choices=STATES, default=list(STATES[:2]),
                     help="the states to measure; the JSON's headline fields are the last one's")

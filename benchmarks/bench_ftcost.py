@@ -753,7 +753,8 @@ def plot(result: dict, path: str) -> None:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="800 iterations, 3 traces (within 15 minutes on 2 cores)")
-    p.add_argument("--json", help="write the results here (default, where no output is named: into benchmarks/results/NAME/)")
+    p.add_argument("--json", help="write the results here (default, where no output is "
+                   "named: into benchmarks/results/NAME/)")
     p.add_argument("--plot", help="write T_l and the checkpoints per strategy here (PNG)")
     p.add_argument("--out-dir", default=os.path.join(ROOT, "runs", "bench_ftcost"))
     p.add_argument("--from-runs", action="store_true",

@@ -352,7 +352,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="one run per scenario")
     p.add_argument("--repeats", type=int, help="runs per scenario (default 3; --quick: 1)")
-    p.add_argument("--json", help="write the results here (default, where no output is named: into benchmarks/results/NAME/)")
+    p.add_argument("--json", help="write the results here (default, where no output is "
+                   "named: into benchmarks/results/NAME/)")
     p.add_argument("--out-dir", default=os.path.join(ROOT, "runs", "bench_multinode"),
                    help="the runs' directories and logs (emptied first)")
     p.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))

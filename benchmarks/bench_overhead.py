@@ -263,7 +263,8 @@ def ds_config(run_dir: str, stages: int, cpsr: dict, batch: tuple[int, int] | No
 
 
 def launch(base: str, name: str, config: dict, nprocs: int, iters: int, script: tuple = TRAIN) -> int:
-    """``script`` (a path, or --module and a module) under ``deepspeed --num_gpus nprocs`` with ``config``, to ``iters``; the launcher's exit code."""
+    """``script`` (a path, or --module and a module) under ``deepspeed --num_gpus nprocs`` with ``config``, to
+    ``iters``; the launcher's exit code."""
     path = os.path.join(base, f"{name}.json")
     with open(path, "w") as f:
         json.dump(config, f)
@@ -482,7 +483,8 @@ def plot(result: dict, path: str) -> None:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer pairs and iterations (within 8 minutes on 2 cores)")
-    p.add_argument("--json", help="write the results here (default, where no output is named: into benchmarks/results/NAME/)")
+    p.add_argument("--json", help="write the results here (default, where no output is "
+                   "named: into benchmarks/results/NAME/)")
     p.add_argument("--plot", help="write Fig. 10 (bubble and predictor time per stage and iteration) here (PNG)")
     p.add_argument("--out-dir", default=os.path.join(ROOT, "runs", "bench_overhead"),
                    help="the runs' directories and logs (emptied first)")

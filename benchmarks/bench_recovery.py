@@ -4,8 +4,8 @@
         [--num-layers L --hidden-size H --num-attention-heads A --seq-length S] [--seeds N] ...
     python -m benchmarks.bench_recovery --merge A.json B.json ... [--json PATH] [--plot PATH]
 
-Without --json and --plot it writes both into benchmarks/results/bench_recovery/ (``bench_recovery[_LAYOUTS][_quick]``;
-no plot for --layouts).
+Without --json and --plot it writes both into benchmarks/results/bench_recovery/
+(``bench_recovery[_LAYOUTS][_quick]``; no plot for --layouts).
 
 A run can be split by seed across processes or machines (``--first-seed``, ``--seeds``)
 and the parts summarised together with ``--merge``; where parts hold the same case (seed,
@@ -124,7 +124,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="T_c = 50 only, 10 vitp steps, the default's runs stop at f + 4d "
                    "(within 15 minutes on 2 cores)")
-    p.add_argument("--json", help="write the results here (default, where no output is named: into benchmarks/results/NAME/)")
+    p.add_argument("--json", help="write the results here (default, where no output is "
+                   "named: into benchmarks/results/NAME/)")
     p.add_argument("--plot", help="write the validation curves around each failure here (PNG)")
     p.add_argument("--data", help="corpus directory (default: the Python standard library's sources)")
     p.add_argument("--out-dir", default=os.path.join(ROOT, "runs", "bench_recovery"))

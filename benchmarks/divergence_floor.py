@@ -26,7 +26,8 @@ import torch  # noqa: E402
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--json", help="write the results here (default, where no output is named: into benchmarks/results/NAME/)")
+    p.add_argument("--json", help="write the results here (default, where no output is "
+                   "named: into benchmarks/results/NAME/)")
     p.add_argument("--eps", type=float, nargs="+", default=[1e-6, 1e-3], help="relative perturbation sizes")
     p.add_argument("--at", type=int, nargs="+", default=[500, 1000], help="checkpoints perturbed (multiples of 50)")
     p.add_argument("--out-dir", default=os.path.join(br.ROOT, "runs", "divergence_floor"))

@@ -36,7 +36,8 @@ VARIANTS = {
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--json", help="write the results here (default, where no output is named: into benchmarks/results/NAME/)")
+    p.add_argument("--json", help="write the results here (default, where no output is "
+                   "named: into benchmarks/results/NAME/)")
     p.add_argument("--c", type=int, default=500, help="the last checkpoint before the failure (a multiple of 50)")
     p.add_argument("--d", type=int, default=25, help="iterations from c to the failure")
     p.add_argument("--out-dir", default=os.path.join(br.ROOT, "runs", "early_prediction"))

@@ -28,7 +28,8 @@ from cpsr_ds.recovery.sources import in_flight  # noqa: E402
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--json", help="write the results here (default, where no output is named: into benchmarks/results/NAME/)")
+    p.add_argument("--json", help="write the results here (default, where no output is "
+                   "named: into benchmarks/results/NAME/)")
     p.add_argument("--pairs", nargs="+", default=["50:100", "450:500", "950:1000"],
                    help="c:c', the committed checkpoint and the one in flight (multiples of 50)")
     p.add_argument("--out-dir", default=os.path.join(br.ROOT, "runs", "in_flight_cost"))

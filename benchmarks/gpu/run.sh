@@ -5,7 +5,7 @@
 #
 # On the GPU machine: carry .whl/ (made by benchmarks/gpu/wheels.sh where the package index is
 # reachable); this installs it into /tmp/site, checks the GPU (nvidia-smi, torch.cuda), records it
-# (OUT_DIR/device.json) and runs benchmarks/gpu/run.py (python -m benchmarks.gpu.run), which writes NAME.json and NAME.txt into
+# (OUT_DIR/device.json) and runs python -m benchmarks.gpu.run, which writes NAME.json and NAME.txt into
 # OUT_DIR for each measurement and ends with a summary; the exit status is 1 if any failed (the
 # others still ran). A measurement whose JSON exists is skipped: run a part cut short again to resume.
 # --toy: every measurement at toy sizes on the GPU (about three minutes), a check that the code paths work
