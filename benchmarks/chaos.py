@@ -61,14 +61,14 @@ Invalid state and failed restarts:
   stops with an error naming ``checkpoint.dir`` and the path; a NUL byte in
   ``checkpoint.survivor_dir`` is refused by the config check naming the key.
 
-    python -m benchmarks.chaos [--trials N] [--faults a,b] [--seed S] [--json PATH [--resume]] [--out-dir DIR]
+    python -m benchmarks.chaos [--trials N] [--faults a,b] [--seed S] [--json PATH] [--resume] [--out-dir DIR]
 
 Each job runs in a child forked from this process (imports done once), so a trial
 costs seconds; ``clean_end`` starts real processes through DeepSpeed's launcher, which a
 clean end's teardown needs. ``full_disk`` and the read-only ``checkpoint.dir`` need root to
 mount, ``planted_root`` and ``foreign_lock`` root to act as the second user; without it they
-are reported as skipped, with the reason. The JSON is rewritten after every trial; ``--resume``
-keeps its trials and runs the rest.
+are reported as skipped, with the reason. The JSON (default benchmarks/results/chaos/chaos.json) is rewritten
+after every trial; ``--resume`` keeps its trials and runs the rest.
 """
 
 from __future__ import annotations
