@@ -5,6 +5,7 @@
 # iterations before the kill, the newest snapshot every rank holds).
 # Both create .venv on first use; torch is pinned to the CPU wheel (an unpinned
 # torch pulls several GB of CUDA packages).
+# make test-fast: tests/unit alone (no process started, no sleep; under 90 s on 2 cores), the check after each step.
 # make gpu-bench [GPU_OUT=DIR] [GPU_PART=1|2|3|quick|all]: every GPU measurement (benchmarks/gpu/run.sh), on the
 # GPU machine, with the wheels of benchmarks/gpu/wheels.sh in .whl/ (it needs no .venv).
 

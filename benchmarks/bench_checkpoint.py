@@ -37,8 +37,10 @@ Persist throughput = checkpoint bytes / time from its first write until it is du
 (files and manifest fsynced, ``latest`` moved); for ``torch`` and ``ds_decoupled``,
 which do not fsync, the time of writing plus an fsync of their files.
 
-    python benchmarks/bench_checkpoint.py [--quick] [--json PATH] [--dir DIR] [--states S ...]
+    python -m benchmarks.bench_checkpoint [--quick] [--json PATH] [--dir DIR] [--states S ...]
         [--strategies S ...] [--repeats N] [--layers N] [--micro-batch N] [--grad-accum N] [--toy]
+
+Without --json it writes benchmarks/results/bench_checkpoint/bench_checkpoint[_quick].json.
 """
 
 from __future__ import annotations
@@ -51,7 +53,6 @@ import os
 import platform
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -60,8 +61,6 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 for _key, _value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29517", "RANK": "0", "LOCAL_RANK": "0",
                      "WORLD_SIZE": "1", "CROSS_RANK": "0", "CROSS_SIZE": "1"}.items():
     os.environ.setdefault(_key, _value)
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 import deepspeed  # noqa: E402
 import deepspeed.runtime.engine as ds_engine  # noqa: E402
 import torch  # noqa: E402
@@ -75,10 +74,11 @@ from cpsr_ds.checkpoint.storage.fileformat import PAGE, flatten  # noqa: E402
 from cpsr_ds.config import CheckpointConfig  # noqa: E402
 from examples.gpt.model import GPTConfig, gpt_pipeline  # noqa: E402
 
+from benchmarks.common.paths import ROOT, with_default_outputs  # noqa: E402
+
 STRATEGIES = ("torch", "checkfreq", "pccheck", "cpsr", "ds_decoupled")
 OURS = ("checkfreq", "pccheck", "cpsr")
 GB = 1e9
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # DeepSpeed's own decoupled engine: a writer subprocess fed through a queue, one writer for world size 1.
 DECOUPLED = {"writer": {"decoupled": True, "type": "python", "data_parallel": "replica"}}
 MODEL_FILE = "mp_rank_00_model_states.pt"
@@ -515,7 +515,8 @@ def print_table(label: str, row: dict) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="10 checkpoints per strategy, ~0.5 s iterations")
-    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--json", help="write the results here (default, where no output is "
+                    "named: into benchmarks/results/NAME/)")
     ap.add_argument("--dir", help="directory on the storage to measure (default: a temporary one)")
     ap.add_argument("--states", nargs="+", choices=STATES, default=list(STATES[:2]),
                     help="the states to measure; the JSON's headline fields are the last one's")
@@ -526,7 +527,7 @@ def main() -> None:
     ap.add_argument("--grad-accum", type=int, help="gpt2_0.35b, gpt3_3.35b: accumulation steps (default: the config's)")
     ap.add_argument("--toy", action="store_true", help="gpt2_0.35b, gpt3_3.35b at the tiny GPT's shape, fewer "
                     "warm-up and baseline iterations: a check of the code path")
-    args = ap.parse_args()
+    args = with_default_outputs(ap.parse_args(), "bench_checkpoint")
     repeats, compute_s = (10, 0.45) if args.quick else (20, 0.8)
     repeats = args.repeats or repeats
     # ZeRO's collectives on CUDA tensors need NCCL, as in training.

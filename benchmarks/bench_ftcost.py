@@ -1,8 +1,9 @@
 """Total fault-tolerance cost T_l (the paper's Eq. 1) in real training runs, by DESIGN.md's protocol.
 
-    python benchmarks/bench_ftcost.py [--quick] [--json PATH] [--plot PATH] [--out-dir DIR] [--traces N] ...
-    python benchmarks/bench_ftcost.py --quick --json benchmarks/results/bench_ftcost_quick.json \\
-        --plot benchmarks/results/bench_ftcost_quick.png | tee benchmarks/results/bench_ftcost_quick.txt
+    python -m benchmarks.bench_ftcost [--quick] [--json PATH] [--plot PATH] [--out-dir DIR] [--traces N] ...
+    python -m benchmarks.bench_ftcost --quick | tee benchmarks/results/bench_ftcost/bench_ftcost_quick.txt
+
+Without --json and --plot it writes both into benchmarks/results/bench_ftcost/ (``_quick`` with --quick).
 
 The tiny GPT of ``examples/gpt/train_gpt.py`` (one process, DeepSpeed's pipeline engine with one
 stage, the product's checkpoint engines) trains to the same end under every strategy:
@@ -78,16 +79,14 @@ import re
 import shutil
 import signal
 import statistics
-import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchmarks.common.jobs import Child, finish_benchmark, tail  # noqa: E402  (first: it sets the jobs' environment)
 
-from jobs import ROOT, Child, finish_benchmark, tail  # noqa: E402  (first: it sets the jobs' environment)
-
-import train_gpt  # noqa: E402
+from benchmarks.common.paths import ROOT, with_default_outputs  # noqa: E402
+from examples.gpt import train_gpt  # noqa: E402
 
 from cpsr_ds.planning import fault_tolerance_cost, planner, units  # noqa: E402
 from cpsr_ds.checkpoint.capture.journal import journal_path, read_journal, read_validation  # noqa: E402
@@ -756,7 +755,8 @@ def plot(result: dict, path: str) -> None:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="800 iterations, 3 traces (within 15 minutes on 2 cores)")
-    p.add_argument("--json", help="write the results here")
+    p.add_argument("--json", help="write the results here (default, where no output is "
+                   "named: into benchmarks/results/NAME/)")
     p.add_argument("--plot", help="write T_l and the checkpoints per strategy here (PNG)")
     p.add_argument("--out-dir", default=os.path.join(ROOT, "runs", "bench_ftcost"))
     p.add_argument("--from-runs", action="store_true",
@@ -779,7 +779,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> None:
-    args = parse_args(argv)
+    args = with_default_outputs(parse_args(argv), "bench_ftcost", plot=True)
     start = time.time()
     if args.from_runs:
         with open(os.path.join(args.out_dir, "manifest.json")) as f:

@@ -1,9 +1,10 @@
 """Multi-node recovery: storage layout x launch path x failure kind, each scenario's outcome and restart time.
 
-    python benchmarks/bench_multinode.py [--quick] [--repeats N] [--json PATH] [--out-dir DIR]
+    python -m benchmarks.bench_multinode [--quick] [--repeats N] [--json PATH] [--out-dir DIR]
         [--layouts shared node_local] [--launches torchrun ssh] [--failures killed dir_lost shrunk]
-    python benchmarks/bench_multinode.py --json benchmarks/results/bench_multinode.json \\
-        | tee benchmarks/results/bench_multinode.txt
+    python -m benchmarks.bench_multinode | tee benchmarks/results/bench_multinode/bench_multinode.txt
+
+Without --json it writes benchmarks/results/bench_multinode/bench_multinode.json (``_quick`` with --quick).
 
 Two nodes on one machine, on 127.0.0.1, one process each, train the tiny GPT of
 ``examples/gpt/train_gpt.py`` for ITERATIONS iterations, checkpointing every INTERVAL.
@@ -29,7 +30,7 @@ Failure kinds:
 - ``killed``: rank 1 (node 1) SIGKILLed after iteration KILL_AT (``cpsr.faults``); the
   launch path restarts the job;
 - ``dir_lost`` (node_local only; n/a with one shared directory): the same, and node 0's
-  directory deleted between the failure and the restart (benchmarks/lose_node_dir.py, run
+  directory deleted between the failure and the restart (benchmarks/common/lose_node_dir.py, run
   by the restart on node 0 before training); node 0's parts come from their replicas;
 - ``shrunk``: a data-parallel job (one pipeline stage, ZeRO stage 1) started without
   restarts loses rank 0 (node 0) after KILL_AT; the benchmark restarts it on one node with
@@ -70,13 +71,12 @@ import uuid
 from dataclasses import dataclass
 from typing import Optional
 
-from jobs import ROOT, tail  # noqa: E402  (first: it sets the jobs' environment)
+from benchmarks.common.jobs import tail  # noqa: E402  (first: it sets the jobs' environment)
 
-sys.path.insert(0, os.path.join(ROOT, "tests"))
-
-from conftest import (JOB_ENV, NoLoopbackSsh, finish, free_port, kill_tagged, loopback_ssh, start,  # noqa: E402
-                      tiny_config)
-from lose_node_dir import commit_records  # noqa: E402
+from benchmarks.common.lose_node_dir import commit_records  # noqa: E402
+from benchmarks.common.paths import ROOT, with_default_outputs  # noqa: E402
+from benchmarks.common.processes import (JOB_ENV, NoLoopbackSsh, finish, free_port, kill_tagged,  # noqa: E402
+                                         loopback_ssh, start, tiny_config)
 
 from cpsr_ds.checkpoint.capture.journal import journal_path, read_journal  # noqa: E402
 from cpsr_ds.elastic import STORE_SETTING  # noqa: E402
@@ -93,7 +93,7 @@ KILL_AT = 10
 ATTEMPT_TIMEOUT_S = 420
 BIN = os.path.dirname(sys.executable)
 TRAIN = os.path.join(ROOT, "examples", "gpt", "train_gpt.py")
-LOSE_DIR = os.path.join(ROOT, "benchmarks", "lose_node_dir.py")
+LOSE_DIR = os.path.join(ROOT, "benchmarks", "common", "lose_node_dir.py")
 RESILIENT = os.path.join(ROOT, "launch", "resilient.sh")
 RECOVERED = ("recompute", "predict")
 
@@ -352,7 +352,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="one run per scenario")
     p.add_argument("--repeats", type=int, help="runs per scenario (default 3; --quick: 1)")
-    p.add_argument("--json", help="write the results here")
+    p.add_argument("--json", help="write the results here (default, where no output is "
+                   "named: into benchmarks/results/NAME/)")
     p.add_argument("--out-dir", default=os.path.join(ROOT, "runs", "bench_multinode"),
                    help="the runs' directories and logs (emptied first)")
     p.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
@@ -385,7 +386,7 @@ def run_all(args, ssh_bin: Optional[str], no_ssh: Optional[str]) -> list[dict]:
 
 
 def main(argv=None) -> None:
-    args = parse_args(argv)
+    args = with_default_outputs(parse_args(argv), "bench_multinode")
     shutil.rmtree(args.out_dir, ignore_errors=True)
     os.makedirs(args.out_dir)
     started = time.monotonic()

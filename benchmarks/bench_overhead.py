@@ -1,8 +1,9 @@
 """The coordinator's overhead: training throughput with predictor work in the pipeline bubbles and without.
 
-    python benchmarks/bench_overhead.py [--quick] [--json PATH] [--plot PATH] [--out-dir DIR] [--pairs N] ...
-    python benchmarks/bench_overhead.py --quick --json benchmarks/results/bench_overhead_quick.json \\
-        --plot benchmarks/results/bench_overhead_quick.png | tee benchmarks/results/bench_overhead_quick.txt
+    python -m benchmarks.bench_overhead [--quick] [--json PATH] [--plot PATH] [--out-dir DIR] [--pairs N] ...
+    python -m benchmarks.bench_overhead --quick | tee benchmarks/results/bench_overhead/bench_overhead_quick.txt
+
+Without --json and --plot it writes both into benchmarks/results/bench_overhead/ (``_quick`` with --quick).
 
 The GPT of ``configs/gpt_tiny_cpu.json`` (4 layers, hidden 128, sequence 128), with
 ``--micro-batches`` (2) micro-batches of ``--micro-batch`` (64) sequences and ZeRO stage 1,
@@ -58,7 +59,7 @@ the base config's 8 sequences per micro-batch the bubbles are a few ms long.
   does not depend on it), ``recovery.mode`` predict with the default predictor, rank 1
   killed RECOVERY_KILL_AT iterations in and the job restarted; every rank of the restart
   measures its peak resident memory while ``recover`` runs (VmHWM reset before it;
-  ``benchmarks/overhead_job.py``). Per DP degree: the largest peak above the rank's memory
+  ``benchmarks/common/overhead_job.py``). Per DP degree: the largest peak above the rank's memory
   before recovery among stage 0's ranks, and per rank that peak over the rank's own share
   of the stage's state (the acceptance bound is the predictor's history + 2).
 """
@@ -75,12 +76,11 @@ import sys
 import time
 from collections import defaultdict
 
-from jobs import ROOT, finish_benchmark, tail  # noqa: E402  (first: it sets the jobs' environment)
+from benchmarks.common.jobs import finish_benchmark, tail  # noqa: E402  (first: it sets the jobs' environment)
 
-sys.path.insert(0, os.path.join(ROOT, "tests"))
-
-from conftest import JOB_ENV, finish, free_port, start  # noqa: E402
-from overhead_job import RECORD_DIR as MEMORY_DIR  # noqa: E402
+from benchmarks.common.overhead_job import RECORD_DIR as MEMORY_DIR  # noqa: E402
+from benchmarks.common.paths import ROOT, with_default_outputs  # noqa: E402
+from benchmarks.common.processes import JOB_ENV, finish, free_port, start  # noqa: E402
 
 from cpsr_ds.checkpoint.capture.journal import journal_path, read_journal  # noqa: E402
 from cpsr_ds.coordinator import read_records  # noqa: E402
@@ -89,8 +89,9 @@ from cpsr_ds.predictor import VITPPredictor  # noqa: E402
 from cpsr_ds.runlog import StateRow, held_out_errors, read_measurements  # noqa: E402
 
 BASE_CONFIG = os.path.join(ROOT, "configs", "gpt_tiny_cpu.json")
-TRAIN = os.path.join(ROOT, "examples", "gpt", "train_gpt.py")
-JOB = os.path.join(ROOT, "benchmarks", "overhead_job.py")
+TRAIN = (os.path.join(ROOT, "examples", "gpt", "train_gpt.py"),)
+# Run as a module (DeepSpeed's runner's --module: python -m, from the repository root, where start() runs it).
+JOB = ("--module", "benchmarks.common.overhead_job")
 DEEPSPEED = os.path.join(os.path.dirname(sys.executable), "deepspeed")
 HISTORY = 6
 LAYOUTS = ((2, 1), (4, 1), (4, 2))  # (PP, DP); the first is the headline
@@ -261,12 +262,13 @@ def ds_config(run_dir: str, stages: int, cpsr: dict, batch: tuple[int, int] | No
     return config
 
 
-def launch(base: str, name: str, config: dict, nprocs: int, iters: int, script: str = TRAIN) -> int:
-    """``script`` under ``deepspeed --num_gpus nprocs`` with ``config``, to ``iters``; the launcher's exit code."""
+def launch(base: str, name: str, config: dict, nprocs: int, iters: int, script: tuple = TRAIN) -> int:
+    """``script`` (a path, or --module and a module) under ``deepspeed --num_gpus nprocs`` with ``config``, to
+    ``iters``; the launcher's exit code."""
     path = os.path.join(base, f"{name}.json")
     with open(path, "w") as f:
         json.dump(config, f)
-    command = [DEEPSPEED, "--num_gpus", str(nprocs), "--master_port", str(free_port()), script,
+    command = [DEEPSPEED, "--num_gpus", str(nprocs), "--master_port", str(free_port()), *script,
                "--deepspeed_config", path, "--train-iters", str(iters), "--eval-interval", str(iters),
                "--log-interval", str(iters),
                # The fewest validation sequences train_gpt takes: it evaluates only at the start and the end.
@@ -481,7 +483,8 @@ def plot(result: dict, path: str) -> None:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer pairs and iterations (within 8 minutes on 2 cores)")
-    p.add_argument("--json", help="write the results here")
+    p.add_argument("--json", help="write the results here (default, where no output is "
+                   "named: into benchmarks/results/NAME/)")
     p.add_argument("--plot", help="write Fig. 10 (bubble and predictor time per stage and iteration) here (PNG)")
     p.add_argument("--out-dir", default=os.path.join(ROOT, "runs", "bench_overhead"),
                    help="the runs' directories and logs (emptied first)")
@@ -513,7 +516,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> None:
-    args = parse_args(argv)
+    args = with_default_outputs(parse_args(argv), "bench_overhead", plot=True)
     shutil.rmtree(args.out_dir, ignore_errors=True)
     os.makedirs(args.out_dir)
     started = time.monotonic()

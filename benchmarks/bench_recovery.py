@@ -1,8 +1,11 @@
 """Recovery cost of every method, by DESIGN.md's protocol: the lag behind the reference.
 
-    python benchmarks/bench_recovery.py [--quick] [--json PATH] [--plot PATH] [--data DIR]
+    python -m benchmarks.bench_recovery [--quick] [--json PATH] [--plot PATH] [--data DIR]
         [--num-layers L --hidden-size H --num-attention-heads A --seq-length S] [--seeds N] ...
-    python benchmarks/bench_recovery.py --merge A.json B.json ... [--json PATH] [--plot PATH]
+    python -m benchmarks.bench_recovery --merge A.json B.json ... [--json PATH] [--plot PATH]
+
+Without --json and --plot it writes both into benchmarks/results/bench_recovery/
+(``bench_recovery[_LAYOUTS][_quick]``; no plot for --layouts).
 
 A run can be split by seed across processes or machines (``--first-seed``, ``--seeds``)
 and the parts summarised together with ``--merge``; where parts hold the same case (seed,
@@ -75,9 +78,8 @@ import os
 import re
 import shutil
 import statistics
-import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 import torch
 
@@ -85,9 +87,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import deepspeed  # noqa: E402
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 import cpsr_ds  # noqa: E402
 from cpsr_ds.planning import cost_model# noqa: E402
@@ -101,9 +100,15 @@ from examples.gpt.corpus import Batches, load_corpus  # noqa: E402
 from examples.gpt.model import GPTConfig, gpt_pipeline  # noqa: E402
 from cpsr_ds.plugin import Runtime  # noqa: E402
 from cpsr_ds.recovery import engine_state, new_predictor  # noqa: E402
-from benchmarks.common.lag import Unmeasurable, lag_at, late_lag, transient  # noqa: E402
+from benchmarks.common.lag import Unmeasurable, lag_at  # noqa: E402
 from benchmarks.common.lag import summarize as summarize_values  # noqa: E402
 from cpsr_ds.planning.fitter import fit_curve  # noqa: E402
+
+from benchmarks.common import recovery_jobs  # noqa: E402
+from benchmarks.common.paths import ROOT, with_default_outputs  # noqa: E402
+from benchmarks.common.recovery_cases import (  # noqa: E402
+    Case, ds_config, estimate, evaluation_points, failures, interval, pct, print_cases, recomputed,
+    reduction_summary, reference_fit)
 
 PREDICTORS = tuple(predictor.PREDICTORS)
 NEVER = 10**9  # a checkpoint interval that never comes: recovered runs write no checkpoints
@@ -116,42 +121,12 @@ END_FIT_FROM = 0.4
 NEEDS_TRAINING = {"vitp": "vitp's held-out error needs a trained network at every checkpoint"}
 
 
-@dataclass
-class Case:
-    seed: int
-    method: str
-    Tc: int
-    c: int
-    d: int
-    # The lag fields are None where the lag is unmeasurable.
-    lag_iters: float | None  # the protocol's estimate, the primary figure
-    reduction: float | None  # 1 - lag_iters / d
-    lag_paired_iters: float | None  # paired with the reference's deviation at the same iteration (lag.lag_at)
-    reduction_paired: float | None
-    gap_after_restore: float  # validation loss right after restoring minus the reference's at f
-    transient_iters: int | None
-    window_end_excess: float  # (recovered - reference) / reference validation loss at f + 4d
-    decision: str = ""
-    final_loss_excess: float | None = None  # the same at the end of training (the default's runs go on to it)
-    curve: dict = field(default_factory=dict)  # k -> validation loss
-    unmeasurable: str = ""  # why there is no lag (Unmeasurable.kind); "" where there is one
-    unmeasurable_reason: str = ""  # the same in full
-    # A predicting case's cost-model check: "estimates" (model -> lag or None), "reasons" (why None),
-    # "inputs" (the paper model's fits, or why it has none); {} where the method did not predict.
-    cost_model: dict = field(default_factory=dict)
-    # Multi-process layouts (recovery_jobs.py): seconds from launching the restart to its first step, the bytes
-    # recovery read on every rank together, c's size, and the iterations between f and the resume iteration.
-    restart_s: float | None = None
-    bytes_read: int | None = None
-    checkpoint_bytes: int | None = None
-    lost: int | None = None
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="T_c = 50 only, 10 vitp steps, the default's runs stop at f + 4d "
                    "(within 15 minutes on 2 cores)")
-    p.add_argument("--json", help="write the results here")
+    p.add_argument("--json", help="write the results here (default, where no output is "
+                   "named: into benchmarks/results/NAME/)")
     p.add_argument("--plot", help="write the validation curves around each failure here (PNG)")
     p.add_argument("--data", help="corpus directory (default: the Python standard library's sources)")
     p.add_argument("--out-dir", default=os.path.join(ROOT, "runs", "bench_recovery"))
@@ -170,7 +145,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--methods", nargs="+", default=list(PREDICTORS))
     p.add_argument("--layouts", nargs="+", choices=["pp2", "dp2", "pp2dp2", "crash"],
                    help="instead of the single-process methods: real multi-process jobs killed and restarted "
-                   "(benchmarks/recovery_jobs.py)")
+                   "(benchmarks/common/recovery_jobs.py)")
     p.add_argument("--cost-model", action=argparse.BooleanOptionalAction, default=True,
                    help="check the recovery cost models against the lags (their inputs load up to 8 checkpoints "
                    "before each failure)")
@@ -192,21 +167,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.intervals_per_run < 20:
         p.error("--intervals-per-run must be at least 20")
     return args
-
-
-def ds_config(args, run_dir: str, interval: int, train_iters: int, cpsr: dict) -> dict:
-    with open(args.config) as f:
-        config = json.load(f)
-    config.pop("gpt", None)
-    config.update(train_micro_batch_size_per_gpu=args.micro_batch, gradient_accumulation_steps=1)
-    # GPT training decays the learning rate, and a run that ends at a low rate is what a
-    # user's final validation loss is measured on.
-    warmup = config.get("scheduler", {}).get("params", {}).get("warmup_num_steps", 0)
-    config["scheduler"] = {"type": "WarmupCosineLR", "params": {
-        "total_num_steps": train_iters, "warmup_num_steps": warmup, "cos_min_ratio": args.cos_min_ratio}}
-    config["pipeline"] = {"stages": 1}
-    config["cpsr"] = {"checkpoint": {"dir": run_dir, "interval": interval, "keep_last": 10**6}, **cpsr}
-    return config
 
 
 class Seed:
@@ -311,13 +271,6 @@ def one_reference(out_dir: str, port: str, extra_failures=()) -> Seed:
     return seed
 
 
-def evaluation_points(d: int) -> list[int]:
-    """k after the restart: right after restoring, through the transient, and 5 over the late window."""
-    early = [0, max(1, d // 2), d]
-    late = [int(round(2 * d + j * 2 * d / 4)) for j in range(5)]
-    return sorted(set(early + late))
-
-
 def verify_recompute(seed: Seed, c: int, d: int) -> bool:
     """RB-R is the reference from c on: recompute c..f + 2 and compare the journaled losses."""
     f = c + d
@@ -328,31 +281,6 @@ def verify_recompute(seed: Seed, c: int, d: int) -> bool:
     got = {e.iteration: e.loss for e in read_journal(journal_path(run_dir, 0)) if e.iteration > c}
     got = {i: got[i] for i in range(c + 1, f + 3)}
     return all(abs(got[i] - seed.ref_losses[i]) <= 1e-6 * abs(seed.ref_losses[i]) for i in got)
-
-
-def recomputed(seed: int, method: str, Tc: int, c: int, d: int, decision: str) -> Case:
-    """RB-R's cost is d by construction (the recomputed run is the reference)."""
-    return Case(seed, method, Tc, c, d, float(d), 0.0, float(d), 0.0, 0.0, 0, 0.0, decision, 0.0)
-
-
-def reference_fit(eval_every: int, reference: dict, Tc: int, c: int, d: int):
-    """The reference's validation curve fitted over a span around a failure at c + d."""
-    its, losses = zip(*sorted(reference.items()))
-    return fit_curve(its, losses, lo=max(eval_every, c - 2 * Tc), hi=c + 5 * d + Tc)
-
-
-def estimate(fit, f: int, d: int, curve: dict[int, float], reference: dict[int, float], margin: float) -> dict:
-    """A case's lag fields from a recovered run's validation ``curve`` (k -> loss); None and the reason where
-    the lag is unmeasurable."""
-    try:
-        lag = late_lag(fit, f, d, curve, margin)
-        paired = late_lag(fit, f, d, curve, margin, reference=reference)
-    except Unmeasurable as why:
-        return dict(lag_iters=None, reduction=None, lag_paired_iters=None, reduction_paired=None,
-                    transient_iters=None, unmeasurable=why.kind, unmeasurable_reason=str(why))
-    return dict(lag_iters=lag, reduction=1.0 - lag / d, lag_paired_iters=paired, reduction_paired=1.0 - paired / d,
-                transient_iters=transient(fit, f, d, curve, paired, margin, reference=reference),
-                unmeasurable="", unmeasurable_reason="")
 
 
 def measure(seed: Seed, fit, method: str, cpsr: dict, c: int, d: int, margin: float, to_end: bool = False) -> Case:
@@ -370,11 +298,6 @@ def measure(seed: Seed, fit, method: str, cpsr: dict, c: int, d: int, margin: fl
     return Case(seed.seed, method, Tc, c, d, **estimate(fit, f, d, curve, ref, margin),
                 gap_after_restore=curve[0] - ref[f], window_end_excess=excess(f + 4 * d), decision=report.describe(),
                 final_loss_excess=excess(end) if to_end else None, curve=curve)
-
-
-def failures(args, Tc: int) -> list[tuple[int, int]]:
-    """(c, d): failures at 25/50/75 % of training, d in {T_c/2, T_c - 1}."""
-    return [(int(round(share * args.intervals_per_run)) * Tc, d) for share in (0.25, 0.5, 0.75) for d in (Tc // 2, Tc - 1)]
 
 
 def run(args, seed_class=Seed, on_cases=lambda cases: None) -> dict:
@@ -485,37 +408,6 @@ def measure_failure(args, seed: Seed, c: int, d: int) -> list[Case]:
     here.append(default)
     print_cases(here)
     return here
-
-
-def print_cases(cases) -> None:
-    for case in cases:
-        lag = (f"lag unmeasurable ({case.unmeasurable})" if case.unmeasurable else
-               f"lag {case.lag_iters:6.1f} (paired {case.lag_paired_iters:6.1f})")
-        transient_iters = "-" if case.transient_iters is None else case.transient_iters
-        print(f"  seed {case.seed} Tc {case.Tc:4d} c {case.c:5d} d {case.d:3d} {case.method:10s} {lag} "
-              f"gap {case.gap_after_restore:+.4f} transient {transient_iters:>4} at f+4d {case.window_end_excess:+.3%}"
-              + ("" if case.final_loss_excess is None else f" at the end {case.final_loss_excess:+.3%}")
-              + ("" if case.curve else f" | {case.decision}")
-              + (f" | {case.unmeasurable_reason}" if case.unmeasurable else ""), flush=True)
-
-
-def reduction_summary(cases, field: str) -> dict:
-    """The summary of the reductions in ``field`` (lag.summarize), with the 95 % interval's half-width
-    (in units of d: the mean lag/d's too)."""
-    out = summarize_values([getattr(c, field) for c in cases if not c.unmeasurable],
-                           [c.unmeasurable for c in cases if c.unmeasurable])
-    lo, hi = out["ci95"] or (None, None)
-    out["half"] = None if lo is None else (hi - lo) / 2 if math.isfinite(hi) else math.inf
-    return out
-
-
-def pct(value: float | None, width: int, spec: str = ".1%") -> str:
-    return f"{'-':>{width}s}" if value is None else f"{value:{width}{spec}}"
-
-
-def interval(summary: dict) -> str:
-    lo, hi = summary["ci95"] or (None, None)
-    return f"{pct(summary['mean'], 7)} [{pct(lo, 7)}, {pct(hi, 7)}] {pct(summary['half'], 6)}"
 
 
 def end_excess(rows) -> str:
@@ -773,11 +665,10 @@ def reestimate(case: dict, curves: dict, references: dict, eval_every: int) -> C
 def main(argv=None, **run_options) -> None:
     """``run_options``: :func:`run`'s."""
     args = parse_args(argv)
+    args = with_default_outputs(args, "bench_recovery", "_".join(args.layouts or []), plot=not args.layouts)
     if args.merge:
         result = merge(args)
     elif args.layouts:
-        import recovery_jobs
-
         start = time.time()
         result = recovery_jobs.summarize(args, recovery_jobs.run(args))
         result["seconds"] = time.time() - start

@@ -61,14 +61,14 @@ Invalid state and failed restarts:
   stops with an error naming ``checkpoint.dir`` and the path; a NUL byte in
   ``checkpoint.survivor_dir`` is refused by the config check naming the key.
 
-    python benchmarks/chaos.py [--trials N] [--faults a,b] [--seed S] [--json PATH [--resume]] [--out-dir DIR]
+    python -m benchmarks.chaos [--trials N] [--faults a,b] [--seed S] [--json PATH] [--resume] [--out-dir DIR]
 
 Each job runs in a child forked from this process (imports done once), so a trial
 costs seconds; ``clean_end`` starts real processes through DeepSpeed's launcher, which a
 clean end's teardown needs. ``full_disk`` and the read-only ``checkpoint.dir`` need root to
 mount, ``planted_root`` and ``foreign_lock`` root to act as the second user; without it they
-are reported as skipped, with the reason. The JSON is rewritten after every trial; ``--resume``
-keeps its trials and runs the rest.
+are reported as skipped, with the reason. The JSON (default benchmarks/results/chaos/chaos.json) is rewritten
+after every trial; ``--resume`` keeps its trials and runs the rest.
 """
 
 from __future__ import annotations
@@ -94,12 +94,12 @@ import time
 import traceback
 from typing import Iterator
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from jobs import JOB_TIMEOUT_S, ROOT, Child, Hang, free_port, tail  # noqa: E402  (first: it sets the jobs' environment)
+from benchmarks.common.jobs import JOB_TIMEOUT_S, Child, Hang, tail  # noqa: E402  (first: it sets the jobs' environment)
 
 import torch  # noqa: E402
-import train_gpt  # noqa: E402
+from benchmarks.common.paths import ROOT, result_path  # noqa: E402
+from benchmarks.common.processes import free_port  # noqa: E402
+from examples.gpt import train_gpt  # noqa: E402
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo  # noqa: E402
 
 from cpsr_ds import rundir  # noqa: E402
@@ -1368,8 +1368,8 @@ def main(argv=None) -> int:
     p.add_argument("--trials", type=int, default=12, help="trials per fault (12 x 18 faults: 216)")
     p.add_argument("--faults", default=",".join(FAULTS), help="comma-separated subset of: " + ", ".join(FAULTS))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, help="write the results here after every trial "
-                   "(e.g. benchmarks/results/chaos.json)")
+    p.add_argument("--json", default=result_path("chaos", "json"), help="write the results here after every trial "
+                   "(default: benchmarks/results/chaos/chaos.json)")
     p.add_argument("--resume", action="store_true", help="keep the trials the --json file already holds and run "
                    "the rest (a campaign that was cut short)")
     p.add_argument("--out-dir", default="/tmp/cpsr-chaos")
@@ -1378,9 +1378,7 @@ def main(argv=None) -> int:
     unknown = sorted(set(faults) - set(FAULTS))
     if unknown:
         p.error(f"unknown faults {unknown}; choose from {', '.join(FAULTS)}")
-    if args.resume and not args.json:
-        p.error("--resume needs --json")
-    command = "python benchmarks/chaos.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m benchmarks.chaos " + " ".join(argv if argv is not None else sys.argv[1:])
     earlier = {}
     if args.resume and os.path.exists(args.json):
         with open(args.json) as f:

@@ -1,8 +1,8 @@
 """Each checkpoint's training slowdown at one fixed interval, by strategy and with cpsr's predictor work on and off:
 where bench_ftcost's checkpoint cost (T_s summed, Eq. 1) comes from.
 
-    python benchmarks/checkpoint_slowdown.py [--interval 18] [--interval-of VARIANT=N ...] [--rounds 4] \\
-        [--iters 1200] [--json PATH] | tee benchmarks/results/checkpoint_slowdown.txt
+    python -m benchmarks.checkpoint_slowdown [--interval 18] [--interval-of VARIANT=N ...] [--rounds 4] \\
+        [--iters 1200] [--json PATH] | tee benchmarks/results/checkpoint_slowdown/checkpoint_slowdown.txt
 
 bench_ftcost's model, storage limit (``write_mbps`` from its warm-up, or ``--write-mbps``) and jobs: every variant
 trains ``--iters`` iterations without failures, checkpointing every ``--interval`` iterations (``--interval-of``: a
@@ -35,14 +35,12 @@ import json
 import os
 import shutil
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchmarks.common.jobs import Child, finish_benchmark  # noqa: E402  (first: it sets the jobs' environment)
 
-from jobs import ROOT, Child, finish_benchmark  # noqa: E402  (first: it sets the jobs' environment)
-
-import bench_ftcost  # noqa: E402
+from benchmarks import bench_ftcost  # noqa: E402
+from benchmarks.common.paths import ROOT, with_default_outputs  # noqa: E402
 from cpsr_ds import plugin  # noqa: E402
 from benchmarks.common.lag import summarize  # noqa: E402
 
@@ -204,7 +202,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> None:
-    args = parse_args(argv)
+    args = with_default_outputs(parse_args(argv), "checkpoint_slowdown")
     start = time.time()
     measured = run_all(args)
     result = summarize_runs(measured["runs"], args, measured["write_mbps"])

@@ -1,7 +1,7 @@
 """How far apart the final validation losses of two runs that differ only by a small perturbation end up: the noise
 floor under ``bench_ftcost``'s end-of-training lag and ``bench_recovery``'s end_of_training table.
 
-    python benchmarks/divergence_floor.py [--json PATH] [--eps 1e-6 1e-3] [--at 500 1000]
+    python -m benchmarks.divergence_floor [--json PATH] [--eps 1e-6 1e-3] [--at 500 1000]
 
 ``bench_recovery``'s reference (seed 1000, T_c 50, 40 intervals: 2000 iterations, its corpus, model and learning
 rate schedule) is trained once. For each checkpoint c in ``--at`` and each relative size eps, the product's
@@ -15,20 +15,19 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchmarks.common.jobs import finish_benchmark  # noqa: E402  (first: it sets the jobs' environment)
 
-from jobs import finish_benchmark  # noqa: E402  (first: it sets the jobs' environment)
-
-import bench_recovery as br  # noqa: E402
+from benchmarks import bench_recovery as br  # noqa: E402
+from benchmarks.common.paths import with_default_outputs  # noqa: E402
 import torch  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--json", help="write the results here")
+    p.add_argument("--json", help="write the results here (default, where no output is "
+                   "named: into benchmarks/results/NAME/)")
     p.add_argument("--eps", type=float, nargs="+", default=[1e-6, 1e-3], help="relative perturbation sizes")
     p.add_argument("--at", type=int, nargs="+", default=[500, 1000], help="checkpoints perturbed (multiples of 50)")
     p.add_argument("--out-dir", default=os.path.join(br.ROOT, "runs", "divergence_floor"))
@@ -43,7 +42,7 @@ def perturb(engine, eps: float, seed: int) -> None:
 
 
 def main(argv=None) -> None:
-    args = parse_args(argv)
+    args = with_default_outputs(parse_args(argv), "divergence_floor")
     start = time.time()
     seed = br.one_reference(args.out_dir, "29561")
     end = seed.train_iters

@@ -1,7 +1,7 @@
 """What a predicting recovery early in training costs at the end of it: one failure, several recoveries, each trained
 on to the end of training, its final validation loss against the reference's.
 
-    python benchmarks/early_prediction.py [--json PATH] [--c 500] [--d 25]
+    python -m benchmarks.early_prediction [--json PATH] [--c 500] [--d 25]
 
 ``bench_recovery``'s reference (seed 1000, T_c 50, 40 intervals: 2000 iterations under warmup and a cosine decay to
 10 % of the peak learning rate) fails at f = c + d; the product's recovery (``recovery.mode: predict``) restores it
@@ -19,14 +19,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchmarks.common.jobs import finish_benchmark  # noqa: E402  (first: it sets the jobs' environment)
 
-from jobs import finish_benchmark  # noqa: E402  (first: it sets the jobs' environment)
-
-import bench_recovery as br  # noqa: E402
+from benchmarks import bench_recovery as br  # noqa: E402
+from benchmarks.common.paths import with_default_outputs  # noqa: E402
 
 VARIANTS = {
     "trend": {"name": "trend"},
@@ -38,7 +36,8 @@ VARIANTS = {
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--json", help="write the results here")
+    p.add_argument("--json", help="write the results here (default, where no output is "
+                   "named: into benchmarks/results/NAME/)")
     p.add_argument("--c", type=int, default=500, help="the last checkpoint before the failure (a multiple of 50)")
     p.add_argument("--d", type=int, default=25, help="iterations from c to the failure")
     p.add_argument("--out-dir", default=os.path.join(br.ROOT, "runs", "early_prediction"))
@@ -46,7 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> None:
-    args = parse_args(argv)
+    args = with_default_outputs(parse_args(argv), "early_prediction")
     start = time.time()
     c, d = args.c, args.d
     f, window_end = c + d, c + 5 * d

@@ -1,7 +1,7 @@
 """What resuming from the parameters of the checkpoint in flight costs at the end of training: the in-flight source
 (``cpsr_ds.recovery.sources.in_flight``) trained on to the end, its final validation loss against the reference's.
 
-    python benchmarks/in_flight_cost.py [--json PATH] [--pairs 50:100 450:500 950:1000]
+    python -m benchmarks.in_flight_cost [--json PATH] [--pairs 50:100 450:500 950:1000]
 
 ``bench_recovery``'s reference (seed 1000, T_c 50, 40 intervals: 2000 iterations under warmup and a cosine decay to
 10 % of the peak learning rate) is trained once. For each pair c:c' the product's recovery restores checkpoint c
@@ -17,20 +17,19 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchmarks.common.jobs import finish_benchmark  # noqa: E402  (first: it sets the jobs' environment)
 
-from jobs import finish_benchmark  # noqa: E402  (first: it sets the jobs' environment)
-
-import bench_recovery as br  # noqa: E402
+from benchmarks import bench_recovery as br  # noqa: E402
+from benchmarks.common.paths import with_default_outputs  # noqa: E402
 from cpsr_ds.recovery.sources import in_flight  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--json", help="write the results here")
+    p.add_argument("--json", help="write the results here (default, where no output is "
+                   "named: into benchmarks/results/NAME/)")
     p.add_argument("--pairs", nargs="+", default=["50:100", "450:500", "950:1000"],
                    help="c:c', the committed checkpoint and the one in flight (multiples of 50)")
     p.add_argument("--out-dir", default=os.path.join(br.ROOT, "runs", "in_flight_cost"))
@@ -51,7 +50,7 @@ def resume_in_flight(seed: br.Seed, c: int, ahead: int) -> None:
 
 
 def main(argv=None) -> None:
-    args = parse_args(argv)
+    args = with_default_outputs(parse_args(argv), "in_flight_cost")
     start = time.time()
     pairs = [tuple(int(x) for x in pair.split(":")) for pair in args.pairs]
     seed = br.one_reference(args.out_dir, "29591")

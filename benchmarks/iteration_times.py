@@ -10,7 +10,7 @@ prints each strategy's mean, and cpsr's against the better of checkfreq and pcch
 per trace as bench_ftcost pairs T_l. The strategies' runs evaluate at the same iterations; the
 failure-free reference evaluates over a longer span, so its mean is not comparable and is left out.
 
-    python benchmarks/iteration_times.py OUT_DIR    (bench_ftcost's --out-dir, its manifest.json)
+    python -m benchmarks.iteration_times OUT_DIR    (bench_ftcost's --out-dir, its manifest.json)
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import json
 import os
 import statistics
 
-import bench_ftcost as bench
+from benchmarks import bench_ftcost as bench
 from benchmarks.common.lag import summarize
 
 BASELINES = ("checkfreq", "pccheck")

@@ -1,47 +1,28 @@
+"""What every tier shares: the repository's root, each test's process state reset, a fresh directory in shared
+memory, the tiny GPT trained on random tokens, and a multi-process job launched as a user launches one.
+
+Helpers and fixtures that only some modules share are in ``support/``; the tiny GPT's config and the processes a
+test starts by hand are the benchmarks' too (``benchmarks.common.processes``)."""
+
 import base64
-import contextlib
 import glob
-import importlib.util
 import json
 import os
 import pathlib
 import re
-import signal
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 
 import pytest
+
+from benchmarks.common.processes import TEST_MODEL, free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 # Every job's processes share the machine's cores: one thread each (the ranks inherit it).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-sys.path.insert(0, ROOT)
-# Tests share fixtures across tiers by importing each other's modules.
-for _tier in ("unit", "jobs", "benchmarks"):
-    sys.path.insert(0, os.path.join(ROOT, "tests", _tier))
-
-# What every process of a multi-process job started by hand needs.
-JOB_ENV = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": "1"}
-
-# Small enough that a 2-process run takes seconds, big enough to learn something.
-TEST_MODEL = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 64}
-
-
-def load_benchmark(name: str):
-    """``benchmarks/<name>.py`` as a module (the benchmarks directory on the import path, for their own imports)."""
-    benchmarks = os.path.join(ROOT, "benchmarks")
-    if benchmarks not in sys.path:
-        sys.path.insert(0, benchmarks)
-    spec = importlib.util.spec_from_file_location(name, os.path.join(benchmarks, f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(autouse=True)
@@ -68,12 +49,6 @@ def shm_path(tmp_path):
         shutil.rmtree(path, ignore_errors=True)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def train_on_random_tokens(engine, iterations: int) -> None:
     """``iterations`` of the tiny GPT (TEST_MODEL) on random tokens, inputs as labels: the same for every engine."""
     import torch
@@ -86,17 +61,6 @@ def train_on_random_tokens(engine, iterations: int) -> None:
     for _ in range(iterations):
         engine.train_batch(iter([(torch.randint(0, gpt.vocab_size, shape, generator=gen),) * 2
                                  for _ in range(engine.gradient_accumulation_steps())]))
-
-
-def tiny_config(run_dir, stages=2, zero_stage=0, **cpsr) -> dict:
-    with open(os.path.join(ROOT, "configs", "gpt_tiny_cpu.json")) as f:
-        config = json.load(f)
-    config.update(train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=2)
-    config["pipeline"] = {"stages": stages}
-    config["zero_optimization"] = {"stage": zero_stage}
-    config["gpt"] = dict(TEST_MODEL)
-    config["cpsr"] = {"checkpoint": {"dir": str(run_dir), "interval": 10}, **cpsr}
-    return config
 
 
 def run_job(tmp_path, config: dict, *args, supervised: bool = False, nprocs: int = 2, timeout: int = 300,
@@ -133,73 +97,3 @@ def run_job(tmp_path, config: dict, *args, supervised: bool = False, nprocs: int
 def probe_rows(stdout: str) -> list[dict]:
     """tests/jobs/end_probe.py's row of each rank (another rank's unfinished line may run into it)."""
     return [json.loads(row) for row in re.findall(r"probe (\{[^{}]*\})", stdout)]
-
-
-def start(command, log_path, env):
-    """``command`` in a session of its own (so that :func:`finish` can kill all it started), output to ``log_path``."""
-    with open(log_path, "w") as out:
-        return subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-
-
-def finish(procs, timeout_s):
-    """Wait for every process; on a timeout, or once done, kill what is left of each one's process group."""
-    deadline = time.monotonic() + timeout_s
-    try:
-        for proc in procs:
-            proc.wait(max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for proc in procs:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
-    return [proc.returncode for proc in procs]
-
-
-def kill_tagged(tag: str) -> None:
-    """SIGKILL the processes whose environment holds ``CPSR_LAUNCH_TEST=tag``: remote launchers and ranks started
-    over ssh, in sessions of their own."""
-    needle = f"CPSR_LAUNCH_TEST={tag}".encode()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if needle in f.read().split(b"\0"):
-                    os.kill(int(pid), signal.SIGKILL)
-        except (OSError, PermissionError):
-            pass
-
-
-class NoLoopbackSsh(Exception):
-    """Nothing here can serve a launch over ssh (no pdsh, no sshd); the message says what is missing."""
-
-
-@contextlib.contextmanager
-def loopback_ssh(directory: pathlib.Path):
-    """node0 and node1 served by an sshd on 127.0.0.1 (launch/loopback_ssh.sh) for the block; yields ``directory``,
-    whose bin/ holds the ssh to put first on PATH. Raises NoLoopbackSsh where pdsh or sshd is missing."""
-    if shutil.which("pdsh") is None:
-        raise NoLoopbackSsh("pdsh is not installed (apt-get install pdsh): DeepSpeed's multi-node runner launches over it")
-    sshd = subprocess.Popen([os.path.join(ROOT, "launch", "loopback_ssh.sh"), str(directory), str(free_port())],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-    ssh = [str(directory / "bin" / "ssh"), "node1", "true"]
-    try:
-        deadline = time.monotonic() + 20
-        while True:
-            if sshd.poll() is not None:
-                reason = sshd.stderr.read().decode().strip()
-                if sshd.returncode == 3:
-                    raise NoLoopbackSsh(f"no sshd to serve the nodes over ssh: {reason}")
-                raise RuntimeError(f"launch/loopback_ssh.sh exited with {sshd.returncode}: {reason}")
-            if (directory / "bin" / "ssh").exists() and subprocess.run(ssh, capture_output=True, timeout=10).returncode == 0:
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError("sshd on 127.0.0.1 did not accept the key of launch/loopback_ssh.sh within 20 s")
-            time.sleep(0.2)
-        yield directory
-    finally:
-        os.killpg(sshd.pid, signal.SIGTERM)
-        sshd.wait(10)

@@ -1,6 +1,6 @@
 """Predicting-based recovery at GPT2-0.35B's shape on one GPU: bench_recovery's protocol, cut to fit a 64 GB disk.
 
-    python benchmarks/gpu/recovery.py --json PATH --no-cost-model [bench_recovery's options]
+    python -m benchmarks.gpu.recovery --json PATH --no-cost-model [bench_recovery's options]
 
 A reference of K = 20 intervals writes 20 checkpoints; at GPT2-0.35B's size (bf16, fp32 masters and Adam, ZeRO-1)
 each holds 4.2 GB, 84 GB in all. So the reference deletes each committed checkpoint that no recovery reads (every
@@ -17,11 +17,8 @@ import dataclasses
 import json
 import os
 import shutil
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import bench_recovery  # noqa: E402
+from benchmarks import bench_recovery
 from cpsr_ds.checkpoint.storage.store import list_checkpoints  # noqa: E402
 from cpsr_ds.config import PredictorConfig  # noqa: E402
 

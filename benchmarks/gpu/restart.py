@@ -1,6 +1,6 @@
 """Restart after an injected failure, and the predictor's GPU memory while training (the paper's Fig. 11).
 
-    python benchmarks/gpu/restart.py --json PATH [--config configs/gpt2_0.35b.json] [--toy] ...
+    python -m benchmarks.gpu.restart --json PATH [--config configs/gpt2_0.35b.json] [--toy] ...
 
 Two runs of ``examples/gpt/train_gpt.py``'s job, one process each (PP = DP = 1), in a run
 directory of their own: the first trains with a checkpoint every ``--interval``
@@ -31,7 +31,6 @@ import functools
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,9 +38,8 @@ import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
-
+from benchmarks.common.paths import ROOT
+from benchmarks.common.processes import free_port
 from cpsr_ds.config import PredictorConfig  # noqa: E402
 TRAIN = os.path.join(ROOT, "examples", "gpt", "train_gpt.py")
 PREDICTOR_WORK = ("observe", "step", "validation_error", "state_dict")
@@ -116,8 +114,7 @@ def job() -> None:
     from cpsr_ds.recovery import decision
     from cpsr_ds.recovery.sources import checkpoint
 
-    sys.path.insert(0, os.path.join(ROOT, "examples", "gpt"))
-    import train_gpt
+    from examples.gpt import train_gpt
 
     out = os.environ["RESTART_PROBE_OUT"]
     entered = time.time()
@@ -179,18 +176,12 @@ def job_config(args, run_dir: str) -> dict:
     return config
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_job(args, config_path: str, out: str) -> subprocess.CompletedProcess:
     """One process as DeepSpeed's launcher would start it (one GPU holds one NCCL rank)."""
     env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(free_port()), RESTART_PROBE_OUT=out, PYTHONUNBUFFERED="1",
                RESTART_LAUNCHED_AT=repr(time.time()))
-    command = [sys.executable, os.path.abspath(__file__), "--deepspeed_config", config_path,
+    command = [sys.executable, "-m", "benchmarks.gpu.restart", "--deepspeed_config", config_path,
                "--train-iters", str(args.kill_at + 10), "--eval-interval", str(10**6), "--valid-sequences", "16"]
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
 

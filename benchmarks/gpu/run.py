@@ -1,6 +1,6 @@
 """Every GPU measurement, in parts that each fit one 10-minute command; see run.sh for how to run it.
 
-    python benchmarks/gpu/run.py OUT_DIR [--toy | --dry-run] [--part 1|2|3|quick|all]
+    python -m benchmarks.gpu.run OUT_DIR [--toy | --dry-run] [--part 1|2|3|quick|all]
 
 Each measurement writes OUT_DIR/NAME.json (its results) and OUT_DIR/NAME.txt (its
 output, tables included); one whose JSON exists is skipped, so that a part cut short
@@ -99,7 +99,7 @@ def python() -> list[str]:
 
 def checkpoint_command(state: str, prefix: str):
     def command(k: dict, out: str, mode: str, scratch: str) -> list[str]:
-        return [*python(), "benchmarks/bench_checkpoint.py", "--states", state,
+        return [*python(), "-m", "benchmarks.bench_checkpoint", "--states", state,
                 "--strategies", *k[f"{prefix}_STRATEGIES"].split(),
                 "--repeats", k[f"{prefix}_REPEATS"], "--micro-batch", k[f"{prefix}_MICRO"],
                 "--grad-accum", k[f"{prefix}_ACCUM"], "--dir", scratch,
@@ -131,7 +131,7 @@ def pytest_summary(result: dict) -> str:
 
 
 def restart_command(k: dict, out: str, mode: str, scratch: str) -> list[str]:
-    return [*python(), "benchmarks/gpu/restart.py", "--json", os.path.join(out, "restart_gpt2_0.35b.json"),
+    return [*python(), "-m", "benchmarks.gpu.restart", "--json", os.path.join(out, "restart_gpt2_0.35b.json"),
             "--micro-batch", k["RESTART_MICRO"], "--interval", k["RESTART_INTERVAL"], "--kill-at", k["RESTART_KILL_AT"],
             "--dir", scratch, *(["--toy"] if mode != "full" else [])]
 
@@ -154,10 +154,10 @@ def footprint_summary(result: dict) -> str:
             f"{result['predict_output_mib']} MiB output; step {result['train_step_s']} s, predict {result['predict_s']} s")
 
 
-def recovery_command(prefix: str, script: str, config: str, name: str, *options: str):
-    """bench_recovery's --quick protocol, run by ``script`` (it or a driver of it), with the knobs ``prefix``_*."""
+def recovery_command(prefix: str, module: str, config: str, name: str, *options: str):
+    """bench_recovery's --quick protocol, run by ``module`` (it or a driver of it), with the knobs ``prefix``_*."""
     def command(k: dict, out: str, mode: str, scratch: str) -> list[str]:
-        return [*python(), script, "--quick", "--config", config, "--intervals", k[f"{prefix}_TC"],
+        return [*python(), "-m", module, "--quick", "--config", config, "--intervals", k[f"{prefix}_TC"],
                 "--intervals-per-run", "20", "--seeds", k[f"{prefix}_SEEDS"], "--methods", "trend",
                 "--num-layers", k[f"{prefix}_LAYERS"], "--hidden-size", k[f"{prefix}_HIDDEN"],
                 "--num-attention-heads", k[f"{prefix}_HEADS"], "--seq-length", k[f"{prefix}_SEQ"],
@@ -210,13 +210,13 @@ MEASUREMENTS = (
     Measurement("coordinator_test", ("2", "quick"), pytest_command("tests/jobs/test_coordinator_cuda.py"), 150,
                 pytest_summary, pytest=True),
 
-    Measurement("recovery_bench", ("3",), recovery_command("RECOVERY", "benchmarks/bench_recovery.py",
+    Measurement("recovery_bench", ("3",), recovery_command("RECOVERY", "benchmarks.bench_recovery",
                                                       "configs/gpt_gpu_recovery.json", "recovery_bench"),
                 420, recovery_bench_summary),
     Measurement("predictor_footprint", ("3",), footprint_command, 150, footprint_summary, stdout_json=True),
     Measurement("restart_gpt2_0.35b", ("3",), restart_command, 240, restart_summary),
     Measurement("recovery_gpt2_0.35b", ("quick",),
-                recovery_command("GPT2_RECOVERY", "benchmarks/gpu/recovery.py", "benchmarks/gpu/gpt2_recovery.json",
+                recovery_command("GPT2_RECOVERY", "benchmarks.gpu.recovery", "benchmarks/gpu/gpt2_recovery.json",
                                  "recovery_gpt2_0.35b", "--no-cost-model"),
                 420, recovery_bench_summary),
 )

@@ -5,7 +5,7 @@
 #
 # On the GPU machine: carry .whl/ (made by benchmarks/gpu/wheels.sh where the package index is
 # reachable); this installs it into /tmp/site, checks the GPU (nvidia-smi, torch.cuda), records it
-# (OUT_DIR/device.json) and runs benchmarks/gpu/run.py, which writes NAME.json and NAME.txt into
+# (OUT_DIR/device.json) and runs python -m benchmarks.gpu.run, which writes NAME.json and NAME.txt into
 # OUT_DIR for each measurement and ends with a summary; the exit status is 1 if any failed (the
 # others still ran). A measurement whose JSON exists is skipped: run a part cut short again to resume.
 # --toy: every measurement at toy sizes on the GPU (about three minutes), a check that the code paths work
@@ -39,7 +39,7 @@
 #   quick (at most 8 min, the wheels' installation included: run.py cuts each measurement's timeout to what is
 #       left of QUICK_LIMIT_S = 450 s; not yet timed on a GPU) what GPU time is short for:
 #     coordinator_test, as in part 2.
-#     recovery_gpt2_0.35b: benchmarks/gpu/recovery.py, bench_recovery --quick at GPT2-0.35B's shape (24 x 1024,
+#     recovery_gpt2_0.35b: python -m benchmarks.gpu.recovery, bench_recovery --quick at GPT2-0.35B's shape (24 x 1024,
 #       16 heads, seq 1024, 0.30 B parameters; bf16, fp32 masters and Adam, ZeRO-1: benchmarks/gpu/gpt2_recovery.json),
 #       T_c = GPT2_RECOVERY_TC (20), 20 intervals, GPT2_RECOVERY_SEEDS seeds (1): failures at 25/50/75 % of
 #       training with d = T_c/2 and T_c - 1 (6 per seed), recompute, trend and the default, lags by the protocol and
@@ -105,4 +105,4 @@ else
     export DS_ACCELERATOR=cuda OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
 fi
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
-exec "$PYTHON" benchmarks/gpu/run.py "$out" $dry $toy --part "$part"
+exec "$PYTHON" -m benchmarks.gpu.run "$out" $dry $toy --part "$part"

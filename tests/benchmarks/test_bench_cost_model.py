@@ -1,5 +1,6 @@
 """bench_recovery's check of the recovery cost models against measured lags, on synthetic cases."""
 
+import importlib
 import json
 import math
 from dataclasses import asdict, replace
@@ -7,14 +8,13 @@ from dataclasses import asdict, replace
 import pytest
 import torch
 
-from conftest import load_benchmark
 from cpsr_ds.planning.fitter import stage_xi
 from cpsr_ds.predictor import make_predictor
 
 
 @pytest.fixture(scope="module")
 def bench():
-    return load_benchmark("bench_recovery")
+    return importlib.import_module("benchmarks.bench_recovery")
 
 
 def drifting_state(t: int) -> dict:

@@ -1,13 +1,13 @@
 """bench_ftcost's pure parts: failure traces, T_l from a run's records, intervals over traces, the projection,
 the storage limit."""
 
+import importlib
 import math
 
 import numpy as np
 import pytest
 from scipy import stats
 
-from conftest import load_benchmark
 from cpsr_ds.planning import fault_tolerance_cost
 from cpsr_ds.checkpoint.capture.journal import Entry
 from cpsr_ds.recovery import RecoveryReport, append_report, read_reports
@@ -16,7 +16,7 @@ from cpsr_ds.runlog import CostRow, StateRow, append, measurements_path
 
 @pytest.fixture(scope="module")
 def bench():
-    return load_benchmark("bench_ftcost")
+    return importlib.import_module("benchmarks.bench_ftcost")
 
 
 # ---------------------------------------------------------------- traces
@@ -287,7 +287,6 @@ def test_the_write_limit_persists_one_checkpoint_in_19_iterations(bench):
     with pytest.raises(ValueError):
         bench.write_limit(0, 0.025)
     assert "write_mbps 3.526" in bench.write_limit_text(1_674_824, 0.025)
-
 
 
 def test_predictions_that_cost_more_than_recomputing_project_as_recomputing(bench):

@@ -7,15 +7,12 @@ import sys
 
 import pytest
 
-from conftest import ROOT
 from cpsr_ds.checkpoint.storage import store
 from cpsr_ds.checkpoint.capture.journal import Entry, journal_path
 from cpsr_ds.recovery import RecoveryReport, append_report
 
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-
-import bench_multinode as bench  # noqa: E402
-import lose_node_dir  # noqa: E402
+from benchmarks import bench_multinode as bench
+from benchmarks.common import lose_node_dir
 
 
 def test_the_matrix_covers_every_layout_launch_and_failure_and_marks_what_cannot_apply():

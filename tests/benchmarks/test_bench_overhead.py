@@ -1,11 +1,11 @@
 """bench_overhead's pure parts: throughput from a journal, on/off ratios over pairs, per-stage bubble and predictor
 time from coordinator record lines, the filled share, held-out errors paired, recovery memory by DP degree."""
 
+import importlib
 import math
 
 import pytest
 
-from conftest import load_benchmark
 from cpsr_ds.checkpoint.capture.journal import Entry
 from cpsr_ds.config import CoordinatorConfig
 from cpsr_ds.coordinator import Coordinator, read_records
@@ -14,7 +14,7 @@ from cpsr_ds.runlog import CostRow, StateRow
 
 @pytest.fixture(scope="module")
 def bench():
-    return load_benchmark("bench_overhead")
+    return importlib.import_module("benchmarks.bench_overhead")
 
 
 def line(rank, stage, iteration, bubble_s, predictor_s, inline_s=0.0, iterations=1, slices=(), cpu_s=None):

@@ -1,22 +1,21 @@
-"""bench_recovery --layouts (benchmarks/recovery_jobs.py): the failed job's run directory made from the reference's,
+"""bench_recovery --layouts (benchmarks/common/recovery_jobs.py): the failed job's run directory made from the reference's,
 the copies each method restarts from, and the summary, on synthetic directories and cases."""
 
 import argparse
+import importlib
 import json
 import os
 import shutil
-import sys
 
 import pytest
 
-from conftest import load_benchmark
 from cpsr_ds.checkpoint.storage import store
-from test_checkpoint_store import make_checkpoint
+from support.checkpoints import make_checkpoint
 
 
 @pytest.fixture(scope="module")
 def jobs():
-    return load_benchmark("recovery_jobs")
+    return importlib.import_module("benchmarks.common.recovery_jobs")
 
 
 @pytest.fixture
@@ -74,7 +73,7 @@ def test_each_method_s_copy_shares_the_checkpoint_files_but_not_what_a_job_appen
 
 
 def test_the_summary_reports_each_method_and_checks_the_recovery_s_estimates(jobs):
-    Case = sys.modules["bench_recovery"].Case
+    Case = jobs.Case
 
     def case(method, lag, estimate=None, lost=0):
         return Case(1, method, 50, 500, 25, lag, 1 - lag / 25, lag, 1 - lag / 25, 0.0, 0, 0.001, decision="",

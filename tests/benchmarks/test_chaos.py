@@ -1,11 +1,11 @@
 """The fault campaign's machinery: every fault can be chosen by name, its JSON counts trials, violations and
 skipped trials per fault and is written as trials end, and a campaign cut short resumes from it."""
 
+import importlib
 import json
 
 import pytest
 
-from conftest import load_benchmark
 
 NEW_FAULTS = ("planted_root", "planted_tag", "modes", "foreign_lock", "copied_run", "invalid_state", "crash_loop",
               "clean_end", "rbr_exact", "config")
@@ -13,7 +13,7 @@ NEW_FAULTS = ("planted_root", "planted_tag", "modes", "foreign_lock", "copied_ru
 
 @pytest.fixture(scope="module")
 def chaos():
-    return load_benchmark("chaos")
+    return importlib.import_module("benchmarks.chaos")
 
 
 def test_every_fault_is_a_trial_kind_and_an_unknown_name_is_refused_naming_it(chaos, capsys):

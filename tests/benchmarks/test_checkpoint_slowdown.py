@@ -1,11 +1,12 @@
 """benchmarks/checkpoint_slowdown.py: its variants' blocks and its per-round ratios (the runs are the benchmark's)."""
 
+import importlib
+
 import pytest
 
-from conftest import load_benchmark
 from cpsr_ds.config import CPSRConfig
 
-slowdown = load_benchmark("checkpoint_slowdown")
+slowdown = importlib.import_module("benchmarks.checkpoint_slowdown")
 
 
 @pytest.mark.parametrize("variant", sorted(slowdown.VARIANTS))

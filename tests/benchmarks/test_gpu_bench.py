@@ -11,7 +11,8 @@ from importlib.metadata import version
 
 import pytest
 
-from conftest import ROOT, finish, start
+from benchmarks.common.processes import finish, start
+from conftest import ROOT
 
 RUN = os.path.join(ROOT, "benchmarks", "gpu", "run.sh")
 WHEELS = os.path.join(ROOT, "benchmarks", "gpu", "wheels.sh")

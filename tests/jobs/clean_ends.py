@@ -28,10 +28,10 @@ from typing import Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "examples", "gpt"))
-sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(0, ROOT)
 
 import train_gpt  # noqa: E402
-from conftest import JOB_ENV, free_port  # noqa: E402
+from benchmarks.common.processes import JOB_ENV, free_port  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:

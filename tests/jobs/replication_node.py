@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from cpsr_ds.checkpoint.storage import layout, replica# noqa: E402
 from cpsr_ds.checkpoint.engines.factory import create_engine  # noqa: E402
-from test_checkpoint_engine import checkpoint, config, states  # noqa: E402
+from support.checkpoints import checkpoint, config, states
 
 
 def main(rank: int, port: int, dirs: list[str], lose_at: int) -> None:

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import cpsr_ds
-from conftest import ROOT, TEST_MODEL, free_port, probe_rows, run_job, tiny_config, train_on_random_tokens
+from benchmarks.common.processes import TEST_MODEL, free_port, tiny_config
+from conftest import ROOT, probe_rows, run_job, train_on_random_tokens
 from cpsr_ds.checkpoint.capture.journal import journal_path, read_journal
 from cpsr_ds.config import CoordinatorConfig
 from cpsr_ds.coordinator import Background, CallJob, FillJob, PieceCost, read_records

@@ -22,53 +22,8 @@ from cpsr_ds.checkpoint.engines.factory import create_engine
 from cpsr_ds.checkpoint.storage.fileformat import CheckpointError
 from cpsr_ds.checkpoint.storage.store import describe_error
 from cpsr_ds.checkpoint.engines.snapshot import HostBuffers, snapshot_file
-from cpsr_ds.config import CheckpointConfig
-from test_checkpoint_store import assert_same, nested_state
-
-MODEL = "mp_rank_00_model_states.pt"
-
-
-def optim(rank):
-    return f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
-
-
-def config(d, **kw):
-    kw = {"dir": d, "retries": 2, "retry_backoff_s": 0.01, "chunk_mb": 1, "commit_timeout_s": 30.0, **kw}
-    return CheckpointConfig(**kw)
-
-
-@pytest.fixture
-def engines():
-    made = []
-
-    def make(d, rank=0, world_size=1, keywords=None, **kw):
-        """An engine through the factory; ``keywords``: its attempt and min_keep."""
-        eng = create_engine(config(d, **kw), rank, world_size, **(keywords or {}))
-        made.append(eng)
-        return eng
-
-    yield make
-    for eng in made:
-        eng.cleanup()
-
-
-def checkpoint(eng, d, step, states, rank=0):
-    """What DeepSpeed's save_checkpoint and the next step do with a decoupled engine."""
-    tag = f"global_step{step}"
-    eng.makedirs(d, exist_ok=True)
-    eng.create(CheckpointCommitInfo(tag=tag, save_dir=d, save_latest=True))
-    eng.makedirs(os.path.join(d, tag), exist_ok=True)
-    if rank == 0:
-        eng.save(states["model"], os.path.join(d, tag, MODEL))
-    eng.save(states["optim"], os.path.join(d, tag, optim(rank)))
-    info = eng.get_commit_info()
-    assert info.tag == tag and info.save_latest is False
-    eng.commit(info)
-    return tag
-
-
-def states(scale=1.0, n=50_000):
-    return {"model": nested_state(), "optim": {"fp32": torch.randn(n) * scale, "step": 7}}
+from support.checkpoints import (MODEL, assert_same, checkpoint, config, engines, hung_storage,  # noqa: F401 (fixtures)
+                                 nested_state, optim, states)
 
 
 @pytest.mark.parametrize("strategy", ["checkfreq", "pccheck", "cpsr"])
@@ -384,24 +339,6 @@ def test_a_rank_that_gives_up_tells_the_committer_at_once(tmp_path, engines, cap
     assert store.read_latest(d) == "global_step5"
     assert not os.path.exists(os.path.join(d, "global_step10"))
     assert both(15) and store.read_latest(d) == "global_step15"
-
-
-@pytest.fixture
-def hung_storage(monkeypatch):
-    """``hang()`` makes every later file write wait until the test ends or the function it returns is called."""
-    answer = threading.Event()
-    write_atomic = store.write_atomic
-
-    def hung(*args, **kw):
-        answer.wait()
-        return write_atomic(*args, **kw)
-
-    def hang():
-        monkeypatch.setattr(store, "write_atomic", hung)
-        return answer.set
-
-    yield hang
-    answer.set()
 
 
 def test_cleanup_waits_for_hung_storage_at_most_commit_timeout_s(tmp_path, engines, hung_storage, caplog):

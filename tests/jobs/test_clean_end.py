@@ -7,7 +7,8 @@ import subprocess
 import sys
 import time
 
-from conftest import ROOT, run_job, tiny_config
+from benchmarks.common.processes import tiny_config
+from conftest import ROOT, run_job
 from cpsr_ds.checkpoint.storage import store
 from cpsr_ds.checkpoint.capture.journal import finished_iterations, finished_run, record_finished
 from cpsr_ds.recovery.report import read_reports
@@ -68,7 +69,7 @@ def test_a_restart_of_a_finished_job_exits_0_at_once_without_training_or_a_failu
 
 
 def test_a_run_that_trained_on_after_its_clean_end_has_not_finished(tmp_path):
-    from test_journal import write_journal
+    from support.training import write_journal
 
     for rank in (0, 1):
         write_journal(tmp_path, rank, range(1, 5))

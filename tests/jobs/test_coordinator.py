@@ -8,7 +8,8 @@ import torch
 from deepspeed.runtime.pipe import schedule
 from deepspeed.runtime.pipe.schedule import TrainSchedule
 
-from conftest import ROOT, run_job, tiny_config
+from benchmarks.common.processes import tiny_config
+from conftest import ROOT, run_job
 from cpsr_ds.checkpoint.storage.fileformat import read_snapshot
 from cpsr_ds.checkpoint.capture.journal import journal_path, read_journal
 from cpsr_ds.config import ConfigError, CoordinatorConfig, CPSRConfig

@@ -14,7 +14,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import cpsr_ds  # noqa: E402
-from conftest import TEST_MODEL, free_port, tiny_config, train_on_random_tokens  # noqa: E402
+from benchmarks.common.processes import TEST_MODEL, free_port, tiny_config  # noqa: E402
+from conftest import train_on_random_tokens  # noqa: E402
 from cpsr_ds.checkpoint.capture.journal import journal_path, read_journal  # noqa: E402
 from cpsr_ds.config import CoordinatorConfig  # noqa: E402
 from cpsr_ds.coordinator import Background, Coordinator, PiecesJob, read_records  # noqa: E402

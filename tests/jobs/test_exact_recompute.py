@@ -5,7 +5,8 @@ import re
 
 import pytest
 
-from conftest import run_job, tiny_config
+from benchmarks.common.processes import tiny_config
+from conftest import run_job
 from cpsr_ds.checkpoint.capture.journal import journal_path, read_journal
 
 KILLED_AT = 14  # rank 1 is killed right after this iteration

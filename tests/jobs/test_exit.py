@@ -5,16 +5,16 @@ import logging
 import os
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
-from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
 
-from conftest import ROOT, free_port, probe_rows, run_job, tiny_config
+from benchmarks.common.processes import free_port, tiny_config
+from conftest import ROOT, probe_rows, run_job
 from cpsr_ds.checkpoint.capture import exiting
 from cpsr_ds.checkpoint.storage import store
-from test_checkpoint_engine import checkpoint, engines, hung_storage, optim, states  # noqa: F401 (fixtures)
+from support.checkpoints import (checkpoint, engines, hung_storage, open_checkpoint,  # noqa: F401 (fixtures)
+                                 states, timed_cleanup)
 
 
 @pytest.fixture
@@ -22,24 +22,6 @@ def failing(monkeypatch):
     """Mark this process failing for one test, as an exception out of train_batch would."""
     monkeypatch.setattr(exiting, "_reason", None)
     return lambda: exiting.mark("RuntimeError in train_batch: Connection closed by peer")
-
-
-def open_checkpoint(eng, d, step, rank=0):
-    """create() and save() of rank ``rank``'s part, not yet committed: the checkpoint is in flight."""
-    tag = f"global_step{step}"
-    eng.create(CheckpointCommitInfo(tag=tag, save_dir=d, save_latest=True))
-    os.makedirs(os.path.join(d, tag), exist_ok=True)
-    eng.save(states()["optim"], os.path.join(d, tag, optim(rank)))
-
-
-def timed_cleanup(eng, limit_s=30.0) -> float:
-    """Seconds ``eng.cleanup()`` took (run on a thread, so that a hang fails the test instead of stalling it)."""
-    closing = threading.Thread(target=eng.cleanup, daemon=True)
-    t0 = time.monotonic()
-    closing.start()
-    closing.join(limit_s)
-    assert not closing.is_alive(), f"cleanup still waiting after {limit_s} s"
-    return time.monotonic() - t0
 
 
 @pytest.mark.parametrize("strategy", ["cpsr", "pccheck", "torch"])

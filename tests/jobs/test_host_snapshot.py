@@ -5,14 +5,14 @@ and a restart after a process crash resuming from them rather than from the last
 import pytest
 import torch
 
-from conftest import run_job, tiny_config
+from benchmarks.common.processes import tiny_config
+from conftest import run_job
 from cpsr_ds.checkpoint.capture import host_snapshot, survivor
 from cpsr_ds.checkpoint.capture.journal import journal_path, read_journal
 from cpsr_ds.config import ConfigError, CPSRConfig
 from cpsr_ds.recovery import engine_state, read_reports
 from cpsr_ds.recovery.sources import host_snapshot as snapshot_source
-from test_plugin import process_group  # noqa: F401 (an autouse fixture: one process group for the module)
-from test_survivor import trained
+from support.training import process_group, trained  # noqa: F401 (a fixture; process_group is autouse)
 
 
 @pytest.mark.parametrize("zero_stage", [0, 1])

@@ -8,7 +8,8 @@ import shutil
 
 import pytest
 
-from conftest import run_job, tiny_config
+from benchmarks.common.processes import tiny_config
+from conftest import run_job
 from cpsr_ds import runlog
 from cpsr_ds.checkpoint.storage import store
 from cpsr_ds.checkpoint.storage.fileformat import read_snapshot

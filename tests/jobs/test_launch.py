@@ -10,7 +10,9 @@ import uuid
 
 import pytest
 
-from conftest import JOB_ENV, ROOT, NoLoopbackSsh, finish, free_port, kill_tagged, loopback_ssh, start, tiny_config
+from benchmarks.common.processes import (JOB_ENV, NoLoopbackSsh, finish, free_port, kill_tagged, loopback_ssh, start,
+                                         tiny_config)
+from conftest import ROOT
 from cpsr_ds.checkpoint.capture.exiting import EXIT_RESTART_CANNOT_HELP
 from cpsr_ds.elastic import STORE_SETTING, restart_problem
 

@@ -13,7 +13,8 @@ from cpsr_ds.checkpoint.storage.store import Checkpoint, retained
 from cpsr_ds.config import ConfigError, CPSRConfig
 from examples.gpt.model import GPTConfig, stage_bounds
 from cpsr_ds.stage_intervals import StageSchedule, multiples
-from test_checkpoint_engine import checkpoint, engines, optim, states  # noqa: F401 (fixtures)
+from support.checkpoints import checkpoint, engines, optim, states  # noqa: F401 (a fixture)
+
 
 # ---------------------------------------------------------------- the interval arithmetic
 

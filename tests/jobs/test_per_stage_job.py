@@ -13,7 +13,8 @@ from statistics import median
 
 import pytest
 
-from conftest import ROOT, free_port, tiny_config
+from benchmarks.common.processes import free_port, tiny_config
+from conftest import ROOT
 from cpsr_ds import runlog
 from cpsr_ds.checkpoint.storage import store
 from cpsr_ds.checkpoint.capture.journal import journal_path, read_journal

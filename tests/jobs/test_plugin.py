@@ -14,26 +14,14 @@ import pytest
 import torch
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
-from conftest import ROOT, TEST_MODEL, free_port, tiny_config
+from benchmarks.common.processes import tiny_config
+from conftest import ROOT
 import cpsr_ds
 from cpsr_ds import runlog
-from examples.gpt.model import GPTConfig, gpt_pipeline
 from cpsr_ds.plugin import CPSRPipelineEngine
 from cpsr_ds.recovery import journal_losses
 from cpsr_ds.rundir import LOCK, RunDirectoryBusy, acquire, recorded_attempt
-
-
-@pytest.fixture(scope="module", autouse=True)
-def process_group():
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    deepspeed.init_distributed(dist_backend="gloo")
-    yield
-    torch.distributed.destroy_process_group()
-
-
-def build(config):
-    model = gpt_pipeline(GPTConfig(**TEST_MODEL), num_stages=1, seed=1)
-    return cpsr_ds.initialize(model=model, model_parameters=model.parameters(), config=config)
+from support.training import build, process_group, random_batches  # noqa: F401 (a fixture; process_group is autouse)
 
 
 def test_without_a_block_it_is_deepspeed_initialize(tmp_path):
@@ -73,14 +61,6 @@ def test_config_path_and_bad_block(tmp_path):
 def test_a_plain_module_is_refused_with_a_clear_error(tmp_path):
     with pytest.raises(TypeError, match="must be a deepspeed.pipe.PipelineModule"):
         cpsr_ds.initialize(model=torch.nn.Linear(2, 2), config=tiny_config(tmp_path, stages=1))
-
-
-def random_batches(engine):
-    gpt = GPTConfig(**TEST_MODEL)
-    gen = torch.Generator().manual_seed(0)
-    shape = (engine.train_micro_batch_size_per_gpu(), gpt.seq_length)
-    return [(torch.randint(0, gpt.vocab_size, shape, generator=gen),) * 2
-            for _ in range(engine.gradient_accumulation_steps())]
 
 
 def test_the_pipeline_engine_commits_a_checkpoint_before_its_optimizer_step(tmp_path):

@@ -12,7 +12,8 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, free_port, run_job, tiny_config
+from benchmarks.common.processes import free_port, tiny_config
+from conftest import ROOT, run_job
 from cpsr_ds.checkpoint.capture.journal import journal_path, read_journal
 
 F = 33  # the failure point: rank 3 is killed right after this iteration

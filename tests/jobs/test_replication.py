@@ -6,7 +6,8 @@ import subprocess
 import sys
 import time
 
-from conftest import JOB_ENV, ROOT, free_port
+from benchmarks.common.processes import JOB_ENV, free_port
+from conftest import ROOT
 from cpsr_ds.checkpoint.storage import store
 
 SCRIPT = os.path.join(ROOT, "tests", "jobs", "replication_node.py")

@@ -8,7 +8,8 @@ import dp_share_probe as probe
 import pytest
 import torch
 
-from conftest import JOB_ENV, ROOT, finish, free_port, start
+from benchmarks.common.processes import JOB_ENV, finish, free_port, start
+from conftest import ROOT
 from cpsr_ds.checkpoint.capture.journal import ProgressJournal
 from cpsr_ds.predictor import make_predictor
 from cpsr_ds.recovery import worst_error

@@ -16,13 +16,13 @@ import tempfile
 
 import pytest
 
-from conftest import tiny_config
+from benchmarks.common.processes import tiny_config
 from cpsr_ds.checkpoint.capture import host_snapshot, survivor
 from cpsr_ds.checkpoint.storage.private_dir import PrivateDirError
 from cpsr_ds.config import ConfigError, CPSRConfig
 from cpsr_ds.rundir import GUARD, LOCK, RunDirectoryBusy, acquire, holders
-from test_plugin import build, process_group  # noqa: F401 (an autouse fixture: one process group for the module)
-from test_survivor import trained
+from support.training import build, process_group, trained  # noqa: F401 (a fixture; process_group is autouse)
+
 
 NOBODY = 65534
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="giving files to another user and running a process as "

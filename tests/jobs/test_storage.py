@@ -15,37 +15,10 @@ from cpsr_ds.checkpoint.capture import exiting
 from cpsr_ds.checkpoint.storage import layout, store
 from cpsr_ds.checkpoint.engines.factory import create_engine
 from cpsr_ds.checkpoint.capture.journal import Entry, Progress
-from conftest import free_port
+from benchmarks.common.processes import free_port
 from cpsr_ds.config import ConfigError
-from test_checkpoint_engine import checkpoint, config, states
-from test_exit import open_checkpoint, timed_cleanup
-
-TWO_NODES = layout.Nodes(((0,), (1,)), run="test")
-
-
-@pytest.fixture
-def node_engines(tmp_path):
-    """make(**kw): one engine per node, ranks 0 and 1, each on a directory of its own, talking through one store."""
-    made = []
-    kv = dist.HashStore()
-
-    def make(**kw):
-        dirs = [str(tmp_path / f"node{n}") for n in (0, 1)]
-        for rank, d in enumerate(dirs):
-            cfg = config(d, storage="node_local", **kw)
-            made.append(create_engine(cfg, rank, 2, layout=layout.make_layout(cfg, rank, 2, kv=kv, nodes=TWO_NODES)))
-        return dirs, made[-2:]
-
-    yield make
-    # Rank 0 ends only once the others released the store, so they go first.
-    for eng in reversed(made):
-        eng.cleanup()
-
-
-def both(engines, dirs, step, st=None):
-    for rank, (eng, d) in enumerate(zip(engines, dirs)):
-        checkpoint(eng, d, step, st or states(n=100), rank=rank)
-    assert all(eng.flush(30) for eng in engines)
+from support.checkpoints import (TWO_NODES, both, checkpoint, config, node_engines,  # noqa: F401 (a fixture)
+                                 open_checkpoint, states, timed_cleanup)
 
 
 def test_node_local_directories_commit_and_each_node_keeps_its_latest(node_engines):

@@ -14,7 +14,8 @@ from functools import partial
 
 import pytest
 
-from conftest import ROOT, finish, free_port, run_job, tiny_config
+from benchmarks.common.processes import finish, free_port, tiny_config
+from conftest import ROOT, run_job
 from cpsr_ds.checkpoint.storage import layout, store
 from cpsr_ds.checkpoint.capture.exiting import EXIT_RESTART_CANNOT_HELP
 from cpsr_ds.config import CPSRConfig

@@ -9,7 +9,8 @@ import time
 
 import torch
 
-from conftest import run_job, tiny_config
+from benchmarks.common.processes import tiny_config
+from conftest import run_job
 from cpsr_ds import plugin
 from cpsr_ds.checkpoint.storage import store
 from cpsr_ds.checkpoint.engines.throttle import Throttle

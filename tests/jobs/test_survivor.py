@@ -11,38 +11,16 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, TEST_MODEL, run_job, tiny_config
-import cpsr_ds
+from benchmarks.common.processes import tiny_config
+from conftest import ROOT, run_job
 from cpsr_ds.__main__ import inspect_report
 from cpsr_ds.checkpoint.storage import store
 from cpsr_ds.checkpoint.capture import survivor
 from cpsr_ds.checkpoint.capture.journal import journal_path, read_journal
 from cpsr_ds.config import ConfigError, CPSRConfig
-from examples.gpt.model import GPTConfig, gpt_pipeline
 from cpsr_ds.recovery import engine_state, read_reports
 from cpsr_ds.recovery.sources.survivor import restore_dump
-from test_plugin import process_group  # noqa: F401 (an autouse fixture: one process group for the module)
-
-
-def trained(tmp_path, zero_stage=0, iterations=2, **checkpoint):
-    """A one-stage engine after ``iterations`` iterations, its dumps under tmp_path/survivors."""
-    config = tiny_config(tmp_path / "run", stages=1, zero_stage=zero_stage)
-    config["cpsr"]["checkpoint"].update(survivor_dir=str(tmp_path / "survivors"), **checkpoint)
-    model = gpt_pipeline(GPTConfig(**TEST_MODEL), num_stages=1, seed=1)
-    engine, *_ = cpsr_ds.initialize(model=model, model_parameters=model.parameters(), config=config)
-    gpt = GPTConfig(**TEST_MODEL)
-    gen = torch.Generator().manual_seed(0)
-    shape = (engine.train_micro_batch_size_per_gpu(), gpt.seq_length)
-    batches = [(torch.randint(0, gpt.vocab_size, shape, generator=gen),) * 2
-               for _ in range(engine.gradient_accumulation_steps())]
-    snapshots = getattr(engine, "host_snapshots", None)
-    for _ in range(iterations):
-        engine.train_batch(iter(batches))
-        if snapshots is not None:
-            # Each host snapshot in place before the next is due: on a loaded machine a durable write can take
-            # longer than the iterations between them, and the next one would be skipped.
-            snapshots.wait(30)
-    return engine, batches
+from support.training import process_group, trained  # noqa: F401 (a fixture; process_group is autouse)
 
 
 def where(engine, tmp_path):

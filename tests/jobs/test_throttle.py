@@ -11,7 +11,8 @@ from cpsr_ds.checkpoint.storage import store
 from cpsr_ds.checkpoint.engines import throttle
 from cpsr_ds.checkpoint.engines.throttle import MB, Throttle
 from cpsr_ds.config import CPSRConfig, ConfigError
-from test_checkpoint_engine import checkpoint, engines, states  # noqa: F401 (fixture)
+from support.checkpoints import checkpoint, engines, states  # noqa: F401 (a fixture)
+
 
 RATE_MBPS = 2.0
 FLOATS = 1_000_000  # the optimizer file: 4 MB, 2 s at RATE_MBPS

@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from conftest import run_job, tiny_config
+from benchmarks.common.processes import tiny_config
+from conftest import run_job
 from cpsr_ds.checkpoint.storage.store import list_checkpoints, read_latest
 from cpsr_ds.checkpoint.capture.journal import ProgressJournal, journal_path, read_journal, read_validation
 

@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from conftest import run_job, tiny_config
+from benchmarks.common.processes import tiny_config
+from conftest import run_job
 from cpsr_ds.checkpoint.capture.journal import journal_path, read_journal
 from cpsr_ds.recovery import read_reports
 

@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def test_end_of_training_reductions_are_those_of_the_recovery_benchmark():
-    with open(os.path.join(ROOT, "benchmarks", "results", "bench_recovery.json")) as fh:
+    with open(os.path.join(ROOT, "benchmarks", "results", "bench_recovery", "bench_recovery.json")) as fh:
         table = json.load(fh)["end_of_training"]
     measured = tuple((int(share.split()[0]) / 100, round(row["end"]["mean"], 3))
                      for share, row in table.items() if share != "all")
@@ -23,7 +23,7 @@ def test_end_of_training_reductions_are_those_of_the_recovery_benchmark():
 
 
 def test_measured_reductions_are_those_of_the_recovery_benchmark():
-    with open(os.path.join(ROOT, "benchmarks", "results", "bench_recovery.txt")) as fh:
+    with open(os.path.join(ROOT, "benchmarks", "results", "bench_recovery", "bench_recovery.txt")) as fh:
         table = dict(re.findall(r"^(\w+)\s+\|\s+(-?[\d.]+)% \[", fh.read(), re.M))
     assert {name: float(table[name]) / 100 for name in MEASURED_REDUCTION} == pytest.approx(MEASURED_REDUCTION)
 

@@ -2,43 +2,16 @@
 
 import builtins
 import errno
-import json
 import logging
 import os
 
 import pytest
 import torch
 
-from cpsr_ds.__main__ import main
 from cpsr_ds.checkpoint.storage import fileformat, store
 from cpsr_ds.checkpoint.storage.fileformat import read_snapshot
-from test_checkpoint_store import make_checkpoint, two_checkpoints, write_snapshot  # noqa: F401 (a fixture)
-
-NEW = "global_step20"
-RANK1 = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
-
-
-def run_inspect(ckpt_dir, capsys, *flags):
-    """``python -m cpsr_ds inspect`` as a table, then as JSON; returns the JSON report, rows by tag."""
-    assert main(["inspect", ckpt_dir, *flags]) == 0
-    table = capsys.readouterr().out
-    assert main(["inspect", ckpt_dir, "--json", *flags]) == 0
-    report = json.loads(capsys.readouterr().out)
-    report["rows"] = {r["tag"]: r for r in report["checkpoints"]}
-    report["table"] = table
-    return report
-
-
-def write(path, data):
-    with open(path, "wb") as f:
-        f.write(data)
-
-
-def edit_json(path, change):
-    with open(path) as f:
-        obj = json.load(f)
-    change(obj)
-    write(path, json.dumps(obj).encode())
+from support.checkpoints import (NEW, RANK1, deepspeed_checkpoint, edit_json, make_checkpoint,  # noqa: F401 (a fixture)
+                                 run_inspect, two_checkpoints, write, write_snapshot)
 
 
 def unreadable(path, monkeypatch):
@@ -158,12 +131,6 @@ def test_snapshot_files_without_metadata_are_ours_and_partial(two_checkpoints, c
     row = run_inspect(two_checkpoints, capsys)["rows"][NEW]
     assert row["kind"] == "cpsr" and row["status"] == "not committed" and not row["valid"]
     assert "partial checkpoint" in row["problems"][0]
-
-
-def deepspeed_checkpoint(ckpt_dir, tag, state):
-    os.makedirs(os.path.join(ckpt_dir, tag))
-    torch.save(state, os.path.join(ckpt_dir, tag, "mp_rank_00_model_states.pt"))
-    write(os.path.join(ckpt_dir, store.LATEST), tag.encode())
 
 
 @pytest.mark.parametrize("damage,what", [

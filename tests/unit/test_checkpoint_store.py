@@ -17,44 +17,12 @@ from cpsr_ds.checkpoint.storage.fileformat import ALIGN, CheckpointError, Tensor
 from cpsr_ds.checkpoint.engines.persist import RetryPolicy, with_retries
 from cpsr_ds.checkpoint.storage.store import describe_error
 from cpsr_ds.config import CheckpointConfig
-from cpsr_ds.checkpoint.engines.snapshot import HostBuffers, plan, snapshot_file
+from cpsr_ds.checkpoint.engines.snapshot import plan
+from support.checkpoints import (assert_same, make_checkpoint, nested_state, two_checkpoints,  # noqa: F401 (a fixture)
+                                 write_snapshot)
+
 
 Pair = collections.namedtuple("Pair", "a b")
-
-
-def nested_state():
-    """A state dict with the types of DeepSpeed's; a file may hold no others (allowlist.py)."""
-    return {
-        "module": collections.OrderedDict(w=torch.randn(7, 5), b=torch.arange(4, dtype=torch.int64)),
-        "optimizer": {"state": {0: {"exp_avg": torch.randn(3).to(torch.bfloat16), "step": torch.tensor(3.0)}},
-                      "param_groups": [{"lr": 1e-3, "params": [0]}]},
-        "pair": (torch.ones(2, 2).t(), "x"),
-        "shapes": collections.OrderedDict(w=torch.Size([7, 5])),
-        "mask": torch.tensor([True, False]),
-        "plain": ("text", 3, None),
-    }
-
-
-def assert_same(a, b):
-    assert type(a) is type(b)
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    elif isinstance(a, dict):
-        assert list(a) == list(b)
-        for k in a:
-            assert_same(a[k], b[k])
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b):
-            assert_same(x, y)
-    else:
-        assert a == b
-
-
-def write_snapshot(path, state, chunk_bytes=None):
-    snap = snapshot_file(os.path.basename(path), state, HostBuffers(pin=False), chunk_bytes)
-    snap.copy(None)
-    return store.write_atomic(path, snap.chunks(), "xxh3_64")
 
 
 def test_flatten_unflatten_round_trip_keeps_types_and_python_objects():
@@ -205,29 +173,6 @@ def test_the_budget_rule_follows_the_median_of_the_last_checkpoints_not_one_stal
 
 
 # ---------------------------------------------------------------- directories of checkpoints
-
-def make_checkpoint(ckpt_dir, tag, world_size=2, commit=True, attempt=0, started_ns=0):
-    """A committed checkpoint of ``world_size`` ranks, one file each, as the engine lays it out."""
-    tag_dir = os.path.join(ckpt_dir, tag)
-    os.makedirs(tag_dir, exist_ok=True)
-    for rank in range(world_size):
-        name = f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
-        size, digest = write_snapshot(os.path.join(tag_dir, name), {"rank": rank, "x": torch.full((50,), rank / 2)})
-        store.write_json_atomic(os.path.join(tag_dir, store.manifest_name(rank)), {
-            "tag": tag, "rank": rank, "world_size": world_size, "started_ns": started_ns, "attempt": attempt,
-            "iteration": store.tag_iteration(tag), "checksum": "xxh3_64",
-            "files": {name: {"size": size, "digest": digest}}})
-    if commit:
-        store.commit_checkpoint(ckpt_dir, tag, {"tag": tag, "world_size": world_size, "started_ns": started_ns,
-                                                "attempt": attempt, "iteration": store.tag_iteration(tag)})
-
-
-@pytest.fixture
-def two_checkpoints(tmp_path):
-    make_checkpoint(str(tmp_path), "global_step10")
-    make_checkpoint(str(tmp_path), "global_step20")
-    assert store.read_latest(str(tmp_path)) == "global_step20"
-    return str(tmp_path)
 
 
 def test_corrupt_file_is_named_and_previous_checkpoint_selected(two_checkpoints, caplog):

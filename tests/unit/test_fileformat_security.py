@@ -14,7 +14,8 @@ from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 
 import cpsr_ds
-from conftest import TEST_MODEL, tiny_config, train_on_random_tokens
+from benchmarks.common.processes import TEST_MODEL, tiny_config
+from conftest import train_on_random_tokens
 from cpsr_ds.checkpoint.storage import store
 from cpsr_ds.checkpoint.capture import survivor
 from cpsr_ds.checkpoint.engines.factory import create_engine
@@ -22,10 +23,9 @@ from cpsr_ds.checkpoint.storage.fileformat import (MAGIC, PAGE, CheckpointError,
                                            read_snapshot, scan_file)
 from cpsr_ds.checkpoint.engines.snapshot import HostBuffers, snapshot_file
 from examples.gpt.model import GPTConfig, gpt_pipeline
-from test_checkpoint_engine import MODEL, checkpoint, config
-from test_checkpoint_damage import NEW, RANK1, deepspeed_checkpoint, edit_json, run_inspect
-from test_checkpoint_store import assert_same, two_checkpoints, write_snapshot  # noqa: F401 (a fixture)
-from test_torch_engine import process_group  # noqa: F401 (a fixture)
+from support.checkpoints import (MODEL, NEW, RANK1, assert_same, checkpoint, config,  # noqa: F401 (fixtures)
+                                 deepspeed_checkpoint, edit_json, process_group, run_inspect,
+                                 two_checkpoints, write_snapshot)
 
 
 class Command:

@@ -5,45 +5,11 @@ import json
 import os
 import shutil
 
-import pytest
 
 from cpsr_ds.__main__ import main
 from cpsr_ds.checkpoint.storage import layout, store
-from cpsr_ds.checkpoint.capture.journal import ProgressJournal
 from cpsr_ds.node_view import held_ranks
-from test_storage import both, node_engines  # noqa: F401 (a fixture)
-
-
-def replicate(dirs, tag):
-    """What replication leaves: each node's part of ``tag`` also under the next node's replicas/."""
-    for n, d in enumerate(dirs):
-        shutil.copytree(os.path.join(d, tag), os.path.join(dirs[(n + 1) % len(dirs)], store.REPLICAS, tag))
-
-
-def journal(d, rank, last):
-    j = ProgressJournal(d, rank)
-    for i in range(1, last + 1):
-        j.append(i, 5.0 - i / 10)
-    j.close()
-
-
-def start_token(d, rank, run="run-1"):
-    os.makedirs(os.path.join(d, layout.TOKENS), exist_ok=True)
-    with open(os.path.join(d, layout.TOKENS, f"rank{rank:05d}"), "w") as f:
-        f.write(run)
-
-
-@pytest.fixture
-def two_nodes(node_engines):  # noqa: F811
-    """Nodes 0 and 1 (a rank each): global_step5 and global_step10 committed and replicated, journals to 12 and 11."""
-    dirs, engines = node_engines()
-    for step in (5, 10):
-        both(engines, dirs, step)
-        replicate(dirs, f"global_step{step}")
-    for rank, d in enumerate(dirs):
-        journal(d, rank, 12 - rank)
-        start_token(d, rank)
-    return dirs
+from support.checkpoints import node_engines, start_token, two_nodes  # noqa: F401 (fixtures)
 
 
 def inspect(capsys, *dirs):

@@ -15,22 +15,7 @@ from cpsr_ds.checkpoint.capture.journal import (
     read_validation,
     reached_iteration,
 )
-
-
-def write_journal(directory, rank, iterations, loss=1.0):
-    journal = ProgressJournal(str(directory), rank)
-    for i in iterations:
-        journal.append(i, loss)
-    journal.close()
-    return journal_path(str(directory), rank)
-
-
-@pytest.fixture
-def cpsr_logs(caplog, monkeypatch):
-    """Records of cpsr_ds's loggers, which the plugin keeps from propagating to the root."""
-    monkeypatch.setattr(logging.getLogger("cpsr_ds"), "propagate", True)
-    caplog.set_level(logging.INFO)
-    return caplog
+from support.training import cpsr_logs, write_journal  # noqa: F401 (a fixture)
 
 
 def test_append_and_read_back_exact_floats(tmp_path):

@@ -10,9 +10,9 @@ import torch.distributed as dist
 
 from cpsr_ds.checkpoint.storage import layout, replica, store
 from cpsr_ds.checkpoint.engines.factory import create_engine
-from test_checkpoint_engine import MODEL, checkpoint, config, optim, states
-from test_inspect_nodes import two_nodes  # noqa: F401 (a fixture)
-from test_storage import TWO_NODES, node_engines  # noqa: F401 (the fixture two_nodes uses)
+from support.checkpoints import (MODEL, TWO_NODES, checkpoint, config, node_engines, optim,  # noqa: F401 (fixtures)
+                                 states, two_nodes)
+
 
 TAGS = ["global_step5", "global_step10"]
 

@@ -11,13 +11,14 @@ import shutil
 import pytest
 import torch
 
-from conftest import tiny_config
+from benchmarks.common.processes import tiny_config
 from cpsr_ds import recovery
 from cpsr_ds.recovery.sources import checkpoint as checkpoint_source
 from cpsr_ds.checkpoint.capture.journal import journal_path
 from cpsr_ds.predictor.base import Predictor
-from test_journal import cpsr_logs  # noqa: F401 (a fixture)
-from test_plugin import build, process_group, random_batches  # noqa: F401 (process_group: the autouse fixture)
+from support.training import (build, cpsr_logs, process_group,  # noqa: F401 (fixtures; process_group is autouse)
+                              random_batches)
+
 
 F = 11  # the journal's last iteration
 

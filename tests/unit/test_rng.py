@@ -1,24 +1,22 @@
-"""Random-number state (cpsr_ds/checkpoint/capture/rng.py) and the fused CPU Adam's bias correction
-(cpsr_ds/recovery/adam_steps.py): what exact recomputation with dropout rests on."""
+"""Random-number state (cpsr_ds/checkpoint/capture/rng.py): what exact recomputation with dropout rests on (the fused
+CPU Adam's bias correction, the other part, is tests/jobs/test_fused_adam.py)."""
 
-import copy
 import random
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from deepspeed.ops.adam import FusedAdam
 
 import cpsr_ds
-from conftest import TEST_MODEL, tiny_config
+from benchmarks.common.processes import TEST_MODEL, tiny_config
 from cpsr_ds.checkpoint.capture import host_snapshot, rng, survivor
 from cpsr_ds.config import CheckpointConfig
 from examples.gpt.model import GPTConfig, gpt_pipeline
-from cpsr_ds.recovery.adam_steps import align_bias_correction, stepped
 from cpsr_ds.recovery.sources.host_snapshot import resume_from
 from cpsr_ds.recovery.sources.survivor import restore_dump
-from test_plugin import process_group  # noqa: F401 (an autouse fixture: one process group for the module)
+from support.training import process_group  # noqa: F401 (a fixture; process_group is autouse)
+
 
 PLAIN = (torch.Tensor, int, float, str)
 
@@ -133,33 +131,3 @@ def test_an_iteration_recomputed_from_a_checkpoint_of_each_strategy_draws_the_sa
     assert (restarted.cpsr.recovery.method, restarted.global_steps) == ("recompute", 2)
     assert restarted.train_batch(iter(batches)) == losses[2]
     restarted.destroy()
-
-
-def adam_steps(optimizer, param, grads) -> None:
-    for grad in grads:
-        param.grad = grad
-        align_bias_correction(optimizer)
-        optimizer.step()
-        stepped(optimizer)
-
-
-def test_fused_cpu_adam_restored_at_step_t_steps_on_as_the_uninterrupted_one():
-    gen = torch.Generator().manual_seed(0)
-    grads = [torch.randn(1000, generator=gen) for _ in range(20)]
-
-    def fresh():
-        param = torch.nn.Parameter(torch.ones(1000))
-        return param, FusedAdam([param], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.01)
-
-    param, optimizer = fresh()
-    adam_steps(optimizer, param, grads[:10])
-    saved = param.detach().clone(), copy.deepcopy(optimizer.state_dict())
-    adam_steps(optimizer, param, grads[10:])
-    # The same process's C++ optimizer last saw step 20: a state restored at step 10 jumps back, as a restarted
-    # process's fresh one jumps forward.
-    restored, again = fresh()
-    with torch.no_grad():
-        restored.copy_(saved[0])
-    again.load_state_dict(saved[1])
-    adam_steps(again, restored, grads[10:])
-    assert torch.equal(restored, param)

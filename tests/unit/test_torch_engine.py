@@ -5,19 +5,18 @@ import logging
 import os
 import time
 
-import deepspeed
 import pytest
 import torch
 
-from conftest import TEST_MODEL, free_port, tiny_config
+from benchmarks.common.processes import TEST_MODEL, tiny_config
 import cpsr_ds
 from cpsr_ds.__main__ import main
 from cpsr_ds.checkpoint.storage import store
 from cpsr_ds.checkpoint.engines.factory import create_engine
 from cpsr_ds.checkpoint.engines.torch_engine import TorchEngine
 from examples.gpt.model import GPTConfig, gpt_pipeline
-from test_checkpoint_engine import MODEL, checkpoint, config, optim, states
-from test_checkpoint_store import assert_same
+from support.checkpoints import (MODEL, assert_same, checkpoint, config, optim, process_group,  # noqa: F401 (a fixture)
+                                 states)
 
 
 @pytest.fixture
@@ -82,14 +81,6 @@ def test_a_non_finite_tensor_is_never_committed(tmp_path, engines, caplog):
         checkpoint(eng, d, 2, st)
     assert f"{optim(0)}: non-finite values in fp32" in caplog.text
     assert store.read_latest(d) == "global_step1" and not os.path.exists(os.path.join(d, "global_step2"))
-
-
-@pytest.fixture
-def process_group():
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    deepspeed.init_distributed(dist_backend="gloo")
-    yield
-    torch.distributed.destroy_process_group()
 
 
 def test_deepspeed_commits_the_torch_engine_and_leaves_latest_to_it(tmp_path, process_group):

@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from conftest import tiny_config
+from benchmarks.common.processes import tiny_config
 from cpsr_ds.checkpoint.capture import host_snapshot, survivor
 from cpsr_ds.checkpoint.storage import store
 from cpsr_ds.checkpoint.storage.fileformat import read_snapshot
@@ -22,8 +22,8 @@ from cpsr_ds.predictor.base import Predictor
 from cpsr_ds.recovery import engine_state
 from cpsr_ds.recovery.sources import summaries
 from cpsr_ds.recovery.validate import Spec, clamp_second_moments, problem, specs_of
-from test_journal import cpsr_logs  # noqa: F401 (a fixture)
-from test_plugin import build, process_group, random_batches  # noqa: F401 (process_group: the autouse fixture)
+from support.training import (build, cpsr_logs, process_group,  # noqa: F401 (fixtures; process_group is autouse)
+                              random_batches)
 
 
 def a_state() -> dict[str, torch.Tensor]:

@@ -14,7 +14,8 @@ from cpsr_ds.checkpoint.capture.journal import ProgressJournal, read_progress, r
 from examples.gpt.corpus import Batches
 from cpsr_ds.recovery import REPORTS, RecoveryReport, append_report, full_zero_state, read_reports
 from cpsr_ds.world import Layout, WorldChangeError, adapt, batch_of, layout_of, newest, read_layout, write_layout
-from test_checkpoint_engine import checkpoint, config, states
+from support.checkpoints import checkpoint, config, states
+
 
 CONFIG = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}
 

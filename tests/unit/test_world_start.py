@@ -4,10 +4,10 @@ import logging
 
 import pytest
 
-from conftest import tiny_config
+from benchmarks.common.processes import tiny_config
 from cpsr_ds.recovery import read_reports
 from cpsr_ds.world import Layout, WorldChangeError, read_layout, write_layout
-from test_plugin import build, process_group  # noqa: F401 (fixture)
+from support.training import build, process_group  # noqa: F401 (a fixture; process_group is autouse)
 
 
 def test_another_pipeline_degree_is_refused_before_training_and_reported(tmp_path, caplog, monkeypatch):

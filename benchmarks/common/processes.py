@@ -1,0 +1,110 @@
+"""Jobs the benchmarks and the job tests start by hand: the tiny GPT's config, a free port, a command in a session of
+its own and its reaping, the ranks started over ssh, and two nodes served by an sshd on 127.0.0.1."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import subprocess
+import time
+
+from benchmarks.common.paths import ROOT
+
+# What every process of a multi-process job started by hand needs.
+JOB_ENV = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": "1"}
+
+# Small enough that a 2-process run takes seconds, big enough to learn something.
+TEST_MODEL = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 64}
+
+
+def tiny_config(run_dir, stages=2, zero_stage=0, **cpsr) -> dict:
+    """configs/gpt_tiny_cpu.json at TEST_MODEL's size, ``stages`` pipeline stages, checkpoints in ``run_dir``."""
+    with open(os.path.join(ROOT, "configs", "gpt_tiny_cpu.json")) as f:
+        config = json.load(f)
+    config.update(train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=2)
+    config["pipeline"] = {"stages": stages}
+    config["zero_optimization"] = {"stage": zero_stage}
+    config["gpt"] = dict(TEST_MODEL)
+    config["cpsr"] = {"checkpoint": {"dir": str(run_dir), "interval": 10}, **cpsr}
+    return config
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(command, log_path, env):
+    """``command`` in a session of its own (so that :func:`finish` can kill all it started), output to ``log_path``."""
+    with open(log_path, "w") as out:
+        return subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+def finish(procs, timeout_s):
+    """Wait for every process; on a timeout, or once done, kill what is left of each one's process group."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        for proc in procs:
+            proc.wait(max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for proc in procs:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+    return [proc.returncode for proc in procs]
+
+
+def kill_tagged(tag: str) -> None:
+    """SIGKILL the processes whose environment holds ``CPSR_LAUNCH_TEST=tag``: remote launchers and ranks started
+    over ssh, in sessions of their own."""
+    needle = f"CPSR_LAUNCH_TEST={tag}".encode()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    os.kill(int(pid), signal.SIGKILL)
+        except (OSError, PermissionError):
+            pass
+
+
+class NoLoopbackSsh(Exception):
+    """Nothing here can serve a launch over ssh (no pdsh, no sshd); the message says what is missing."""
+
+
+@contextlib.contextmanager
+def loopback_ssh(directory: pathlib.Path):
+    """node0 and node1 served by an sshd on 127.0.0.1 (launch/loopback_ssh.sh) for the block; yields ``directory``,
+    whose bin/ holds the ssh to put first on PATH. Raises NoLoopbackSsh where pdsh or sshd is missing."""
+    if shutil.which("pdsh") is None:
+        raise NoLoopbackSsh("pdsh is not installed (apt-get install pdsh): DeepSpeed's multi-node runner launches over it")
+    sshd = subprocess.Popen([os.path.join(ROOT, "launch", "loopback_ssh.sh"), str(directory), str(free_port())],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    ssh = [str(directory / "bin" / "ssh"), "node1", "true"]
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            if sshd.poll() is not None:
+                reason = sshd.stderr.read().decode().strip()
+                if sshd.returncode == 3:
+                    raise NoLoopbackSsh(f"no sshd to serve the nodes over ssh: {reason}")
+                raise RuntimeError(f"launch/loopback_ssh.sh exited with {sshd.returncode}: {reason}")
+            if (directory / "bin" / "ssh").exists() and subprocess.run(ssh, capture_output=True, timeout=10).returncode == 0:
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError("sshd on 127.0.0.1 did not accept the key of launch/loopback_ssh.sh within 20 s")
+            time.sleep(0.2)
+        yield directory
+    finally:
+        os.killpg(sshd.pid, signal.SIGTERM)
+        sshd.wait(10)
