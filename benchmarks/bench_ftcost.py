@@ -91,7 +91,7 @@ import train_gpt  # noqa: E402
 
 from cpsr_ds.planning import planner# noqa: E402
 from cpsr_ds.checkpoint.capture.journal import journal_path, read_journal, read_validation  # noqa: E402
-from cpsr_ds.checkpoint.storage.store import list_checkpoints  # noqa: E402
+from cpsr_ds.checkpoint.storage.catalog import list_checkpoints  # noqa: E402
 from cpsr_ds.config import CheckpointConfig, PredictorConfig  # noqa: E402
 from cpsr_ds.planning.cost_model import MEASURED_REDUCTION  # noqa: E402
 from cpsr_ds.lag import Unmeasurable, fit_curve, late_lag  # noqa: E402

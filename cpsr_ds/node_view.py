@@ -19,7 +19,7 @@ import os
 import re
 from typing import Optional
 
-from cpsr_ds.checkpoint.storage import layout, store
+from cpsr_ds.checkpoint.storage import catalog, layout, ondisk, records
 from cpsr_ds.checkpoint.capture.journal import JOURNAL_DIR, JOURNAL_NAME_RE, read_progress
 
 TOKEN_RE = re.compile(r"^rank(\d{5})$")
@@ -42,8 +42,8 @@ def _tokens(ckpt_dir: str) -> dict[int, tuple[float, str]]:
 
 def _manifest_ranks(ckpt_dir: str) -> set[int]:
     """The ranks with a manifest in any checkpoint of ``ckpt_dir``."""
-    return {int(m.group(1)) for c in store.scan(ckpt_dir) for name in _names(os.path.join(ckpt_dir, c.tag))
-            if (m := store.MANIFEST_RE.match(name))}
+    return {int(m.group(1)) for c in catalog.scan(ckpt_dir) for name in _names(os.path.join(ckpt_dir, c.tag))
+            if (m := ondisk.MANIFEST_RE.match(name))}
 
 
 def _names(path: str) -> list[str]:
@@ -66,14 +66,14 @@ def held_ranks(ckpt_dir: str) -> list[int]:
 
 def replica_ranks(ckpt_dir: str) -> list[int]:
     """The ranks whose replicas ``ckpt_dir`` keeps (those of the node before it)."""
-    return sorted(_manifest_ranks(os.path.join(ckpt_dir, store.REPLICAS)))
+    return sorted(_manifest_ranks(os.path.join(ckpt_dir, ondisk.REPLICAS)))
 
 
 def _newest_commit(ckpt_dir: str) -> Optional[dict]:
     """The commit record of the newest committed checkpoint of ``ckpt_dir``."""
-    for c in reversed(store.scan(ckpt_dir)):
+    for c in reversed(catalog.scan(ckpt_dir)):
         try:
-            record = store.read_commit(os.path.join(ckpt_dir, c.tag))
+            record = records.read_commit(os.path.join(ckpt_dir, c.tag))
         except (OSError, ValueError):
             continue
         if record is not None:
@@ -83,7 +83,7 @@ def _newest_commit(ckpt_dir: str) -> Optional[dict]:
 
 def world_size(ckpt_dir: str) -> Optional[int]:
     """The world size of the newest checkpoint committed in ``ckpt_dir`` or its replicas."""
-    record = _newest_commit(ckpt_dir) or _newest_commit(os.path.join(ckpt_dir, store.REPLICAS))
+    record = _newest_commit(ckpt_dir) or _newest_commit(os.path.join(ckpt_dir, ondisk.REPLICAS))
     return record["world_size"] if record else None
 
 

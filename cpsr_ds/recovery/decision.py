@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from cpsr_ds.checkpoint.capture.journal import Progress, journal_path, plausible, read_journal
 from cpsr_ds.checkpoint.storage.layout import agreed_checkpoints, agreed_progress
-from cpsr_ds.checkpoint.storage.store import bytes_loaded
+from cpsr_ds.checkpoint.storage.loading import bytes_loaded
 from cpsr_ds.config import CPSRConfig, RecoveryConfig
 from cpsr_ds.planning.cost_model import (
     PESSIMISM,

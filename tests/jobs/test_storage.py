@@ -12,7 +12,7 @@ import pytest
 import torch.distributed as dist
 
 from cpsr_ds.checkpoint.capture import exiting
-from cpsr_ds.checkpoint.storage import layout, store
+from cpsr_ds.checkpoint.storage import catalog, layout, records
 from cpsr_ds.checkpoint.engines.factory import create_engine
 from cpsr_ds.checkpoint.capture.journal import Entry, Progress
 from conftest import free_port
@@ -52,11 +52,11 @@ def test_node_local_directories_commit_and_each_node_keeps_its_latest(node_engin
     dirs, engines = node_engines()
     both(engines, dirs, 5)
     for rank, d in enumerate(dirs):
-        assert store.read_latest(d) == "global_step5"
-        (ckpt,) = store.list_checkpoints(d, ranks={rank})
+        assert records.read_latest(d) == "global_step5"
+        (ckpt,) = catalog.list_checkpoints(d, ranks={rank})
         assert ckpt.valid and ckpt.committed
         # Only its own rank's part is on each node.
-        assert sorted(store.read_manifests(os.path.join(d, "global_step5"))) == [rank]
+        assert sorted(records.read_manifests(os.path.join(d, "global_step5"))) == [rank]
     assert all(eng.stats.persisted == 1 and eng.stats.failed == 0 for eng in engines)
 
 
@@ -68,7 +68,7 @@ def test_shared_storage_on_node_local_directories_never_commits(tmp_path, caplog
         checkpoint(eng, d, 5, states(n=100), rank=rank)
     with caplog.at_level(logging.ERROR):
         assert all(eng.flush(30) for eng in engines)
-    assert store.read_latest(dirs[0]) is None and "rank manifests [1] missing" in caplog.text
+    assert records.read_latest(dirs[0]) is None and "rank manifests [1] missing" in caplog.text
     for eng in engines:
         eng.cleanup()
 
@@ -79,7 +79,7 @@ def test_retention_runs_on_every_node(node_engines):
         both(engines, dirs, step)
     for d in dirs:
         assert sorted(n for n in os.listdir(d) if n.startswith("global")) == ["global_step3", "global_step4"]
-        assert store.read_latest(d) == "global_step4"
+        assert records.read_latest(d) == "global_step4"
 
 
 def test_a_part_given_up_on_one_node_is_given_up_on_every_node(node_engines, caplog):
@@ -91,7 +91,7 @@ def test_a_part_given_up_on_one_node_is_given_up_on_every_node(node_engines, cap
         assert all(eng.flush(30) for eng in engines)
     assert "non-finite" in caplog.text
     for d in dirs:
-        assert store.read_latest(d) == "global_step5" and not os.path.exists(os.path.join(d, "global_step10"))
+        assert records.read_latest(d) == "global_step5" and not os.path.exists(os.path.join(d, "global_step10"))
 
 
 def test_a_failing_follower_leaves_within_the_grace_and_keeps_its_part(node_engines, monkeypatch):
@@ -101,7 +101,7 @@ def test_a_failing_follower_leaves_within_the_grace_and_keeps_its_part(node_engi
     rank1.commit(rank1.get_commit_info())  # rank 0 died before deciding on global_step10
     exiting.mark("RuntimeError in train_batch: Connection closed by peer")
     assert timed_cleanup(rank1) < exiting.EXIT_GRACE_S + 1
-    assert store.read_manifests(os.path.join(dirs[1], "global_step10")).keys() == {1}
+    assert records.read_manifests(os.path.join(dirs[1], "global_step10")).keys() == {1}
 
 
 def test_rank_0_ends_only_once_the_other_ranks_no_longer_need_the_store_it_holds(node_engines):
@@ -165,8 +165,8 @@ def test_a_rank_that_loses_the_store_keeps_its_part_for_recovery(tmp_path, store
     with caplog.at_level(logging.INFO):
         assert rank1.flush(30), "rank 1's checkpoint still pending 30 s after the store went"
         assert timed_cleanup(rank1) < 5
-    assert store.read_manifests(os.path.join(d, "global_step10")).keys() == {1}
-    assert store.read_latest(d) is None and "its part here stays, uncommitted on this node" in caplog.text
+    assert records.read_manifests(os.path.join(d, "global_step10")).keys() == {1}
+    assert records.read_latest(d) is None and "its part here stays, uncommitted on this node" in caplog.text
 
 
 class DiesAfterSetting:
@@ -203,7 +203,7 @@ def test_rank_0_that_loses_the_store_after_announcing_a_commit_keeps_its_part(tm
         assert engines[0].flush(30), "rank 0's checkpoint still pending 30 s after the store went"
         for eng in reversed(engines):
             assert timed_cleanup(eng) < 15
-    assert store.read_manifests(os.path.join(dirs[0], "global_step10")).keys() == {0}
+    assert records.read_manifests(os.path.join(dirs[0], "global_step10")).keys() == {0}
     assert "its part here stays, uncommitted on this node" in caplog.text
 
 

@@ -14,7 +14,8 @@ import torch
 from conftest import ROOT, TEST_MODEL, run_job, tiny_config
 import cpsr_ds
 from cpsr_ds.__main__ import inspect_report
-from cpsr_ds.checkpoint.storage import store
+from cpsr_ds.checkpoint.storage import ondisk
+from cpsr_ds.checkpoint.storage.filesystem import fs
 from cpsr_ds.checkpoint.capture import survivor
 from cpsr_ds.checkpoint.capture.journal import journal_path, read_journal
 from cpsr_ds.config import ConfigError, CPSRConfig
@@ -90,7 +91,7 @@ def test_a_damaged_partial_or_foreign_dump_is_rejected(tmp_path, caplog):
     root, run = where(engine, tmp_path)
     directory = survivor.dump_dir(root, run, 0)
     path = os.path.join(directory, survivor.STATE_FILE)
-    manifest = os.path.join(directory, store.manifest_name(0))
+    manifest = os.path.join(directory, ondisk.manifest_name(0))
     good = open(path, "rb").read()
     shutil.copytree(directory, survivor.dump_dir(root, "another-run", 0))  # another run's dump, where this one reads
     assert survivor.read_survivor(root, 0, "another-run") is None
@@ -112,7 +113,7 @@ def test_a_damaged_partial_or_foreign_dump_is_rejected(tmp_path, caplog):
 
 def test_a_dump_past_its_time_limit_is_abandoned_and_never_committed(tmp_path, monkeypatch):
     engine, _ = trained(tmp_path, survivor_timeout_s=0.5)
-    write = store.write_atomic
+    write = fs.write_atomic
     finished = threading.Event()
 
     def slow_write(*args, **kwargs):
@@ -122,7 +123,7 @@ def test_a_dump_past_its_time_limit_is_abandoned_and_never_committed(tmp_path, m
         finally:
             finished.set()
 
-    monkeypatch.setattr(store, "write_atomic", slow_write)
+    monkeypatch.setattr(fs, "write_atomic", slow_write)
     t0 = time.monotonic()
     assert not engine.survivor.dump("test")
     assert time.monotonic() - t0 < 1.2
@@ -216,7 +217,7 @@ def test_a_restart_removes_its_ranks_earlier_dump_and_the_dumps_of_deleted_runs(
     root, run = where(engine, tmp_path / "a")
     stale = tmp_path / "a" / "survivors" / "gone-run"
     stale.mkdir()
-    store.write_json_atomic(str(stale / survivor.OWNER), {"run_dir": str(tmp_path / "deleted")})
+    fs.write_json_atomic(str(stale / survivor.OWNER), {"run_dir": str(tmp_path / "deleted")})
     survivor.install(engine, CPSRConfig.model_validate(tiny_config(tmp_path / "a" / "run")["cpsr"]).checkpoint.model_copy(
         update={"survivor_dir": root}), attempt=2)
     assert survivor.read_survivor(root, 0, run) is None and not stale.exists()

@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from cpsr_ds.__main__ import main
-from cpsr_ds.checkpoint.storage import layout, store
+from cpsr_ds.checkpoint.storage import layout, ondisk
 from cpsr_ds.checkpoint.capture.journal import ProgressJournal
 from cpsr_ds.node_view import held_ranks
 from test_storage import both, node_engines  # noqa: F401 (a fixture)
@@ -17,7 +17,7 @@ from test_storage import both, node_engines  # noqa: F401 (a fixture)
 def replicate(dirs, tag):
     """What replication leaves: each node's part of ``tag`` also under the next node's replicas/."""
     for n, d in enumerate(dirs):
-        shutil.copytree(os.path.join(d, tag), os.path.join(dirs[(n + 1) % len(dirs)], store.REPLICAS, tag))
+        shutil.copytree(os.path.join(d, tag), os.path.join(dirs[(n + 1) % len(dirs)], ondisk.REPLICAS, tag))
 
 
 def journal(d, rank, last):
@@ -73,7 +73,7 @@ def test_every_node_s_table_its_replicas_and_the_agreed_c_and_f(two_nodes, capsy
 
 def test_a_lost_node_s_ranks_come_from_the_newest_sound_replica(two_nodes, capsys):
     node0, node1 = two_nodes
-    os.truncate(os.path.join(node1, store.REPLICAS, "global_step10", "mp_rank_00_model_states.pt"), 10)
+    os.truncate(os.path.join(node1, ondisk.REPLICAS, "global_step10", "mp_rank_00_model_states.pt"), 10)
     _, report = inspect(capsys, node0, node1)
     assert report["nodes"][0]["parts"][0]["replica_newest_valid"] == "global_step5"
     assert report["agreed"]["checkpoint"] == "global_step10"  # rank 0's own part is still there
@@ -101,7 +101,7 @@ def test_a_directory_s_ranks_are_its_newest_start_s_and_one_every_rank_started_i
     start_token(node0, 1, run="run-0")  # an older start that saw rank 1's files here too
     os.utime(os.path.join(node0, layout.TOKENS, "rank00001"), (1, 1))
     assert held_ranks(node0) == [0]
-    shutil.rmtree(os.path.join(node0, store.REPLICAS))
+    shutil.rmtree(os.path.join(node0, ondisk.REPLICAS))
     _, report = inspect(capsys, node0)
     # Every rank started here and no replicas: one shared directory, where rank 1's part is missing.
     assert "storage" not in report and not any(r["valid"] for r in report["checkpoints"])

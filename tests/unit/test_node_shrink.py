@@ -8,7 +8,7 @@ import shutil
 
 import torch.distributed as dist
 
-from cpsr_ds.checkpoint.storage import layout, replica, store
+from cpsr_ds.checkpoint.storage import catalog, layout, ondisk, replica
 from cpsr_ds.checkpoint.engines.factory import create_engine
 from test_checkpoint_engine import MODEL, checkpoint, config, optim, states
 from test_inspect_nodes import two_nodes  # noqa: F401 (a fixture)
@@ -18,7 +18,7 @@ TAGS = ["global_step5", "global_step10"]
 
 
 def manifest(d, tag, rank) -> dict:
-    with open(os.path.join(d, tag, store.manifest_name(rank))) as f:
+    with open(os.path.join(d, tag, ondisk.manifest_name(rank))) as f:
         return json.load(f)
 
 
@@ -29,7 +29,7 @@ def test_a_two_rank_checkpoint_loads_on_one_rank_from_node_1_s_parts_and_replica
     found = layout.agreed_checkpoints(cfg)
     assert [(c.tag, c.world_size, c.full) for c in found] == [(tag, 2, True) for tag in TAGS]
     # Old rank 0's whole part came from the replica: the checkpoint verifies in full there, as DeepSpeed reads it.
-    for c in store.list_checkpoints(node1):
+    for c in catalog.list_checkpoints(node1):
         assert c.valid, c.problems
         assert manifest(node1, c.tag, 0)["files"].keys() == {MODEL, optim(0)}
     assert [c.tag for c in layout.agreed_checkpoints(cfg)] == TAGS  # a second restart finds them in place
@@ -38,7 +38,7 @@ def test_a_two_rank_checkpoint_loads_on_one_rank_from_node_1_s_parts_and_replica
 def test_swapped_rank_numbering_puts_each_rank_s_part_on_its_node(two_nodes, tmp_path):  # noqa: F811
     node0, node1 = two_nodes
     # Without replicas each part must come from the other node, over the channel a job of two nodes has.
-    bare = [shutil.copytree(d, tmp_path / f"bare{n}", ignore=shutil.ignore_patterns(store.REPLICAS))
+    bare = [shutil.copytree(d, tmp_path / f"bare{n}", ignore=shutil.ignore_patterns(ondisk.REPLICAS))
             for n, d in enumerate(two_nodes)]
     reports = [layout.holdings(str(d), rank, TWO_NODES) for rank, d in enumerate(reversed(bare))]
     moves = layout.placement(layout.agree(reports), TWO_NODES)
@@ -56,7 +56,7 @@ def test_swapped_rank_numbering_puts_each_rank_s_part_on_its_node(two_nodes, tmp
     for rank, d in enumerate(dirs):
         replica.restore(d, rank, TWO_NODES, moves)
     for rank, d in enumerate(dirs):
-        for c in store.list_checkpoints(d, ranks={rank}):
+        for c in catalog.list_checkpoints(d, ranks={rank}):
             assert c.valid, c.problems
     assert [a.sources for a in layout.agree([layout.holdings(d, rank, TWO_NODES) for rank, d in enumerate(dirs)])] \
         == [{}, {}]
@@ -69,7 +69,7 @@ def test_model_states_shared_alone_are_not_a_part(two_nodes):  # noqa: F811
     replica.restore(node1, 1, TWO_NODES, [replica.Move(tag, 0, 1, True, 1, only=True)])
     shared = manifest(node1, tag, 0)
     assert shared[replica.PARTIAL] is True and list(shared["files"]) == [MODEL]
-    shutil.rmtree(os.path.join(node1, store.REPLICAS))
+    shutil.rmtree(os.path.join(node1, ondisk.REPLICAS))
     shutil.rmtree(node0)
     # Node 1 holds rank 0's model states but not its optimizer partition: no checkpoint every rank's part of.
     assert layout.holdings(node1, 0, layout.Nodes.single(1))["parts"].keys() == {1}

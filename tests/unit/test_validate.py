@@ -16,7 +16,7 @@ import torch
 
 from conftest import tiny_config
 from cpsr_ds.checkpoint.capture import host_snapshot, survivor
-from cpsr_ds.checkpoint.storage import store
+from cpsr_ds.checkpoint.storage import records
 from cpsr_ds.checkpoint.storage.fileformat import read_snapshot
 from cpsr_ds.predictor.base import Predictor
 from cpsr_ds.recovery import engine_state
@@ -124,7 +124,7 @@ def first_run(cfg: dict, dump: bool = False) -> dict[int, float]:
 def negate_second_moment(directory: str) -> str:
     """Negate one second moment of the dump (or host snapshot) in ``directory`` and write it again with its
     manifest, checksum and all: a dump whose only fault is its values. Returns the tensor's key."""
-    manifest = store.read_manifests(directory)[0]
+    manifest = records.read_manifests(directory)[0]
     contents = read_snapshot(os.path.join(directory, survivor.STATE_FILE))
     key = sorted(k for k in contents["state"] if k.startswith("exp_avg_sq/"))[-1]
     contents["state"][key] = contents["state"][key].neg()

@@ -55,7 +55,8 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from cpsr_ds.checkpoint.storage import private_dir, store
+from cpsr_ds.checkpoint.storage import ondisk, private_dir, records
+from cpsr_ds.checkpoint.storage.filesystem import fs
 from cpsr_ds.checkpoint.capture import rng
 from cpsr_ds.checkpoint.engines.persist import Concurrent
 from cpsr_ds.checkpoint.storage.fileformat import CheckpointError, file_prefix, flatten, layout, nonfinite_tensors, read_snapshot
@@ -146,21 +147,21 @@ def _made(run_dir: str) -> dict:
         log.warning("cpsr: %s is damaged (%s): the run gets a new identity, earlier survivor dumps are not used",
                     path, err)
         # Made from the damaged bytes, so that every rank that read them writes the same.
-        store.write_json_atomic(path, {"run": hashlib.sha256(raw).hexdigest()[:32], **_binding(run_dir)})
+        fs.write_json_atomic(path, {"run": hashlib.sha256(raw).hexdigest()[:32], **_binding(run_dir)})
         return _made(run_dir)
 
 
 def _publish(run_dir: str, record: dict) -> None:
     """Make ``record`` the run's identity unless another rank made one first (a link fails where one is there)."""
     path = os.path.join(run_dir, RUN_ID)
-    tmp = f"{store.temp_name(path)}-{uuid.uuid4().hex}"
+    tmp = f"{fs.temp_name(path)}-{uuid.uuid4().hex}"
     with open(tmp, "w") as f:
         json.dump(record, f)
         f.flush()
         os.fsync(f.fileno())
     try:
         os.link(tmp, path)
-        store.fsync_dir(run_dir)
+        fs.fsync_dir(run_dir)
     except FileExistsError:
         pass
     finally:
@@ -184,7 +185,7 @@ def prepare(cfg: CheckpointConfig) -> tuple[str, str]:
     os.makedirs(os.path.dirname(os.path.abspath(root)), exist_ok=True)
     private_dir.ensure(root, SETTING)
     private_dir.ensure(os.path.join(root, run), SETTING)
-    store.write_json_atomic(os.path.join(root, run, OWNER), {"run_dir": os.path.abspath(cfg.dir)},
+    fs.write_json_atomic(os.path.join(root, run, OWNER), {"run_dir": os.path.abspath(cfg.dir)},
                             mode=private_dir.FILE_MODE)
     return root, run
 
@@ -251,29 +252,29 @@ def write_dump(directory: str, contents: dict, manifest: dict, checksum: str,
     """
     parent = os.path.dirname(directory)
     private_dir.ensure(parent, SETTING)
-    tmp = store.temp_name(directory)
+    tmp = fs.temp_name(directory)
     shutil.rmtree(tmp, ignore_errors=True)
     private_dir.ensure(tmp, SETTING)
     skeleton, tensors = flatten(contents)
     specs, _ = layout(tensors)
     prefix = file_prefix(os.path.join(directory, STATE_FILE), skeleton, specs)
-    size, digest = store.write_atomic(os.path.join(tmp, STATE_FILE), _chunks(prefix, tensors, specs), checksum,
+    size, digest = fs.write_atomic(os.path.join(tmp, STATE_FILE), _chunks(prefix, tensors, specs), checksum,
                                       mode=private_dir.FILE_MODE)
     rank = manifest["rank"]
-    store.write_json_atomic(os.path.join(tmp, store.manifest_name(rank)),
+    fs.write_json_atomic(os.path.join(tmp, ondisk.manifest_name(rank)),
                             {**manifest, "tag": TAG, "checksum": checksum, "failed": None,
                              "files": {STATE_FILE: {"size": size, "digest": digest}}}, mode=private_dir.FILE_MODE)
     if not may_commit():
         return 0
     _remove(directory)
     os.replace(tmp, directory)
-    store.fsync_dir(parent)
+    fs.fsync_dir(parent)
     return size
 
 
 def _remove(path: str) -> None:
     # Renamed away first, so that no reader sees a dump half deleted.
-    trash = f"{os.path.dirname(path)}/{store.TRASH_PREFIX}{os.path.basename(path)}-{uuid.uuid4().hex}"
+    trash = f"{os.path.dirname(path)}/{ondisk.TRASH_PREFIX}{os.path.basename(path)}-{uuid.uuid4().hex}"
     try:
         os.replace(path, trash)
     except FileNotFoundError:
@@ -334,9 +335,9 @@ def _check_owner(run_root: str, run: str) -> None:
 def _read(directory: str, rank: int, run: str, attempt: Optional[int]) -> Survivor:
     run_root = os.path.dirname(directory)
     check_private(os.path.dirname(run_root), run_root, directory)
-    man = store.read_manifests(directory).get(rank)
+    man = records.read_manifests(directory).get(rank)
     if man is None:
-        raise CheckpointError(f"no manifest {store.manifest_name(rank)} (partial dump)")
+        raise CheckpointError(f"no manifest {ondisk.manifest_name(rank)} (partial dump)")
     if man.get("run") != run:
         raise CheckpointError(f"written by run {man.get('run')!r}, not this run {run!r}")
     if attempt is not None and man["attempt"] != attempt:
@@ -365,7 +366,7 @@ def remove_dump(directory: str) -> None:
     parent, name = os.path.split(directory)
     try:
         leftovers = [n for n in os.listdir(parent) if n.startswith(f".{name}.tmp") or
-                     n.startswith(f"{store.TRASH_PREFIX}{name}-")]
+                     n.startswith(f"{ondisk.TRASH_PREFIX}{name}-")]
     except FileNotFoundError:
         return
     for n in leftovers:

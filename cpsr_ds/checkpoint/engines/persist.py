@@ -4,7 +4,7 @@ The writer thread of every rank writes each file of a checkpoint atomically, the
 rank's manifest, which lists every file's size, checksum and floating tensors holding
 NaN or Inf. Rank 0's committer thread waits, by polling the shared checkpoint
 directory, until all ``world_size`` manifests of a tag are there, then writes the
-commit record and moves ``latest`` (see store.py). With node-local storage the
+commit record and moves ``latest`` (see committing.py). With node-local storage the
 manifests' summaries and rank 0's decision go through the job's key-value store, every
 rank's committer follows the decision on its node, and each node's records wait until
 every rank's part is replicated to the next node (layout.py). Neither thread uses
@@ -33,9 +33,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from cpsr_ds.checkpoint.storage import store
+from cpsr_ds.checkpoint.storage import committing, filesystem, ondisk, progress_record, records, retention
+from cpsr_ds.checkpoint.storage.filesystem import describe_error, fs
 from cpsr_ds.checkpoint.storage.layout import Decision, SharedLayout
-from cpsr_ds.checkpoint.storage.store import describe_error
 from cpsr_ds.checkpoint.engines.snapshot import HostBuffers, SnapshotFile
 from cpsr_ds.checkpoint.engines.throttle import Throttle
 
@@ -253,11 +253,11 @@ class Writer:
             self._persisted(job)
             return
         entries = {} if job.skipped else self._write_files(job)
-        name = store.manifest_name(self.rank)
+        name = ondisk.manifest_name(self.rank)
         if job.ok:
             manifest = self._attempt(job, f"writing {name}", lambda: self._write_manifest(job, entries, name))
             if manifest is not None:
-                store.forget_progress(job.tag_dir, self.rank)
+                progress_record.forget_progress(job.tag_dir, self.rank)
                 self._publish(job, manifest)
         if not job.ok and self.rank != 0:
             self._report_failure(job, entries, name)
@@ -295,7 +295,7 @@ class Writer:
         """The landed file to the progress record, which only recovery from this checkpoint cut short reads: where
         it cannot be written, the checkpoint goes on without it."""
         try:
-            store.record_progress(job.tag_dir, self.rank, rel, entry, job.attempt, self.checksum, first)
+            progress_record.record_progress(job.tag_dir, self.rank, rel, entry, job.attempt, self.checksum, first)
         except OSError as err:
             log.warning("checkpoint %s: could not record %s as landed: %s", job.tag, rel, describe_error(err))
 
@@ -340,7 +340,7 @@ class Writer:
         # Checking for NaN and Inf beside the write, not after it, keeps it off the persist time.
         check = Concurrent(snap.nonfinite)
         try:
-            size, digest = store.write_atomic(path, snap.chunks(), self.checksum, direct=True,
+            size, digest = fs.write_atomic(path, snap.chunks(), self.checksum, direct=True,
                                               throttle=self.throttle)
         finally:
             # The check reads the host buffers, which go to the next checkpoint after this.
@@ -353,12 +353,12 @@ class Writer:
 
     def _manifest(self, job: Job, entries: dict, failed: Optional[str] = None) -> dict:
         return {"tag": job.tag, "rank": self.rank, "world_size": self.world_size, "attempt": job.attempt,
-                "started_ns": job.started_ns, "iteration": store.tag_iteration(job.tag),
+                "started_ns": job.started_ns, "iteration": ondisk.tag_iteration(job.tag),
                 "checksum": self.checksum, "files": entries, "failed": failed}
 
     def _write_manifest(self, job: Job, entries: dict, name: str, failed: Optional[str] = None) -> dict:
         manifest = self._manifest(job, entries, failed)
-        store.write_json_atomic(os.path.join(job.tag_dir, name), manifest)
+        fs.write_json_atomic(os.path.join(job.tag_dir, name), manifest)
         return manifest
 
     def _publish(self, job: Job, manifest: dict) -> None:
@@ -453,7 +453,7 @@ class Committer:
             for job in done:
                 self._done(job)
             if len(done) < len(pending):
-                time.sleep(store.POLL_S)
+                time.sleep(filesystem.POLL_S)
 
     def _settle(self, job: Job, deadline: float) -> bool:
         """True when the job needs no more attention: committed or given up."""
@@ -531,7 +531,7 @@ class Committer:
                 return None
             return Decision(reason=f"rank manifests {missing} missing{self._waited()}" + (f" ({cause})" if cause else ""))
         record = {"tag": job.tag, "world_size": self.world_size, "attempt": job.attempt,
-                  "started_ns": job.started_ns, "iteration": store.tag_iteration(job.tag),
+                  "started_ns": job.started_ns, "iteration": ondisk.tag_iteration(job.tag),
                   "committed_time": time.time()}
         if job.ranks is not None:
             record.update(ranks=list(job.ranks), stages=list(job.stages or ()))
@@ -545,7 +545,7 @@ class Committer:
         """Write the commit record and move ``latest`` (where this rank writes them), retention."""
         if self.layout.writes_commit:
             try:
-                moved = with_retries(lambda: store.commit_checkpoint(job.ckpt_dir, job.tag, record),
+                moved = with_retries(lambda: committing.commit_checkpoint(job.ckpt_dir, job.tag, record),
                                      self.policy, f"checkpoint {job.tag}: commit",
                                      on_error=lambda err: self._on_error(job, err) or True)
             except OSError as err:
@@ -559,7 +559,7 @@ class Committer:
             # Deleting old checkpoints takes long (file systems mounted with discard trim
             # synchronously), so it comes after the commit and does not delay it.
             try:
-                store.apply_retention(job.ckpt_dir, self.keep_last, self._in_flight, self.layout.retention_ranks)
+                retention.apply_retention(job.ckpt_dir, self.keep_last, self._in_flight, self.layout.retention_ranks)
             except OSError as err:
                 log.warning("checkpoint %s: retention failed: %s", job.tag, describe_error(err))
         if not (job.own_persist and job.part):
@@ -577,7 +577,7 @@ class Committer:
     def _give_up(job: Job, reason: str, level: int = logging.ERROR) -> bool:
         """Mark the job given up and remove its directory, unless it holds a commit record (an earlier commit)."""
         job.give_up(reason)
-        removed = store.read_commit(job.tag_dir) is None and store.remove_checkpoint(job.ckpt_dir, job.tag)
+        removed = records.read_commit(job.tag_dir) is None and retention.remove_checkpoint(job.ckpt_dir, job.tag)
         log.log(level, "checkpoint %s: not committed, %s; %s, latest stays on the last good checkpoint",
                 job.tag, reason, "its directory removed" if removed else "nothing to remove")
         return True

@@ -2,7 +2,7 @@
 
 ``shared``: every rank writes its part and manifest into the one directory; rank 0's
 committer reads the manifests there and alone writes the commit record, ``latest`` and
-retention (store.py).
+retention (committing.py, retention.py).
 
 ``node_local``: each node's ranks write into their node's own directory, and nothing
 but the job connects the nodes. A rank publishes a summary of its durable manifest
@@ -35,7 +35,8 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
-from cpsr_ds.checkpoint.storage import replica, store
+from cpsr_ds.checkpoint.storage import catalog, filesystem, ondisk, records, replica
+from cpsr_ds.checkpoint.storage.filesystem import fs
 from cpsr_ds.checkpoint.capture.journal import Progress, agreed_reach, read_progress
 from cpsr_ds.config import CheckpointConfig, ConfigError
 
@@ -111,7 +112,7 @@ class SharedLayout:
 
     def parts(self, job_key: str, tag_dir: str) -> dict[int, dict]:
         """Every rank's manifest (or summary) of a checkpoint that is there so far, by rank."""
-        return store.read_manifests(tag_dir)
+        return records.read_manifests(tag_dir)
 
     def announce(self, job_key: str, decision: Decision) -> None:
         """Only rank 0 acts on its decisions here."""
@@ -232,7 +233,7 @@ class NodeLocalLayout(SharedLayout):
                                 "ends without them", self.nodes.world_size - released, self.nodes.world_size,
                                 timeout_s)
                     return
-                time.sleep(store.POLL_S)
+                time.sleep(filesystem.POLL_S)
                 released = self._kv.add(key, 0)
         except RuntimeError as err:  # torch's DistError: the store's process ended, nobody to wait for
             log.info("the job's store is gone (%s); nothing to release", err)
@@ -296,7 +297,7 @@ def verify_storage(cfg: CheckpointConfig) -> Nodes:
         run = box[0]
         path = _token_path(cfg.dir, rank)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        store.write_atomic(path, [run.encode()])
+        fs.write_atomic(path, [run.encode()])
         dist.barrier()
         seen: list = [None] * world
         dist.all_gather_object(seen, _seen(cfg.dir, run, world))
@@ -365,7 +366,7 @@ def _full_owners(tag_dir: str) -> dict[int, dict]:
     model-states files alone); a damaged manifest counts, as {}, so that its verification names the damage."""
     owners = {}
     for name in _names(tag_dir):
-        if (m := store.MANIFEST_RE.match(name)) is None:
+        if (m := ondisk.MANIFEST_RE.match(name)) is None:
             continue
         try:
             with open(os.path.join(tag_dir, name)) as f:
@@ -385,13 +386,13 @@ def _names(path: str) -> list[str]:
         return []
 
 
-def _describe(c: store.Checkpoint, manifest: dict) -> dict:
+def _describe(c: catalog.Checkpoint, manifest: dict) -> dict:
     """What a part is of: ``c`` as its directory's commit record says, or, for a part an earlier attempt left
     under a tag a later one wrote again, that attempt's uncommitted checkpoint of its own world."""
     attempt = manifest.get("attempt", c.attempt)
     if attempt == c.attempt:
         return {"key": c.key, "committed": c.committed, "world_size": c.world_size, "ranks": c.ranks}
-    return {"key": store.order_key(c.iteration, attempt), "committed": False,
+    return {"key": ondisk.order_key(c.iteration, attempt), "committed": False,
             "world_size": manifest.get("world_size", c.world_size), "ranks": None}
 
 
@@ -399,14 +400,14 @@ def _parts(ckpt_dir: str, vouches: Callable[[int], bool], read_data: bool) -> di
     """By owner (the rank that wrote it), of the owners ``vouches`` for: its whole part of each of our
     checkpoints in ``ckpt_dir``: which checkpoint it is of (:func:`_describe`) and its problems."""
     found: dict[int, dict[str, dict]] = {}
-    for c in store.scan(ckpt_dir):
+    for c in catalog.scan(ckpt_dir):
         if c.kind != "cpsr":
             continue
         for owner, manifest in sorted(_full_owners(os.path.join(ckpt_dir, c.tag)).items()):
             if vouches(owner):
                 found.setdefault(owner, {})[c.tag] = {
                     **_describe(c, manifest),
-                    "problems": store.verify(ckpt_dir, c, read_data, ranks={owner}, need_commit=False)}
+                    "problems": catalog.verify(ckpt_dir, c, read_data, ranks={owner}, need_commit=False)}
     return found
 
 
@@ -501,7 +502,7 @@ def placement(agreed: list[Agreed], nodes: Nodes) -> list[replica.Move]:
     return moves
 
 
-def agreed_checkpoints(cfg: CheckpointConfig, read_data: bool = True) -> list[store.Checkpoint]:
+def agreed_checkpoints(cfg: CheckpointConfig, read_data: bool = True) -> list[catalog.Checkpoint]:
     """The checkpoints every rank can load, oldest first (collective where the job has several ranks).
 
     ``node_local``: the parts of the ranks that wrote a checkpoint, whichever node keeps
@@ -518,13 +519,13 @@ def agreed_checkpoints(cfg: CheckpointConfig, read_data: bool = True) -> list[st
     agreed = agree(reports)
     _log_rejected(rank, local["parts"].get(rank, {}), agreed)
     lost = replica.restore(cfg.dir, rank, nodes, placement(agreed, nodes))
-    found = {c.tag: c for c in store.scan(cfg.dir)}
+    found = {c.tag: c for c in catalog.scan(cfg.dir)}
     return replica.whole(cfg.dir, [as_agreed(found[a.tag], a) for a in agreed if a.tag in found], lost)
 
 
-def _shared_checkpoints(cfg: CheckpointConfig, read_data: bool) -> list[store.Checkpoint]:
+def _shared_checkpoints(cfg: CheckpointConfig, read_data: bool) -> list[catalog.Checkpoint]:
     """The valid checkpoints of the one shared directory that every rank verified."""
-    verified = store.loadable_checkpoints(cfg.dir, read_data)
+    verified = catalog.loadable_checkpoints(cfg.dir, read_data)
     if not _several():
         return verified
     common = set.intersection(*(set(tags) for tags in _gathered([c.tag for c in verified])))
@@ -534,7 +535,7 @@ def _shared_checkpoints(cfg: CheckpointConfig, read_data: bool) -> list[store.Ch
     return [c for c in verified if c.tag in common]
 
 
-def as_agreed(ckpt: store.Checkpoint, agreed: Agreed) -> store.Checkpoint:
+def as_agreed(ckpt: catalog.Checkpoint, agreed: Agreed) -> catalog.Checkpoint:
     """``ckpt`` as agreed: committed (this node may not have written its record), of the world and ranks that
     wrote it, nothing wrong."""
     return dataclasses.replace(ckpt, committed=True, problems=[], world_size=agreed.world_size, ranks=agreed.ranks)
