@@ -12,7 +12,7 @@ import pytest
 import torch.distributed as dist
 
 from cpsr_ds.checkpoint.capture import exiting
-from cpsr_ds.checkpoint.storage import catalog, layout, records
+from cpsr_ds.checkpoint.storage import agreement, catalog, layout, records, topology
 from cpsr_ds.checkpoint.engines.factory import create_engine
 from cpsr_ds.checkpoint.capture.journal import Entry, Progress
 from conftest import free_port
@@ -20,7 +20,7 @@ from cpsr_ds.config import ConfigError
 from test_checkpoint_engine import checkpoint, config, states
 from test_exit import open_checkpoint, timed_cleanup
 
-TWO_NODES = layout.Nodes(((0,), (1,)), run="test")
+TWO_NODES = topology.Nodes(((0,), (1,)), run="test")
 
 
 @pytest.fixture
@@ -209,12 +209,12 @@ def test_rank_0_that_loses_the_store_after_announcing_a_commit_keeps_its_part(tm
 
 def test_shared_storage_not_shared_is_refused_naming_the_setting(tmp_path):
     with pytest.raises(ConfigError, match=r"checkpoint.storage is shared.*rank 0 sees the files of ranks \[0\] only.*node_local"):
-        layout.check_nodes("shared", "/ckpt", [[0], [1]], "run")
-    assert layout.check_nodes("shared", "/ckpt", [[0, 1], [0, 1]], "run").groups == ((0, 1),)
-    nodes = layout.check_nodes("node_local", "/ckpt", [[0, 1], [0, 1], [2, 3], [2, 3]], "run")
+        topology.check_nodes("shared", "/ckpt", [[0], [1]], "run")
+    assert topology.check_nodes("shared", "/ckpt", [[0, 1], [0, 1]], "run").groups == ((0, 1),)
+    nodes = topology.check_nodes("node_local", "/ckpt", [[0, 1], [0, 1], [2, 3], [2, 3]], "run")
     assert nodes.groups == ((0, 1), (2, 3)) and nodes.leads(2) and not nodes.leads(3)
     with pytest.raises(ConfigError, match="checkpoint.storage.*rank 1 sees the files of ranks \\[0, 1\\]"):
-        layout.check_nodes("node_local", "/ckpt", [[0], [0, 1]], "run")
+        topology.check_nodes("node_local", "/ckpt", [[0], [0, 1]], "run")
 
 
 def test_storage_node_local_refuses_the_synchronous_strategy(tmp_path):
@@ -233,26 +233,26 @@ def test_agreement_takes_the_newest_checkpoint_every_rank_holds_own_copy_or_repl
         {"parts": {}, "replicas": {}},
     ]
     reports[0]["replicas"] = {1: {"a": part((5, 1)), "b": part((10, 1), problems=["damaged"])}}
-    assert [(a.tag, a.sources) for a in layout.agree(reports)] == [("a", {1: 0})]
+    assert [(a.tag, a.sources) for a in agreement.agree(reports)] == [("a", {1: 0})]
     reports[0]["replicas"][1]["b"] = part((10, 1))
     # c committed where node 0 had not written its record yet
     reports[1]["parts"][1] = {"c": part((15, 1), committed=True)}
     reports[0]["replicas"][1]["c"] = part((15, 1))
-    assert [(a.tag, a.sources) for a in layout.agree(reports)] == [("a", {1: 0}), ("b", {1: 0}), ("c", {})]
+    assert [(a.tag, a.sources) for a in agreement.agree(reports)] == [("a", {1: 0}), ("b", {1: 0}), ("c", {})]
 
 
 def test_a_checkpoint_whose_every_part_is_sound_is_agreed_before_its_record_is_written():
     """A node killed while the replicas were on their way: no node wrote the record, every part stands."""
     reports = [{"parts": {0: {"a": part((5, 1)), "b": part((10, 1), committed=False)}}, "replicas": {}},
                {"parts": {1: {"a": part((5, 1)), "b": part((10, 1), committed=False)}}, "replicas": {}}]
-    assert [a.tag for a in layout.agree(reports)] == ["a", "b"]
+    assert [a.tag for a in agreement.agree(reports)] == ["a", "b"]
     # Rank 0 gave b up for rank 1's part (its non-finite tensor, say): not loadable, not agreed.
     reports[1]["parts"][1]["b"] = part((10, 1), committed=False, problems=["non-finite values in fp32"])
-    assert [a.tag for a in layout.agree(reports)] == ["a"]
+    assert [a.tag for a in agreement.agree(reports)] == ["a"]
 
 
 def test_progress_combines_every_node_s_journals_f_the_slowest():
     node0 = Progress({0: [Entry(i, 1.0, 0.0) for i in range(1, 13)]}, 12)
     node1 = Progress({1: [Entry(i, 1.0, 0.0) for i in range(1, 12)]}, 11, ("a problem",))
-    combined = layout.combine_progress([node0, node1])
+    combined = agreement.combine_progress([node0, node1])
     assert combined.reached == 11 and set(combined.entries) == {0, 1} and combined.problems == ("a problem",)

@@ -15,7 +15,7 @@ from functools import partial
 import pytest
 
 from conftest import ROOT, finish, free_port, run_job, tiny_config
-from cpsr_ds.checkpoint.storage import catalog, layout, ondisk, records
+from cpsr_ds.checkpoint.storage import agreement, catalog, ondisk, records
 from cpsr_ds.checkpoint.capture.exiting import EXIT_RESTART_CANNOT_HELP
 from cpsr_ds.config import CPSRConfig
 from cpsr_ds.recovery import REPORTS, read_reports
@@ -209,7 +209,7 @@ def test_a_restart_that_cannot_restore_a_replica_onto_a_full_disk_stops_named_an
         part = partial(part_bytes, dirs[1] / ondisk.REPLICAS)
         os.unlink(disk / "filler")
         fill(disk / "filler", leave=sum(map(part, replicated[:-1])) + part(replicated[-1]) // 2)
-        restorable = layout.agreed_checkpoints(CPSRConfig.parse_block(config["cpsr"]).checkpoint)
+        restorable = agreement.agreed_checkpoints(CPSRConfig.parse_block(config["cpsr"]).checkpoint)
         assert [c.tag for c in restorable] == replicated[:-1], (restorable, replicated)
 
         os.unlink(disk / "filler")

@@ -11,7 +11,7 @@ from deepspeed.runtime.lr_schedules import WarmupCosineLR, WarmupLR
 
 from cpsr_ds import runlog
 from cpsr_ds.checkpoint.capture.journal import Entry, ProgressJournal, Progress, read_progress
-from cpsr_ds.checkpoint.storage.layout import combine_progress
+from cpsr_ds.checkpoint.storage.agreement import combine_progress
 from cpsr_ds.config import CPSRConfig, RecoveryConfig
 from cpsr_ds.planning.cost_model import MEASURED_REDUCTION, PESSIMISM, EmpiricalModel, Estimate, recovery_choice
 from cpsr_ds.planning.fitter import MIN_POINTS, fit_recent, loss_excess, stage_xi

@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from cpsr_ds.__main__ import main
-from cpsr_ds.checkpoint.storage import layout, ondisk
+from cpsr_ds.checkpoint.storage import ondisk, topology
 from cpsr_ds.checkpoint.capture.journal import ProgressJournal
 from cpsr_ds.node_view import held_ranks
 from test_storage import both, node_engines  # noqa: F401 (a fixture)
@@ -28,8 +28,8 @@ def journal(d, rank, last):
 
 
 def start_token(d, rank, run="run-1"):
-    os.makedirs(os.path.join(d, layout.TOKENS), exist_ok=True)
-    with open(os.path.join(d, layout.TOKENS, f"rank{rank:05d}"), "w") as f:
+    os.makedirs(os.path.join(d, topology.TOKENS), exist_ok=True)
+    with open(os.path.join(d, topology.TOKENS, f"rank{rank:05d}"), "w") as f:
         f.write(run)
 
 
@@ -99,7 +99,7 @@ def test_one_node_s_directory_names_its_ranks_and_asks_for_the_others(two_nodes,
 def test_a_directory_s_ranks_are_its_newest_start_s_and_one_every_rank_started_in_is_shared(two_nodes, capsys):
     node0 = two_nodes[0]
     start_token(node0, 1, run="run-0")  # an older start that saw rank 1's files here too
-    os.utime(os.path.join(node0, layout.TOKENS, "rank00001"), (1, 1))
+    os.utime(os.path.join(node0, topology.TOKENS, "rank00001"), (1, 1))
     assert held_ranks(node0) == [0]
     shutil.rmtree(os.path.join(node0, ondisk.REPLICAS))
     _, report = inspect(capsys, node0)

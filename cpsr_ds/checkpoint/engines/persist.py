@@ -35,7 +35,7 @@ from typing import Callable, Optional
 
 from cpsr_ds.checkpoint.storage import committing, filesystem, ondisk, progress_record, records, retention
 from cpsr_ds.checkpoint.storage.filesystem import describe_error, fs
-from cpsr_ds.checkpoint.storage.layout import Decision, SharedLayout
+from cpsr_ds.checkpoint.storage.layout import CommitVerdict, SharedLayout
 from cpsr_ds.checkpoint.engines.snapshot import HostBuffers, SnapshotFile
 from cpsr_ds.checkpoint.engines.throttle import Throttle
 
@@ -491,7 +491,7 @@ class Committer:
                 return self._leave(job, f"its replicas on the next nodes not confirmed{self._waited()}")
         return self._commit(job, job.decided)
 
-    def _decision(self, job: Job, deadline: float) -> Optional[Decision]:
+    def _decision(self, job: Job, deadline: float) -> Optional[CommitVerdict]:
         """Rank 0's decision on ``job``, announced where it is rank 0's own; None: not yet."""
         if self.layout.decides:
             decision = self._decide(job, deadline)
@@ -504,13 +504,13 @@ class Committer:
         if job.ok:
             return self.layout.decision(job.key)
         # This rank told rank 0 it gave up (Writer._report_failure): the decision can only be that.
-        return Decision(reason=f"rank {self.layout.rank} gave it up: {job.error}")
+        return CommitVerdict(reason=f"rank {self.layout.rank} gave it up: {job.error}")
 
-    def _decide(self, job: Job, deadline: float) -> Optional[Decision]:
+    def _decide(self, job: Job, deadline: float) -> Optional[CommitVerdict]:
         """Rank 0: commit or give up once every rank's manifest is there or one says no; None: wait on."""
         if not job.ok:
             # Rank 0's writer, or create() for a skipped checkpoint, logged the cause already.
-            return Decision(reason=f"rank 0 gave it up: {job.error}")
+            return CommitVerdict(reason=f"rank 0 gave it up: {job.error}")
         try:
             ranks = self.layout.parts(job.key, job.tag_dir)
         except (OSError, ValueError) as err:
@@ -522,20 +522,20 @@ class Committer:
         missing = [r for r in expected if r not in ranks]
         aborted = [f"rank {r} gave its part up: {m['failed']}" for r, m in sorted(ranks.items()) if m.get("failed")]
         if aborted:
-            return Decision(reason="; ".join(aborted))
+            return CommitVerdict(reason="; ".join(aborted))
         nonfinite = nonfinite_tensors(ranks)
         if nonfinite:
-            return Decision(reason="non-finite values (NaN or Inf) in " + "; ".join(nonfinite))
+            return CommitVerdict(reason="non-finite values (NaN or Inf) in " + "; ".join(nonfinite))
         if missing:
             if time.monotonic() < deadline:
                 return None
-            return Decision(reason=f"rank manifests {missing} missing{self._waited()}" + (f" ({cause})" if cause else ""))
+            return CommitVerdict(reason=f"rank manifests {missing} missing{self._waited()}" + (f" ({cause})" if cause else ""))
         record = {"tag": job.tag, "world_size": self.world_size, "attempt": job.attempt,
                   "started_ns": job.started_ns, "iteration": ondisk.tag_iteration(job.tag),
                   "committed_time": time.time()}
         if job.ranks is not None:
             record.update(ranks=list(job.ranks), stages=list(job.stages or ()))
-        return Decision(record)
+        return CommitVerdict(record)
 
     def _waited(self) -> str:
         return (f", not waited for: this process is failing ({self._no_wait})" if self._no_wait is not None

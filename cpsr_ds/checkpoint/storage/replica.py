@@ -234,7 +234,7 @@ class Move:
 
 
 def restore(ckpt_dir: str, rank: int, nodes, moves: list[Move]) -> dict[str, str]:
-    """Collective at recovery: every rank takes its side of ``moves``, in order (layout.placement); a part on
+    """Collective at recovery: every rank takes its side of ``moves``, in order (agreement.placement); a part on
     the same node is copied there, one on another node comes over the channel. Returns the checkpoints that
     are not whole where they are needed, each with why (a part not written: a full disk), on every rank."""
     failed = {}
