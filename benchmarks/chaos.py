@@ -106,7 +106,7 @@ from cpsr_ds import rundir  # noqa: E402
 from cpsr_ds.__main__ import inspect_report, main as cli_main  # noqa: E402
 from cpsr_ds.checkpoint.storage import catalog, ondisk, progress_record, records
 from cpsr_ds.checkpoint.storage.filesystem import fs
-from cpsr_ds.checkpoint.capture import survivor# noqa: E402
+from cpsr_ds.checkpoint.capture import dumps, run_id  # noqa: E402
 from cpsr_ds.checkpoint.engines.factory import create_engine  # noqa: E402
 from cpsr_ds.checkpoint.storage.fileformat import MAGIC, PAGE, align, new_hasher, read_snapshot  # noqa: E402
 from cpsr_ds.checkpoint.capture.journal import journal_path, read_journal  # noqa: E402
@@ -708,17 +708,17 @@ def dump_dirs(root: str) -> list[str]:
 def rewrite_dump(directory: str, change) -> None:
     """Replace the dump in ``directory`` with ``change(contents)``'s, written and checksummed as the product does."""
     (rank, man), = records.read_manifests(directory).items()
-    contents = read_snapshot(os.path.join(directory, survivor.STATE_FILE))
+    contents = read_snapshot(os.path.join(directory, dumps.STATE_FILE))
     manifest = {k: v for k, v in man.items() if k not in ("tag", "checksum", "failed", "files")}
-    survivor.write_dump(directory, change(contents), manifest, man["checksum"])
+    dumps.write_dump(directory, change(contents), manifest, man["checksum"])
 
 
 def rewrite_snapshot(path: str, obj, algorithm: str, scratch: str) -> dict:
     """Replace the snapshot file ``path`` with one of ``obj`` in the product's format; its manifest entry."""
     tmp = tempfile.mkdtemp(prefix="rewrite-", dir=scratch)
-    survivor.write_dump(os.path.join(tmp, "d"), obj, {"rank": 0, "world_size": 1}, algorithm)
-    entry = records.read_manifests(os.path.join(tmp, "d"))[0]["files"][survivor.STATE_FILE]
-    os.replace(os.path.join(tmp, "d", survivor.STATE_FILE), path)
+    dumps.write_dump(os.path.join(tmp, "d"), obj, {"rank": 0, "world_size": 1}, algorithm)
+    entry = records.read_manifests(os.path.join(tmp, "d"))[0]["files"][dumps.STATE_FILE]
+    os.replace(os.path.join(tmp, "d", dumps.STATE_FILE), path)
     shutil.rmtree(tmp)
     return entry
 
@@ -816,7 +816,7 @@ def plant_dump(root: str, run_dir: str, marker: str, rng: random.Random) -> bool
     there is none) with one whose header runs code and whose weights are moved, checksum and manifest valid;
     whether the run's identity was known."""
     try:
-        with open(os.path.join(run_dir, survivor.RUN_ID)) as f:
+        with open(os.path.join(run_dir, run_id.RUN_ID)) as f:
             run = json.load(f)["run"]
     except (OSError, ValueError, KeyError):
         return False
@@ -832,7 +832,7 @@ def plant_dump(root: str, run_dir: str, marker: str, rng: random.Random) -> bool
     if not found:
         manifest = {"rank": 0, "world_size": 1, "attempt": rundir.recorded_attempt(run_dir), "run": run, "stage": 0,
                     "iteration": journal_end(run_dir), "reason": "SIGTERM received", "written_ns": time.time_ns()}
-        survivor.write_dump(survivor.dump_dir(root, run, 0),
+        dumps.write_dump(dumps.dump_dir(root, run, 0),
                             planted({"state": {}, "fragments": {}, "counters": {}, "weights": None}), manifest,
                             "xxh3_64")
     chown_tree(os.path.join(root, run))

@@ -17,7 +17,7 @@ import cpsr_ds
 from conftest import TEST_MODEL, tiny_config, train_on_random_tokens
 from cpsr_ds.checkpoint.storage import catalog, loading, ondisk
 from cpsr_ds.checkpoint.storage.filesystem import fs
-from cpsr_ds.checkpoint.capture import survivor
+from cpsr_ds.checkpoint.capture import dumps
 from cpsr_ds.checkpoint.engines.factory import create_engine
 from cpsr_ds.checkpoint.storage.fileformat import (MAGIC, PAGE, CheckpointError, align, flatten, layout, read_skeleton,
                                            read_snapshot, scan_file)
@@ -142,8 +142,8 @@ def test_a_state_a_restart_would_refuse_is_not_written(tmp_path):
     with pytest.raises(CheckpointError, match="f.pt: not written: it names posix.system"):
         snapshot_file("f.pt", state, HostBuffers(pin=False), None)
     dump = str(tmp_path / "dump")
-    with pytest.raises(CheckpointError, match=f"{dump}/{survivor.STATE_FILE}: not written: it names posix.system"):
-        survivor.write_dump(dump, state, {"rank": 0}, "xxh3_64")
+    with pytest.raises(CheckpointError, match=f"{dump}/{dumps.STATE_FILE}: not written: it names posix.system"):
+        dumps.write_dump(dump, state, {"rank": 0}, "xxh3_64")
     d = str(tmp_path / "run")
     engine = create_engine(config(d, strategy="torch"), 0, 1)
     with pytest.raises(CheckpointError, match=f"{MODEL}: not written: it names posix.system"):

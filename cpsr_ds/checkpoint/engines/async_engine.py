@@ -28,7 +28,9 @@ from cpsr_ds.checkpoint.capture import exiting
 from cpsr_ds.checkpoint.storage import loading, records, retention
 from cpsr_ds.checkpoint.engines import throttle
 from cpsr_ds.checkpoint.storage.layout import make_layout
-from cpsr_ds.checkpoint.engines.persist import BufferPool, Committer, Job, RetryPolicy, Writer
+from cpsr_ds.checkpoint.engines.committer import Committer
+from cpsr_ds.checkpoint.engines.persist import BufferPool, Job, RetryPolicy
+from cpsr_ds.checkpoint.engines.writer import Writer
 from cpsr_ds.checkpoint.engines.snapshot import Copier, HostBuffers, snapshot_file
 from cpsr_ds.checkpoint.storage.filesystem import describe_error
 from cpsr_ds.config import CheckpointConfig
