@@ -90,7 +90,7 @@ from examples.gpt import train_gpt  # noqa: E402
 
 from cpsr_ds.planning import fault_tolerance_cost, planner, units  # noqa: E402
 from cpsr_ds.checkpoint.capture.journal import journal_path, read_journal, read_validation  # noqa: E402
-from cpsr_ds.checkpoint.storage.store import list_checkpoints  # noqa: E402
+from cpsr_ds.checkpoint.storage.catalog import list_checkpoints  # noqa: E402
 from cpsr_ds.config import CheckpointConfig, PredictorConfig  # noqa: E402
 from cpsr_ds.planning.calibration import MEASURED_REDUCTION  # noqa: E402
 from benchmarks.common.lag import Unmeasurable, late_lag  # noqa: E402

@@ -91,7 +91,7 @@ import deepspeed  # noqa: E402
 import cpsr_ds  # noqa: E402
 from cpsr_ds.planning import cost_model# noqa: E402
 from cpsr_ds.checkpoint.capture.journal import ProgressJournal, journal_path, read_journal  # noqa: E402
-from cpsr_ds.checkpoint.storage.store import list_checkpoints  # noqa: E402
+from cpsr_ds.checkpoint.storage.catalog import list_checkpoints  # noqa: E402
 from cpsr_ds import predictor  # noqa: E402
 from cpsr_ds.predictor import NotReady  # noqa: E402
 from cpsr_ds.config import CPSRConfig, PredictorConfig  # noqa: E402

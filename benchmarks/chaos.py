@@ -104,8 +104,9 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 
 from cpsr_ds import rundir  # noqa: E402
 from cpsr_ds.__main__ import inspect_report, main as cli_main  # noqa: E402
-from cpsr_ds.checkpoint.storage import store
-from cpsr_ds.checkpoint.capture import survivor# noqa: E402
+from cpsr_ds.checkpoint.storage import catalog, ondisk, progress_record, records
+from cpsr_ds.checkpoint.storage.filesystem import fs
+from cpsr_ds.checkpoint.capture import dumps, run_id  # noqa: E402
 from cpsr_ds.checkpoint.engines.factory import create_engine  # noqa: E402
 from cpsr_ds.checkpoint.storage.fileformat import MAGIC, PAGE, align, new_hasher, read_snapshot  # noqa: E402
 from cpsr_ds.checkpoint.capture.journal import journal_path, read_journal  # noqa: E402
@@ -225,7 +226,7 @@ def check_directory(run_dir: str) -> dict:
     valid = [c for c in report["checkpoints"] if c["valid"]]
     if not valid:
         raise Violation("no valid checkpoint left")
-    latest = store.read_latest(run_dir)
+    latest = records.read_latest(run_dir)
     rows = {c["tag"]: c for c in report["checkpoints"]}
     if latest not in rows or not rows[latest]["valid"]:
         raise Violation(f"latest names {latest!r}, which is not a valid checkpoint")
@@ -286,7 +287,7 @@ def rechecksum(tag_dir: str, path: str) -> None:
     """Make the manifest vouch for ``path`` as it is now."""
     rel = os.path.relpath(path, tag_dir)
     for name in os.listdir(tag_dir):
-        if store.MANIFEST_RE.match(name):
+        if ondisk.MANIFEST_RE.match(name):
             man_path = os.path.join(tag_dir, name)
             with open(man_path) as f:
                 man = json.load(f)
@@ -295,11 +296,11 @@ def rechecksum(tag_dir: str, path: str) -> None:
                 with open(path, "rb") as f:
                     hasher.update(f.read())
                 man["files"][rel].update(size=os.path.getsize(path), digest=hasher.hexdigest())
-                store.write_json_atomic(man_path, man)
+                fs.write_json_atomic(man_path, man)
 
 
 def valid_tags(run_dir: str) -> list[tuple[int, str]]:
-    return sorted((c.iteration, c.tag) for c in store.list_checkpoints(run_dir) if c.valid)
+    return sorted((c.iteration, c.tag) for c in catalog.list_checkpoints(run_dir) if c.valid)
 
 
 def fault_nonfinite(rng: random.Random, trial_dir: str) -> str:
@@ -417,9 +418,9 @@ def fault_metadata(rng: random.Random, trial_dir: str) -> str:
     newest, tag = tags[-1]
     damage = rng.choice(sorted(METADATA_DAMAGE))
     tag_dir = os.path.join(run_dir, tag)
-    target = (os.path.join(run_dir, store.LATEST) if damage.startswith("latest") else
-              os.path.join(tag_dir, store.COMMIT) if damage.startswith("commit") else
-              os.path.join(tag_dir, store.manifest_name(0)))
+    target = (os.path.join(run_dir, ondisk.LATEST) if damage.startswith("latest") else
+              os.path.join(tag_dir, ondisk.COMMIT) if damage.startswith("commit") else
+              os.path.join(tag_dir, ondisk.manifest_name(0)))
     METADATA_DAMAGE[damage](target, rng)
     try:
         report = inspect_report(run_dir)
@@ -493,7 +494,7 @@ def fault_full_disk(rng: random.Random, trial_dir: str) -> str:
                                                        "retry_backoff_s": 1.0}, "predictor": {"history": 2}})
         iters = 700
         child = job(trial_dir, config, iters, "full")
-        while store.read_latest(run_dir) is None and child.poll() is None:
+        while records.read_latest(run_dir) is None and child.poll() is None:
             time.sleep(0.05)
         time.sleep(rng.uniform(0.3, 1.5))
         filler = os.path.join(mount, "filler")
@@ -574,14 +575,14 @@ def fault_rank_write(rng: random.Random, trial_dir: str) -> str:
         flush_s = json.load(f)["flush_s"]
     if flush_s > 10:
         raise Violation(f"flush waited {flush_s:.1f} s for a commit that could not complete")
-    found = {c.iteration: c for c in store.list_checkpoints(ckpt_dir)}
+    found = {c.iteration: c for c in catalog.list_checkpoints(ckpt_dir)}
     if found.get(blocked) is not None and found[blocked].committed:
         raise Violation(f"checkpoint {blocked} committed although rank {rank}'s file is missing")
-    latest = store.read_latest(ckpt_dir)
+    latest = records.read_latest(ckpt_dir)
     if blocked < steps:
         if latest != f"global_step{steps}" or not found[steps].valid:
             raise Violation(f"latest is {latest}; the last checkpoint {steps} should be committed and valid")
-    elif latest is not None and not found[store.tag_iteration(latest)].valid:
+    elif latest is not None and not found[ondisk.tag_iteration(latest)].valid:
         raise Violation(f"latest {latest} is not valid")
     output = child.output()
     if f"rank {rank}" not in output or "global_step" not in output:
@@ -657,7 +658,7 @@ def reached(run_dir: str, child: Child, iteration: int) -> bool:
     """Wait until the job's journal reaches ``iteration`` and a checkpoint is committed (True) or the job ends
     before (False)."""
     deadline = time.monotonic() + JOB_TIMEOUT_S
-    while journal_end(run_dir) < iteration or store.read_latest(run_dir) is None:
+    while journal_end(run_dir) < iteration or records.read_latest(run_dir) is None:
         if child.poll() is not None:
             return False
         if time.monotonic() > deadline:
@@ -701,23 +702,23 @@ def interrupted(trial_dir: str, config: str, run_dir: str, rng: random.Random, s
 
 def dump_dirs(root: str) -> list[str]:
     """The survivor dumps and host snapshots under a survivor root: directories holding a manifest."""
-    return sorted(top for top, _, files in os.walk(root) if any(store.MANIFEST_RE.match(f) for f in files))
+    return sorted(top for top, _, files in os.walk(root) if any(ondisk.MANIFEST_RE.match(f) for f in files))
 
 
 def rewrite_dump(directory: str, change) -> None:
     """Replace the dump in ``directory`` with ``change(contents)``'s, written and checksummed as the product does."""
-    (rank, man), = store.read_manifests(directory).items()
-    contents = read_snapshot(os.path.join(directory, survivor.STATE_FILE))
+    (rank, man), = records.read_manifests(directory).items()
+    contents = read_snapshot(os.path.join(directory, dumps.STATE_FILE))
     manifest = {k: v for k, v in man.items() if k not in ("tag", "checksum", "failed", "files")}
-    survivor.write_dump(directory, change(contents), manifest, man["checksum"])
+    dumps.write_dump(directory, change(contents), manifest, man["checksum"])
 
 
 def rewrite_snapshot(path: str, obj, algorithm: str, scratch: str) -> dict:
     """Replace the snapshot file ``path`` with one of ``obj`` in the product's format; its manifest entry."""
     tmp = tempfile.mkdtemp(prefix="rewrite-", dir=scratch)
-    survivor.write_dump(os.path.join(tmp, "d"), obj, {"rank": 0, "world_size": 1}, algorithm)
-    entry = store.read_manifests(os.path.join(tmp, "d"))[0]["files"][survivor.STATE_FILE]
-    os.replace(os.path.join(tmp, "d", survivor.STATE_FILE), path)
+    dumps.write_dump(os.path.join(tmp, "d"), obj, {"rank": 0, "world_size": 1}, algorithm)
+    entry = records.read_manifests(os.path.join(tmp, "d"))[0]["files"][dumps.STATE_FILE]
+    os.replace(os.path.join(tmp, "d", dumps.STATE_FILE), path)
     shutil.rmtree(tmp)
     return entry
 
@@ -815,7 +816,7 @@ def plant_dump(root: str, run_dir: str, marker: str, rng: random.Random) -> bool
     there is none) with one whose header runs code and whose weights are moved, checksum and manifest valid;
     whether the run's identity was known."""
     try:
-        with open(os.path.join(run_dir, survivor.RUN_ID)) as f:
+        with open(os.path.join(run_dir, run_id.RUN_ID)) as f:
             run = json.load(f)["run"]
     except (OSError, ValueError, KeyError):
         return False
@@ -831,7 +832,7 @@ def plant_dump(root: str, run_dir: str, marker: str, rng: random.Random) -> bool
     if not found:
         manifest = {"rank": 0, "world_size": 1, "attempt": rundir.recorded_attempt(run_dir), "run": run, "stage": 0,
                     "iteration": journal_end(run_dir), "reason": "SIGTERM received", "written_ns": time.time_ns()}
-        survivor.write_dump(survivor.dump_dir(root, run, 0),
+        dumps.write_dump(dumps.dump_dir(root, run, 0),
                             planted({"state": {}, "fragments": {}, "counters": {}, "weights": None}), manifest,
                             "xxh3_64")
     chown_tree(os.path.join(root, run))
@@ -853,7 +854,7 @@ def fault_planted_tag(rng: random.Random, trial_dir: str) -> str:
                        "zero_pp_rank_0_mp_rank_00_optim_states.pt"])
     marker = os.path.join(trial_dir, MARKER)
     torch.save({"module": Plant(marker), "iteration": iteration}, os.path.join(tag_dir, name))
-    with open(os.path.join(run_dir, store.LATEST), "w") as f:
+    with open(os.path.join(run_dir, ondisk.LATEST), "w") as f:
         f.write(tag)
     if need_second_user() is None:
         chown_tree(tag_dir)
@@ -1063,16 +1064,16 @@ def in_flight(rng: random.Random, trial_dir: str, cpsr: dict) -> tuple[str, str,
     run(trial_dir, config, reached, "first")
     (_, before), (_, tag) = valid_tags(run_dir)[-2:]
     tag_dir = os.path.join(run_dir, tag)
-    for rank, manifest in store.read_manifests(tag_dir).items():
+    for rank, manifest in records.read_manifests(tag_dir).items():
         layers = [rel for rel in manifest["files"] if rel.startswith("layer_")]
         for k, rel in enumerate(layers):
-            store.record_progress(tag_dir, rank, rel, manifest["files"][rel], manifest["attempt"],
+            progress_record.record_progress(tag_dir, rank, rel, manifest["files"][rel], manifest["attempt"],
                                   manifest["checksum"], first=k == 0)
         for rel in set(manifest["files"]) - set(layers):
             os.unlink(os.path.join(tag_dir, rel))
-        os.unlink(os.path.join(tag_dir, store.manifest_name(rank)))
-    os.unlink(os.path.join(tag_dir, store.COMMIT))
-    with open(os.path.join(run_dir, store.LATEST), "w") as f:
+        os.unlink(os.path.join(tag_dir, ondisk.manifest_name(rank)))
+    os.unlink(os.path.join(tag_dir, ondisk.COMMIT))
+    with open(os.path.join(run_dir, ondisk.LATEST), "w") as f:
         f.write(before)
     return config, tag_dir, reached
 
@@ -1080,7 +1081,7 @@ def in_flight(rng: random.Random, trial_dir: str, cpsr: dict) -> tuple[str, str,
 def damage_landed_layer(rng: random.Random, trial_dir: str, tag_dir: str, change) -> str:
     """Rewrite a random landed layer file of the checkpoint in flight with ``change(state)`` and re-digest its
     progress line; what was done."""
-    progress = os.path.join(tag_dir, store.progress_name(0))
+    progress = os.path.join(tag_dir, ondisk.progress_name(0))
     with open(progress) as f:
         lines = [json.loads(line) for line in f]
     line = rng.choice(lines)

@@ -14,7 +14,7 @@ from typing import Optional
 
 from cpsr_ds import node_view
 from cpsr_ds.planning import fault_tolerance_cost, plan_report, planner
-from cpsr_ds.checkpoint.storage import store
+from cpsr_ds.checkpoint.storage import catalog, records
 from cpsr_ds.checkpoint.capture.journal import reached_iteration
 from cpsr_ds.recovery import earlier_reports
 
@@ -29,11 +29,11 @@ def inspect_report(ckpt_dir: str, read_data: bool = True, ranks: Optional[set[in
     if ranks is None and node_view.is_node_local(ckpt_dir):
         # One node's directory: the agreed checkpoint needs the others'.
         return {**nodes_report([ckpt_dir], read_data)["nodes"][0], "agreed": None}
-    latest = store.read_latest(ckpt_dir)
+    latest = records.read_latest(ckpt_dir)
     rows = [{"tag": c.tag, "kind": c.kind, "iteration": c.iteration, "attempt": c.attempt, "size_bytes": c.size,
              "committed": c.committed, "status": c.status, "valid": c.valid, "latest": c.tag == latest,
              "problems": c.problems}
-            for c in store.list_checkpoints(ckpt_dir, read_data, ranks)]
+            for c in catalog.list_checkpoints(ckpt_dir, read_data, ranks)]
     usable = next((r["tag"] for r in reversed(rows) if r["valid"]), None)
     return {"dir": ckpt_dir, "latest": latest, "usable": usable, "checkpoints": rows,
             "journal_iteration": reached_iteration(ckpt_dir), "recoveries": recoveries(ckpt_dir)}

@@ -4,12 +4,12 @@ With ``checkpoint.storage: node_local`` each node's directory holds its own rank
 its own ``latest``, its ranks' journals, and under ``replicas/`` the parts of the node
 before it. One directory shows one node; given every node's directory (copied to one
 place) the report adds the checkpoint c and the failure point f the ranks would agree on
-at a restart, by recovery's own rules (layout.holdings, layout.agree,
-layout.combine_progress), offline: a node whose directory is missing holds nothing, and
+at a restart, by recovery's own rules (agreement.holdings, agreement.agree,
+agreement.combine_progress), offline: a node whose directory is missing holds nothing, and
 its ranks' replicas stand in, as at a restart after losing that node's disk.
 
 A directory's ranks are those that left a token there at the newest start
-(layout.TOKENS); a directory without tokens (a one-process run) is known by its journals
+(topology.TOKENS); a directory without tokens (a one-process run) is known by its journals
 and manifests.
 """
 
@@ -19,7 +19,7 @@ import os
 import re
 from typing import Optional
 
-from cpsr_ds.checkpoint.storage import layout, store
+from cpsr_ds.checkpoint.storage import agreement, catalog, ondisk, records, topology
 from cpsr_ds.checkpoint.capture.journal import JOURNAL_DIR, JOURNAL_NAME_RE, read_progress
 
 TOKEN_RE = re.compile(r"^rank(\d{5})$")
@@ -28,9 +28,9 @@ TOKEN_RE = re.compile(r"^rank(\d{5})$")
 def _tokens(ckpt_dir: str) -> dict[int, tuple[float, str]]:
     """Each rank's start token in ``ckpt_dir``: (when it was written, the start's id)."""
     found = {}
-    for name in _names(os.path.join(ckpt_dir, layout.TOKENS)):
+    for name in _names(os.path.join(ckpt_dir, topology.TOKENS)):
         m = TOKEN_RE.match(name)
-        path = os.path.join(ckpt_dir, layout.TOKENS, name)
+        path = os.path.join(ckpt_dir, topology.TOKENS, name)
         try:
             with open(path) as f:
                 if m:
@@ -42,8 +42,8 @@ def _tokens(ckpt_dir: str) -> dict[int, tuple[float, str]]:
 
 def _manifest_ranks(ckpt_dir: str) -> set[int]:
     """The ranks with a manifest in any checkpoint of ``ckpt_dir``."""
-    return {int(m.group(1)) for c in store.scan(ckpt_dir) for name in _names(os.path.join(ckpt_dir, c.tag))
-            if (m := store.MANIFEST_RE.match(name))}
+    return {int(m.group(1)) for c in catalog.scan(ckpt_dir) for name in _names(os.path.join(ckpt_dir, c.tag))
+            if (m := ondisk.MANIFEST_RE.match(name))}
 
 
 def _names(path: str) -> list[str]:
@@ -66,14 +66,14 @@ def held_ranks(ckpt_dir: str) -> list[int]:
 
 def replica_ranks(ckpt_dir: str) -> list[int]:
     """The ranks whose replicas ``ckpt_dir`` keeps (those of the node before it)."""
-    return sorted(_manifest_ranks(os.path.join(ckpt_dir, store.REPLICAS)))
+    return sorted(_manifest_ranks(os.path.join(ckpt_dir, ondisk.REPLICAS)))
 
 
 def _newest_commit(ckpt_dir: str) -> Optional[dict]:
     """The commit record of the newest committed checkpoint of ``ckpt_dir``."""
-    for c in reversed(store.scan(ckpt_dir)):
+    for c in reversed(catalog.scan(ckpt_dir)):
         try:
-            record = store.read_commit(os.path.join(ckpt_dir, c.tag))
+            record = records.read_commit(os.path.join(ckpt_dir, c.tag))
         except (OSError, ValueError):
             continue
         if record is not None:
@@ -83,7 +83,7 @@ def _newest_commit(ckpt_dir: str) -> Optional[dict]:
 
 def world_size(ckpt_dir: str) -> Optional[int]:
     """The world size of the newest checkpoint committed in ``ckpt_dir`` or its replicas."""
-    record = _newest_commit(ckpt_dir) or _newest_commit(os.path.join(ckpt_dir, store.REPLICAS))
+    record = _newest_commit(ckpt_dir) or _newest_commit(os.path.join(ckpt_dir, ondisk.REPLICAS))
     return record["world_size"] if record else None
 
 
@@ -94,40 +94,40 @@ def is_node_local(ckpt_dir: str) -> bool:
     return bool(replica_ranks(ckpt_dir)) or (bool(seen) and world is not None and not set(range(world)) <= seen)
 
 
-def job_nodes(dirs: list[str]) -> tuple[layout.Nodes, dict[int, str]]:
+def job_nodes(dirs: list[str]) -> tuple[topology.Nodes, dict[int, str]]:
     """The job's nodes from its directories (a lost node's ranks from the replicas the next node keeps of them),
     and the directory of each rank found."""
     owner = {r: d for d in dirs for r in held_ranks(d)}
     groups = {tuple(held_ranks(d)) for d in dirs} | {tuple(replica_ranks(d)) for d in dirs}
-    return layout.Nodes(tuple(sorted(g for g in groups if g))), owner
+    return topology.Nodes(tuple(sorted(g for g in groups if g))), owner
 
 
 def newest_valid(parts: dict[str, dict]) -> Optional[str]:
-    """The newest committed part without problems, of layout.holdings' parts."""
+    """The newest committed part without problems, of agreement.holdings' parts."""
     sound = [(p["key"], tag) for tag, p in parts.items() if p["committed"] and not p["problems"]]
     return max(sound)[1] if sound else None
 
 
-def rank_reports(dirs: list[str], read_data: bool = True) -> tuple[layout.Nodes, dict[int, str], list[dict]]:
+def rank_reports(dirs: list[str], read_data: bool = True) -> tuple[topology.Nodes, dict[int, str], list[dict]]:
     """The nodes, each rank's directory, and every rank's holdings as recovery gathers them (empty for a rank
     whose directory is missing)."""
     nodes, owner = job_nodes(dirs)
     world = max([r for g in nodes.groups for r in g] + [(world_size(d) or 0) - 1 for d in dirs]) + 1
     empty = {"parts": {}, "replicas": {}}
-    return nodes, owner, [layout.holdings(owner[r], r, nodes, read_data) if r in owner else empty for r in range(world)]
+    return nodes, owner, [agreement.holdings(owner[r], r, nodes, read_data) if r in owner else empty for r in range(world)]
 
 
 def agreed(dirs: list[str], reports: list[dict]) -> dict:
     """The checkpoint c every rank can load (where from) and the journals' f, as recovery agrees on them."""
-    found = layout.agree(reports)
-    progress = layout.combine_progress([read_progress(d) for d in dirs])
+    found = agreement.agree(reports)
+    progress = agreement.combine_progress([read_progress(d) for d in dirs])
     newest = found[-1] if found else None
     return {"checkpoint": newest.tag if newest else None, "iteration": newest.key[0] if newest else None,
             "from_replica": {str(r): holder for r, holder in newest.sources.items()} if newest else {},
             "reached": progress.reached, "problems": list(progress.problems)}
 
 
-def rank_rows(nodes: layout.Nodes, reports: list[dict], owner: dict[int, str], node: int) -> list[dict]:
+def rank_rows(nodes: topology.Nodes, reports: list[dict], owner: dict[int, str], node: int) -> list[dict]:
     """Node ``node``'s ranks: each one's newest valid own part, and its replica's on the next node (None there too
     where that node's directory is not given: ``replica_dir``)."""
     keeper = nodes.ranks(node + 1)[0]

@@ -39,8 +39,8 @@ from cpsr_ds.planning import planner
 from cpsr_ds.checkpoint.capture import exiting, host_snapshot, rng, survivor
 from cpsr_ds.checkpoint.engines import throttle
 from cpsr_ds.checkpoint.engines.factory import deepspeed_factory
-from cpsr_ds.checkpoint.storage.layout import verify_storage
-from cpsr_ds.checkpoint.storage.store import reading_each_file_once
+from cpsr_ds.checkpoint.storage.topology import verify_storage
+from cpsr_ds.integration.deepspeed.load_hook import reading_each_file_once
 from cpsr_ds.checkpoint.capture.journal import (ProgressJournal, finished_iterations, journal_path, plausible, read_journal,
                                        retire_journals)
 from cpsr_ds.config import CPSRConfig

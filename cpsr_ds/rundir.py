@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from cpsr_ds.checkpoint.storage.private_dir import FILE_MODE, PrivateDirError, describe, user
-from cpsr_ds.checkpoint.storage.store import write_json_atomic
+from cpsr_ds.checkpoint.storage.filesystem import fs
 from cpsr_ds.config import CheckpointConfig, ConfigError
 from cpsr_ds.recovery.agree import on_any_rank
 
@@ -251,7 +251,7 @@ def acquire(directory: str, seen: int = 0) -> RunDirLock:
     try:
         # Either record may have been lost to a crash while it was written; the other then counts.
         attempt = max(recorded_attempt(directory), _attempt_in(_read_all(fd)), seen) + 1
-        write_json_atomic(os.path.join(directory, ATTEMPT), {"attempt": attempt})
+        fs.write_json_atomic(os.path.join(directory, ATTEMPT), {"attempt": attempt})
         data = json.dumps(identity(attempt)).encode()
         os.ftruncate(fd, 0)
         os.pwrite(fd, data, 0)
@@ -310,7 +310,7 @@ def claim(directory: str, device: torch.device) -> RunDirLock:
     if int(os.environ.get("LOCAL_RANK", 0)) == 0 and recorded_attempt(directory) < lock.attempt:
         try:
             os.makedirs(directory, exist_ok=True)
-            write_json_atomic(os.path.join(directory, ATTEMPT), {"attempt": lock.attempt})
+            fs.write_json_atomic(os.path.join(directory, ATTEMPT), {"attempt": lock.attempt})
         except OSError as err:  # the record only orders a later restart's checkpoints: not worth stopping the job
             log.warning("cpsr: cannot record attempt %d in %s: %s", lock.attempt, directory, err)
     return lock

@@ -21,7 +21,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, replace
 
-from cpsr_ds.checkpoint.storage.store import write_json_atomic
+from cpsr_ds.checkpoint.storage.filesystem import fs
 
 LAYOUT = "cpsr_world.json"
 
@@ -131,4 +131,4 @@ def read_layout(directory: str) -> Layout | None:
 
 def write_layout(directory: str, layout: Layout) -> None:
     os.makedirs(directory, exist_ok=True)  # a node-local directory only rank 0's lock has not made yet
-    write_json_atomic(os.path.join(directory, LAYOUT), asdict(layout))
+    fs.write_json_atomic(os.path.join(directory, LAYOUT), asdict(layout))

@@ -18,9 +18,9 @@ import os
 import shutil
 import sys
 
-# store.COMMIT. Not imported from there: that imports torch, a second or more before the restart being timed.
+# ondisk.COMMIT. Not imported from there: that imports torch, a second or more before the restart being timed.
 COMMIT = "cpsr_commit.json"
-REPLICAS = "replicas"  # store.REPLICAS
+REPLICAS = "replicas"  # ondisk.REPLICAS
 
 
 def commit_records(root: str) -> list[dict]:

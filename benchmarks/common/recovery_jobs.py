@@ -55,7 +55,8 @@ from benchmarks.common.recovery_cases import (Case, ds_config, estimate, evaluat
                                               print_cases, recomputed, reduction_summary, reference_fit)
 from cpsr_ds.planning import cost_model# noqa: E402
 from cpsr_ds.checkpoint.capture.journal import JOURNAL_DIR, journal_path, read_journal, read_validation  # noqa: E402
-from cpsr_ds.checkpoint.storage.store import LATEST, list_checkpoints  # noqa: E402
+from cpsr_ds.checkpoint.storage.catalog import list_checkpoints  # noqa: E402
+from cpsr_ds.checkpoint.storage.ondisk import LATEST  # noqa: E402
 from cpsr_ds.recovery import read_reports  # noqa: E402
 from cpsr_ds.recovery.sources.summaries import SUMMARIES_DIR  # noqa: E402
 from cpsr_ds.rundir import ATTEMPT  # noqa: E402

@@ -19,7 +19,7 @@ import os
 import shutil
 
 from benchmarks import bench_recovery
-from cpsr_ds.checkpoint.storage.store import list_checkpoints  # noqa: E402
+from cpsr_ds.checkpoint.storage.catalog import list_checkpoints  # noqa: E402
 from cpsr_ds.config import PredictorConfig  # noqa: E402
 
 

@@ -13,8 +13,8 @@ from typing import Callable, NamedTuple
 import torch.distributed as dist
 
 from cpsr_ds.checkpoint.capture.journal import Progress, journal_path, plausible, read_journal
-from cpsr_ds.checkpoint.storage.layout import agreed_checkpoints, agreed_progress
-from cpsr_ds.checkpoint.storage.store import bytes_loaded
+from cpsr_ds.checkpoint.storage.agreement import agreed_checkpoints, agreed_progress
+from cpsr_ds.checkpoint.storage.loading import bytes_loaded
 from cpsr_ds.config import CPSRConfig, RecoveryConfig
 from cpsr_ds.planning.calibration import PESSIMISM
 from cpsr_ds.planning.cost_model import (
@@ -60,7 +60,7 @@ def recover(engine, cfg: CPSRConfig, predictor, attempt: int = 0) -> RecoveryRep
     for problem in progress.problems:
         log.error("cpsr recovery: %s", problem)
     reached = progress.reached
-    # Every rank gets the same checkpoints, verified on each node (layout.py).
+    # Every rank gets the same checkpoints, verified on each node (checkpoint/storage/agreement.py).
     verified = agreed_checkpoints(cfg.checkpoint)
     full = [ck for ck in verified if ck.full]
     if not full:

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from cpsr_ds.checkpoint.storage import store
+from cpsr_ds.checkpoint.storage import ondisk
+from cpsr_ds.checkpoint.storage.filesystem import fs
 from cpsr_ds.checkpoint.capture.journal import Entry, journal_path
 from cpsr_ds.recovery import RecoveryReport, append_report
 
@@ -53,20 +54,20 @@ def test_progress_is_lost_when_the_restart_resumes_before_the_newest_commit():
 
 def commit(d, tag, iteration, written):
     os.makedirs(os.path.join(d, tag), exist_ok=True)
-    path = os.path.join(d, tag, store.COMMIT)
+    path = os.path.join(d, tag, ondisk.COMMIT)
     with open(path, "w") as f:
         json.dump({"tag": tag, "world_size": 2, "iteration": iteration}, f)
     os.utime(path, (written, written))
 
 
 def test_a_lost_directory_s_commits_are_listed_before_it_goes_and_count(tmp_path, monkeypatch):
-    assert lose_node_dir.COMMIT == store.COMMIT
+    assert lose_node_dir.COMMIT == ondisk.COMMIT
     run = bench.Run(bench.Scenario("node_local", "torchrun", "dir_lost"), str(tmp_path), None)
     node0, node1 = run.node_dir(0), run.node_dir(1)
     commit(node0, "global_step4", 4, 90.0)
     commit(node0, "global_step8", 8, 99.0)  # node 1 never wrote its record of 8
     commit(node1, "global_step4", 4, 90.0)
-    commit(os.path.join(node1, store.REPLICAS), "global_step4", 4, 90.5)
+    commit(os.path.join(node1, ondisk.REPLICAS), "global_step4", 4, 90.5)
     marker = os.path.join(node1, "faults", "iteration-10-rank-1")
     args = (node0, marker, run.lost_record)
     monkeypatch.setenv("RANK", "0")
@@ -112,6 +113,6 @@ def test_a_replica_s_record_is_no_commit(tmp_path):
     """A replica carries rank 0's decision before the nodes commit: only the nodes' own records count."""
     for where in ("node0/global_step4", "node0/replicas/global_step8", "node1/global_step4"):
         (tmp_path / where).mkdir(parents=True)
-        store.write_json_atomic(str(tmp_path / where / store.COMMIT), {"iteration": int(where[-1])})
-    assert lose_node_dir.REPLICAS == store.REPLICAS and lose_node_dir.COMMIT == store.COMMIT
+        fs.write_json_atomic(str(tmp_path / where / ondisk.COMMIT), {"iteration": int(where[-1])})
+    assert lose_node_dir.REPLICAS == ondisk.REPLICAS and lose_node_dir.COMMIT == ondisk.COMMIT
     assert sorted(r["iteration"] for r in lose_node_dir.commit_records(str(tmp_path))) == [4, 4]

@@ -9,8 +9,9 @@ import shutil
 
 import pytest
 
-from cpsr_ds.checkpoint.storage import store
 from support.checkpoints import make_checkpoint
+from cpsr_ds.checkpoint.storage import catalog, records
+from cpsr_ds.checkpoint.storage.filesystem import fs
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +26,7 @@ def layouts(jobs, tmp_path):
     ref = made.ref_dir
     for iteration in (10, 20, 30):
         make_checkpoint(ref, f"global_step{iteration}")
-    store.write_json_atomic(os.path.join(ref, "cpsr_attempt.json"), {"attempt": 1})
+    fs.write_json_atomic(os.path.join(ref, "cpsr_attempt.json"), {"attempt": 1})
     for rank in (0, 1):
         os.makedirs(os.path.join(ref, "journal"), exist_ok=True)
         with open(os.path.join(ref, "journal", f"rank{rank:05d}.csv"), "w") as f:
@@ -46,7 +47,7 @@ def test_the_failed_job_starts_from_what_the_reference_had_right_after_c(layouts
     run = str(tmp_path / "failed")
     layouts.as_after(20, run)
     assert sorted(d for d in os.listdir(run) if d.startswith("global_step")) == ["global_step10", "global_step20"]
-    assert store.read_latest(run) == "global_step20"
+    assert records.read_latest(run) == "global_step20"
     for rank in (0, 1):
         with open(os.path.join(run, "journal", f"rank{rank:05d}.csv")) as f:
             assert [int(line.split(",")[0]) for line in f][-1] == 20
@@ -56,7 +57,7 @@ def test_the_failed_job_starts_from_what_the_reference_had_right_after_c(layouts
             ["000000010-1.pt", "000000020-1.pt"]
     assert os.path.exists(os.path.join(run, "cpsr_attempt.json"))
     assert not os.path.exists(os.path.join(run, "validation.csv"))  # the restarted run's curve is its own
-    assert [ck.tag for ck in store.list_checkpoints(run) if ck.valid] == ["global_step10", "global_step20"]
+    assert [ck.tag for ck in catalog.list_checkpoints(run) if ck.valid] == ["global_step10", "global_step20"]
 
 
 def test_each_method_s_copy_shares_the_checkpoint_files_but_not_what_a_job_appends_to(jobs, layouts, tmp_path):

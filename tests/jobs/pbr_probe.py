@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(ROOT, "examples", "gpt"))
 
 import train_gpt  # noqa: E402
-from cpsr_ds.checkpoint.storage.store import list_checkpoints  # noqa: E402
+from cpsr_ds.checkpoint.storage.catalog import list_checkpoints  # noqa: E402
 from cpsr_ds.integration.deepspeed import engine_state as engine_io
 from cpsr_ds.recovery import engine_state# noqa: E402
 from cpsr_ds.recovery.sources import checkpoint as checkpoint_source  # noqa: E402

@@ -17,7 +17,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from cpsr_ds.checkpoint.storage import layout, replica# noqa: E402
+from cpsr_ds.checkpoint.storage import replica, topology# noqa: E402
 from cpsr_ds.checkpoint.engines.factory import create_engine  # noqa: E402
 from support.checkpoints import checkpoint, config, states
 
@@ -25,7 +25,7 @@ from support.checkpoints import checkpoint, config, states
 def main(rank: int, port: int, dirs: list[str], lose_at: int) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     cfg = config(dirs[rank], storage="node_local", commit_timeout_s=60.0)
-    layout.verify_storage(cfg)
+    topology.verify_storage(cfg)
     send_part = replica._send_part
 
     def dying_send(group, ckpt_dir, tag, *args, **kw):

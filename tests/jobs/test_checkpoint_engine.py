@@ -16,11 +16,11 @@ import torch
 from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
 
-from cpsr_ds.checkpoint.storage import store
+from cpsr_ds.checkpoint.storage import catalog, ondisk, records
+from cpsr_ds.checkpoint.storage.filesystem import describe_error
 from cpsr_ds.checkpoint.engines.checkfreq import CheckFreqEngine
 from cpsr_ds.checkpoint.engines.factory import create_engine
 from cpsr_ds.checkpoint.storage.fileformat import CheckpointError
-from cpsr_ds.checkpoint.storage.store import describe_error
 from cpsr_ds.checkpoint.engines.snapshot import HostBuffers, snapshot_file
 from support.checkpoints import (MODEL, assert_same, checkpoint, config, engines, hung_storage,  # noqa: F401 (fixtures)
                                  nested_state, optim, states)
@@ -34,7 +34,7 @@ def test_round_trip_through_save_commit_load(tmp_path, engines, strategy):
     st = states()
     tag = checkpoint(eng, d, 3, st)
     assert eng.flush(30)
-    assert store.read_latest(d) == tag == store.select_checkpoint(d)
+    assert records.read_latest(d) == tag == catalog.select_checkpoint(d)
     assert_same(eng.load(os.path.join(d, tag, MODEL), map_location=torch.device("cpu")), st["model"])
     assert_same(eng.load(os.path.join(d, tag, optim(0))), st["optim"])
 
@@ -74,15 +74,15 @@ def test_latest_moves_only_when_every_rank_is_durable(tmp_path, engines):
     checkpoint(rank0, d, 1, states(), rank=0)
     checkpoint(rank1, d, 1, states(), rank=1)
     assert rank1.flush(30) and rank0.flush(30)
-    assert store.read_latest(d) == "global_step1"
+    assert records.read_latest(d) == "global_step1"
     checkpoint(rank0, d, 2, states(), rank=0)
     rank1.create(CheckpointCommitInfo(tag="global_step2", save_dir=d, save_latest=True))
     time.sleep(0.3)
-    assert store.read_latest(d) == "global_step1"
+    assert records.read_latest(d) == "global_step1"
     rank1.save(states()["optim"], os.path.join(d, "global_step2", optim(1)))
     rank1.commit(rank1.get_commit_info())
     assert rank1.flush(30) and rank0.flush(30)
-    assert store.read_latest(d) == "global_step2"
+    assert records.read_latest(d) == "global_step2"
 
 
 def test_committed_checkpoints_beyond_keep_last_are_deleted(tmp_path, engines):
@@ -119,7 +119,7 @@ def test_checkpoint_of_deepspeeds_torch_engine_loads(tmp_path, engines):
     torch_engine.save(st["model"], os.path.join(d, "global_step5", MODEL))
     with open(os.path.join(d, "latest"), "w") as f:
         f.write("global_step5")
-    assert store.select_checkpoint(d) == "global_step5"
+    assert catalog.select_checkpoint(d) == "global_step5"
     assert_same(engines(d).load(os.path.join(d, "global_step5", MODEL)), st["model"])
 
 
@@ -155,8 +155,8 @@ def test_records_carry_iteration_and_attempt(tmp_path, engines, strategy):
     d = str(tmp_path)
     eng = engines(d, keywords={"attempt": 3, "min_keep": 2}, strategy=strategy)
     tag = checkpoint(eng, d, 20, states())
-    assert eng.flush(30) and store.read_latest(d) == tag
-    for name in (store.manifest_name(0), store.COMMIT):
+    assert eng.flush(30) and records.read_latest(d) == tag
+    for name in (ondisk.manifest_name(0), ondisk.COMMIT):
         with open(os.path.join(d, tag, name)) as f:
             record = json.load(f)
         assert (record["iteration"], record["attempt"]) == (20, 3), name
@@ -191,11 +191,11 @@ def test_checkpoint_with_a_nonfinite_tensor_is_never_committed(tmp_path, engines
     poisoned["optim"]["fp32"][123] = math.nan
     with caplog.at_level(logging.ERROR):
         both(2, poisoned)
-    assert store.read_latest(d) == "global_step1"
+    assert records.read_latest(d) == "global_step1"
     assert not os.path.exists(os.path.join(d, "global_step2"))
     assert "global_step2" in caplog.text and f"{optim(1)}: fp32" in caplog.text
     both(3, states())
-    assert store.read_latest(d) == "global_step3"
+    assert records.read_latest(d) == "global_step3"
 
 
 # ---------------------------------------------------------------- storage failures
@@ -233,18 +233,18 @@ def test_storage_failure_does_not_stop_training_and_keeps_latest(tmp_path, engin
     d = str(tmp_path)
     eng = engines(d)
     checkpoint(eng, d, 1, states())
-    assert eng.flush(30) and store.read_latest(d) == "global_step1"
+    assert eng.flush(30) and records.read_latest(d) == "global_step1"
     failing_storage.update(dir=d, errno=code)
     with caplog.at_level(logging.WARNING):
         checkpoint(eng, d, 2, states())  # must not raise on the training side
         assert eng.flush(30)
     assert failing_storage["attempts"] == 3  # first try + 2 retries
     assert "retrying" in caplog.text and cause in caplog.text and "giving up" in caplog.text
-    assert store.read_latest(d) == "global_step1" == store.select_checkpoint(d)
+    assert records.read_latest(d) == "global_step1" == catalog.select_checkpoint(d)
     assert eng.stats.failed == 1
     failing_storage.update(errno=None)
     checkpoint(eng, d, 3, states())
-    assert eng.flush(30) and store.read_latest(d) == "global_step3"
+    assert eng.flush(30) and records.read_latest(d) == "global_step3"
 
 
 def checkpoints_timed(eng, d, steps, st):
@@ -263,7 +263,7 @@ def test_failing_storage_never_blocks_training_and_frees_space(tmp_path, engines
     eng = engines(d, keywords={"min_keep": 1}, keep_last=10, retry_backoff_s=0.5)
     for step in (1, 2, 3):
         checkpoint(eng, d, step, states())
-    assert eng.flush(30) and store.read_latest(d) == "global_step3"
+    assert eng.flush(30) and records.read_latest(d) == "global_step3"
     failing_storage.update(dir=d, errno=errno.ENOSPC)
     with caplog.at_level(logging.WARNING):
         took = checkpoints_timed(eng, d, range(4, 10), states())
@@ -276,7 +276,7 @@ def test_failing_storage_never_blocks_training_and_frees_space(tmp_path, engines
     assert sorted(os.listdir(d)) == ["global_step3", "latest"]
     failing_storage.update(errno=None)
     checkpoint(eng, d, 10, states())
-    assert eng.flush(30) and store.read_latest(d) == "global_step10"
+    assert eng.flush(30) and records.read_latest(d) == "global_step10"
 
 
 @pytest.fixture
@@ -302,8 +302,8 @@ def test_full_disk_frees_old_checkpoints_and_goes_on(small_disk, engines, caplog
     assert max(took) < 0.1, took
     assert "to free space" in caplog.text
     checkpoint(eng, d, 16, st)
-    assert eng.flush(30) and store.read_latest(d) == "global_step16"
-    found = store.list_checkpoints(d)
+    assert eng.flush(30) and records.read_latest(d) == "global_step16"
+    found = catalog.list_checkpoints(d)
     assert len(found) >= 2 and all(c.valid for c in found), [(c.tag, c.problems) for c in found]
 
 
@@ -321,7 +321,7 @@ def test_a_rank_that_gives_up_tells_the_committer_at_once(tmp_path, engines, cap
     def both(step):
         checkpoint(rank0, d, step, states(), rank=0)
         # Rank 0's part is on storage before rank 1 starts, as when rank 1's storage is the slow one.
-        manifest = os.path.join(d, f"global_step{step}", store.manifest_name(0))
+        manifest = os.path.join(d, f"global_step{step}", ondisk.manifest_name(0))
         deadline = time.monotonic() + 10
         while not os.path.exists(manifest) and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -336,9 +336,9 @@ def test_a_rank_that_gives_up_tells_the_committer_at_once(tmp_path, engines, cap
         assert both(10)
     assert time.monotonic() - t0 < 5
     assert "rank 1" in caplog.text and f"-> {blocked}" in caplog.text
-    assert store.read_latest(d) == "global_step5"
+    assert records.read_latest(d) == "global_step5"
     assert not os.path.exists(os.path.join(d, "global_step10"))
-    assert both(15) and store.read_latest(d) == "global_step15"
+    assert both(15) and records.read_latest(d) == "global_step15"
 
 
 def test_cleanup_waits_for_hung_storage_at_most_commit_timeout_s(tmp_path, engines, hung_storage, caplog):
@@ -411,10 +411,10 @@ def test_sigkill_at_random_points_never_leaves_latest_invalid(tmp_path, strategy
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
         kills += 1
-        latest = store.read_latest(d)
+        latest = records.read_latest(d)
         if latest is None:
             continue
-        found = {c.tag: c for c in store.list_checkpoints(d)}
+        found = {c.tag: c for c in catalog.list_checkpoints(d)}
         assert latest in found, f"latest names {latest}, which is gone"
         assert found[latest].valid, f"latest {latest} invalid after kill {kills}: {found[latest].problems}"
         committed.add(latest)

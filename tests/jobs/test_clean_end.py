@@ -9,7 +9,7 @@ import time
 
 from benchmarks.common.processes import tiny_config
 from conftest import ROOT, run_job
-from cpsr_ds.checkpoint.storage import store
+from cpsr_ds.checkpoint.storage import records
 from cpsr_ds.checkpoint.capture.journal import finished_iterations, finished_run, record_finished
 from cpsr_ds.recovery.report import read_reports
 
@@ -43,7 +43,7 @@ def test_twenty_clean_ends_of_a_pipeline_job_all_exit_0(tmp_path):
         log = (out / f"job{e['job']}" / f"rank{e['rank']}.log").read_text()
         assert e["code"] == 0 and "terminate called" not in log, (e, log[-3000:])
     for job in range(CLEAN_ENDS):
-        assert store.read_latest(str(out / f"job{job}" / "run")) == f"global_step{ITERS}", job
+        assert records.read_latest(str(out / f"job{job}" / "run")) == f"global_step{ITERS}", job
 
 
 def test_a_restart_of_a_finished_job_exits_0_at_once_without_training_or_a_failure(tmp_path):

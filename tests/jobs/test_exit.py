@@ -12,9 +12,9 @@ import pytest
 from benchmarks.common.processes import free_port, tiny_config
 from conftest import ROOT, probe_rows, run_job
 from cpsr_ds.checkpoint.capture import exiting
-from cpsr_ds.checkpoint.storage import store
 from support.checkpoints import (checkpoint, engines, hung_storage, open_checkpoint,  # noqa: F401 (fixtures)
                                  states, timed_cleanup)
+from cpsr_ds.checkpoint.storage import catalog, records
 
 
 @pytest.fixture
@@ -33,15 +33,15 @@ def test_failing_rank_0_does_not_wait_for_a_dead_ranks_manifest(tmp_path, engine
     checkpoint(rank0, d, 5, states(), rank=0)
     if strategy != "torch":  # the asynchronous engines persist in the background
         assert rank1.flush(10) and rank0.flush(10)
-    assert store.read_latest(d) == "global_step5"
+    assert records.read_latest(d) == "global_step5"
     open_checkpoint(rank0, d, 10)  # rank 1 died before its part of global_step10
     failing()
     with caplog.at_level(logging.INFO):
         took = timed_cleanup(rank0)
     assert took < exiting.EXIT_GRACE_S + 1
     assert "this process is failing" in caplog.text and "Connection closed by peer" in caplog.text
-    assert store.read_latest(d) == "global_step5"
-    assert [(c.tag, c.valid) for c in store.list_checkpoints(d)] == [("global_step5", True)]
+    assert records.read_latest(d) == "global_step5"
+    assert [(c.tag, c.valid) for c in catalog.list_checkpoints(d)] == [("global_step5", True)]
 
 
 def test_a_failing_process_still_commits_what_every_rank_finished(tmp_path, engines, failing):
@@ -52,7 +52,7 @@ def test_a_failing_process_still_commits_what_every_rank_finished(tmp_path, engi
     checkpoint(rank0, d, 5, states(), rank=0)
     failing()
     timed_cleanup(rank0)
-    assert store.read_latest(d) == "global_step5"
+    assert records.read_latest(d) == "global_step5"
 
 
 def test_a_failing_process_gives_its_own_writes_the_exit_grace_only(tmp_path, engines, failing, hung_storage, caplog):
@@ -67,7 +67,7 @@ def test_a_failing_process_gives_its_own_writes_the_exit_grace_only(tmp_path, en
         took = timed_cleanup(eng)
     assert exiting.EXIT_GRACE_S - 0.1 < took < exiting.EXIT_GRACE_S + 1
     assert "global_step10" in caplog.text and "abandoned" in caplog.text
-    assert store.read_latest(d) == "global_step5"
+    assert records.read_latest(d) == "global_step5"
 
 
 def test_a_healthy_exit_still_waits_for_the_other_ranks(tmp_path, engines, monkeypatch):
@@ -79,7 +79,7 @@ def test_a_healthy_exit_still_waits_for_the_other_ranks(tmp_path, engines, monke
     rank1 = engines(d, 1, 2, commit_timeout_s=600.0)
     checkpoint(rank1, d, 5, states(), rank=1)
     assert rank1.flush(10) and rank0.flush(10)
-    assert store.read_latest(d) == "global_step5"
+    assert records.read_latest(d) == "global_step5"
 
 
 def test_at_exit_closes_what_still_lives_and_keeps_nothing_alive(monkeypatch):
@@ -172,8 +172,8 @@ def test_rank_killed_during_a_checkpoint_the_other_exits_within_seconds(tmp_path
     print(f"rank 0 exited {took:.2f} s after rank 1 was killed")
     assert took < 10, log0[-3000:]
     assert procs[0].returncode != 0
-    latest = store.read_latest(str(run_dir))
-    valid = [c.tag for c in store.list_checkpoints(str(run_dir)) if c.valid]
+    latest = records.read_latest(str(run_dir))
+    valid = [c.tag for c in catalog.list_checkpoints(str(run_dir)) if c.valid]
     assert latest in valid and latest != f"global_step{KILL_AT - 1}", (latest, valid, log0[-3000:])
 
 
@@ -190,4 +190,4 @@ def test_a_job_that_trains_to_the_end_leaves_neither_process_group_nor_checkpoin
     assert sorted(row["rank"] for row in rows) == [0, 1], result.stdout[-3000:]
     # The signal watcher reads a pipe, outside torch: nothing to abort there.
     assert all(not row["process_group"] and row["threads"] == ["cpsr-signals"] for row in rows), rows
-    assert store.read_latest(str(run_dir)) == "global_step6"
+    assert records.read_latest(str(run_dir)) == "global_step6"

@@ -7,7 +7,7 @@ import torch
 
 from benchmarks.common.processes import tiny_config
 from conftest import run_job
-from cpsr_ds.checkpoint.capture import host_snapshot, survivor
+from cpsr_ds.checkpoint.capture import dumps, host_snapshot, run_id
 from cpsr_ds.checkpoint.capture.journal import journal_path, read_journal
 from cpsr_ds.config import ConfigError, CPSRConfig
 from cpsr_ds.recovery import engine_state, read_reports
@@ -51,8 +51,8 @@ def test_memory_interval_is_checked():
 def landed_snapshots(config: dict, rank: int) -> set[int]:
     """The iterations of ``rank``'s host snapshots in place (verified) in the run of ``config``."""
     cfg = CPSRConfig.parse_block(config["cpsr"]).checkpoint
-    root, run = survivor.survivor_root(cfg), survivor.run_identity(cfg.dir)
-    found = [survivor.read_dump(host_snapshot.snapshot_dir(root, run, rank, slot), rank, run, None, host_snapshot.WHAT)
+    root, run = dumps.survivor_root(cfg), run_id.run_identity(cfg.dir)
+    found = [dumps.read_dump(host_snapshot.snapshot_dir(root, run, rank, slot), rank, run, None, host_snapshot.WHAT)
              for slot in range(host_snapshot.SLOTS)]
     return {snap.iteration for snap in found if snap is not None}
 

@@ -11,7 +11,8 @@ import pytest
 from benchmarks.common.processes import tiny_config
 from conftest import run_job
 from cpsr_ds import runlog
-from cpsr_ds.checkpoint.storage import store
+from cpsr_ds.checkpoint.storage import ondisk, progress_record, records
+from cpsr_ds.checkpoint.storage.filesystem import fs
 from cpsr_ds.checkpoint.storage.fileformat import read_snapshot
 from cpsr_ds.checkpoint.engines.snapshot import HostBuffers, snapshot_file
 from cpsr_ds.checkpoint.capture.journal import journal_path, read_journal
@@ -30,18 +31,18 @@ def failed(tmp_path_factory):
     run_job(tmp, tiny_config(tmp / "run", stages=2, checkpoint={"dir": str(tmp / "run"), "interval": INTERVAL}),
             "--train-iters", REACHED)
     tag_dir = tmp / "run" / f"global_step{IN_FLIGHT}"
-    for rank, manifest in store.read_manifests(str(tag_dir)).items():
+    for rank, manifest in records.read_manifests(str(tag_dir)).items():
         layers = [rel for rel in manifest["files"] if rel.startswith("layer_")]
         assert layers, manifest
         for k, rel in enumerate(layers):
-            store.record_progress(str(tag_dir), rank, rel, manifest["files"][rel], manifest["attempt"],
+            progress_record.record_progress(str(tag_dir), rank, rel, manifest["files"][rel], manifest["attempt"],
                                   manifest["checksum"], first=k == 0)
         for rel in manifest["files"]:
             if not rel.startswith("layer_"):
                 os.unlink(tag_dir / rel)
-        os.unlink(tag_dir / store.manifest_name(rank))
-    os.unlink(tag_dir / store.COMMIT)
-    (tmp / "run" / store.LATEST).write_text(f"global_step{C}")
+        os.unlink(tag_dir / ondisk.manifest_name(rank))
+    os.unlink(tag_dir / ondisk.COMMIT)
+    (tmp / "run" / ondisk.LATEST).write_text(f"global_step{C}")
     return tmp
 
 
@@ -141,7 +142,7 @@ def rewritten_layer_file(change):
             lines = [json.loads(line) for line in record.read_text().splitlines()]
             for line in lines:
                 if line["file"] == path.name:
-                    size, digest = store.write_atomic(str(path), snap.chunks(), line["checksum"])
+                    size, digest = fs.write_atomic(str(path), snap.chunks(), line["checksum"])
                     line.update(size=size, digest=digest)
                     line.pop("nonfinite", None)
             record.write_text("".join(json.dumps(line) + "\n" for line in lines))
@@ -184,29 +185,29 @@ def test_recovery_mode_recompute_takes_only_exact_states(failed, tmp_path):
 
 def test_progress_records_keep_their_newest_attempt_and_stop_at_a_damaged_line(tmp_path):
     entry = {"size": 3, "digest": "ab"}
-    store.record_progress(str(tmp_path), 0, "a.pt", entry, 1, "xxh3_64", first=True)
-    store.record_progress(str(tmp_path), 0, "b.pt", entry, 1, "xxh3_64", first=False)
-    store.record_progress(str(tmp_path), 1, "c.pt", entry, 1, "xxh3_64", first=True)
-    assert set(store.read_progress(str(tmp_path))) == {"a.pt", "b.pt", "c.pt"}
+    progress_record.record_progress(str(tmp_path), 0, "a.pt", entry, 1, "xxh3_64", first=True)
+    progress_record.record_progress(str(tmp_path), 0, "b.pt", entry, 1, "xxh3_64", first=False)
+    progress_record.record_progress(str(tmp_path), 1, "c.pt", entry, 1, "xxh3_64", first=True)
+    assert set(progress_record.read_progress(str(tmp_path))) == {"a.pt", "b.pt", "c.pt"}
     # A later attempt writes rank 0's part again: its first file starts the record anew.
-    store.record_progress(str(tmp_path), 0, "b.pt", {"size": 4, "digest": "cd"}, 2, "xxh3_64", first=True)
-    landed = store.read_progress(str(tmp_path))
-    assert set(landed) == {"b.pt", "c.pt"} and landed["b.pt"] == store.Landed({"size": 4, "digest": "cd"}, "xxh3_64", 2)
-    with open(tmp_path / store.progress_name(1), "a") as f:
+    progress_record.record_progress(str(tmp_path), 0, "b.pt", {"size": 4, "digest": "cd"}, 2, "xxh3_64", first=True)
+    landed = progress_record.read_progress(str(tmp_path))
+    assert set(landed) == {"b.pt", "c.pt"} and landed["b.pt"] == progress_record.Landed({"size": 4, "digest": "cd"}, "xxh3_64", 2)
+    with open(tmp_path / ondisk.progress_name(1), "a") as f:
         f.write('{"attempt": 1, "file": "d.pt", "si')  # a write cut short
         f.write("\n" + json.dumps({"attempt": 1, "checksum": "xxh3_64", "file": "e.pt", **entry}) + "\n")
-    assert set(store.read_progress(str(tmp_path))) == {"b.pt", "c.pt"}
-    store.forget_progress(str(tmp_path), 0)
-    assert set(store.read_progress(str(tmp_path))) == {"c.pt"}
+    assert set(progress_record.read_progress(str(tmp_path))) == {"b.pt", "c.pt"}
+    progress_record.forget_progress(str(tmp_path), 0)
+    assert set(progress_record.read_progress(str(tmp_path))) == {"c.pt"}
 
 
 def test_a_rank_that_finished_its_part_has_its_files_landed_by_its_manifest(tmp_path):
     entry = {"size": 3, "digest": "ab"}
-    store.record_progress(str(tmp_path), 0, "layer_00-model_states.pt", entry, 2, "xxh3_64", first=True)
+    progress_record.record_progress(str(tmp_path), 0, "layer_00-model_states.pt", entry, 2, "xxh3_64", first=True)
     manifest = {"tag": "global_step16", "rank": 1, "world_size": 2, "attempt": 2, "started_ns": 0, "iteration": 16,
                 "checksum": "xxh3_64", "files": {"layer_01-model_states.pt": entry}, "failed": None}
-    store.write_json_atomic(str(tmp_path / store.manifest_name(1)), manifest)
-    landed = store.landed_files(str(tmp_path))
+    fs.write_json_atomic(str(tmp_path / ondisk.manifest_name(1)), manifest)
+    landed = progress_record.landed_files(str(tmp_path))
     assert set(landed) == {"layer_00-model_states.pt", "layer_01-model_states.pt"}
     found = landed["layer_01-model_states.pt"]
     assert (found.entry["size"], found.entry["digest"], found.algorithm, found.attempt) == (3, "ab", "xxh3_64", 2)
@@ -214,7 +215,7 @@ def test_a_rank_that_finished_its_part_has_its_files_landed_by_its_manifest(tmp_
 
 def test_a_progress_line_naming_a_file_outside_the_checkpoint_ends_its_record(tmp_path):
     entry = {"size": 3, "digest": "ab"}
-    store.record_progress(str(tmp_path), 0, "a.pt", entry, 1, "xxh3_64", first=True)
-    store.record_progress(str(tmp_path), 0, "../b.pt", entry, 1, "xxh3_64", first=False)
-    store.record_progress(str(tmp_path), 0, "c.pt", {"size": -1, "digest": "ab"}, 1, "xxh3_64", first=False)
-    assert set(store.read_progress(str(tmp_path))) == {"a.pt"}
+    progress_record.record_progress(str(tmp_path), 0, "a.pt", entry, 1, "xxh3_64", first=True)
+    progress_record.record_progress(str(tmp_path), 0, "../b.pt", entry, 1, "xxh3_64", first=False)
+    progress_record.record_progress(str(tmp_path), 0, "c.pt", {"size": -1, "digest": "ab"}, 1, "xxh3_64", first=False)
+    assert set(progress_record.read_progress(str(tmp_path))) == {"a.pt"}

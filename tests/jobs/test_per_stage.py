@@ -8,8 +8,9 @@ import pytest
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
 
 from conftest import ROOT
-from cpsr_ds.checkpoint.storage import store
-from cpsr_ds.checkpoint.storage.store import Checkpoint, retained
+from cpsr_ds.checkpoint.storage import catalog, ondisk, records
+from cpsr_ds.checkpoint.storage.catalog import Checkpoint
+from cpsr_ds.checkpoint.storage.retention import retained
 from cpsr_ds.config import ConfigError, CPSRConfig
 from examples.gpt.model import GPTConfig, stage_bounds
 from cpsr_ds.stage_intervals import StageSchedule, multiples
@@ -106,14 +107,14 @@ def test_a_checkpoint_of_one_stage_commits_its_ranks_alone_and_leaves_latest_on_
             eng.save(states(n=100)["optim"], os.path.join(d, f"global_step{step}", optim(r)))
             eng.commit(eng.get_commit_info())
         assert rank1.flush(30) and rank0.flush(30)
-    record = store.read_commit(os.path.join(d, "global_step16"))
+    record = records.read_commit(os.path.join(d, "global_step16"))
     assert record["ranks"] == [1] and record["stages"] == [1]
     assert sorted(os.listdir(os.path.join(d, "global_step16"))) == sorted(
-        [optim(1), store.manifest_name(1), store.COMMIT])
-    found = {c.tag: c for c in store.list_checkpoints(d)}
+        [optim(1), ondisk.manifest_name(1), ondisk.COMMIT])
+    found = {c.tag: c for c in catalog.list_checkpoints(d)}
     assert found["global_step16"].valid and found["global_step16"].ranks == (1,)
     # latest names what every rank can load; retention keeps rank 1's two newest and rank 0's (the full cut).
-    assert store.read_latest(d) == store.select_checkpoint(d) == "global_step4"
+    assert records.read_latest(d) == catalog.select_checkpoint(d) == "global_step4"
     assert sorted(found) == ["global_step12", "global_step16", "global_step4"]
     assert rank0.stats.persisted == 1 and rank1.stats.persisted == 4
 

@@ -16,7 +16,7 @@ import pytest
 from benchmarks.common.processes import free_port, tiny_config
 from conftest import ROOT
 from cpsr_ds import runlog
-from cpsr_ds.checkpoint.storage import store
+from cpsr_ds.checkpoint.storage import catalog, records
 from cpsr_ds.checkpoint.capture.journal import journal_path, read_journal
 from cpsr_ds.recovery import read_reports
 
@@ -86,9 +86,9 @@ def logs(tmp_path, name) -> str:
 def stage_checkpoints(run_dir) -> dict[int, list[int]]:
     """The iterations of each stage's committed checkpoints, from their commit records."""
     held = {0: [], 1: []}
-    for ckpt in store.list_checkpoints(str(run_dir), read_data=False):
+    for ckpt in catalog.list_checkpoints(str(run_dir), read_data=False):
         if ckpt.valid:
-            record = store.read_commit(os.path.join(run_dir, ckpt.tag))
+            record = records.read_commit(os.path.join(run_dir, ckpt.tag))
             for stage in record.get("stages") or (0, 1):
                 held[stage].append(ckpt.iteration)
     return {stage: sorted(its) for stage, its in held.items()}

@@ -8,7 +8,7 @@ import time
 
 from benchmarks.common.processes import JOB_ENV, free_port
 from conftest import ROOT
-from cpsr_ds.checkpoint.storage import store
+from cpsr_ds.checkpoint.storage import catalog, ondisk, records
 
 SCRIPT = os.path.join(ROOT, "tests", "jobs", "replication_node.py")
 
@@ -32,8 +32,8 @@ def run_ranks(tmp_path, lose_at: int) -> tuple[list[str], list[int], list[str]]:
     return dirs, [proc.returncode for proc in procs], outputs
 
 
-def replica_of(node_dir: str, owner: int, tag: str) -> store.Checkpoint:
-    found = {c.tag: c for c in store.list_checkpoints(os.path.join(node_dir, store.REPLICAS), ranks={owner})}
+def replica_of(node_dir: str, owner: int, tag: str) -> catalog.Checkpoint:
+    found = {c.tag: c for c in catalog.list_checkpoints(os.path.join(node_dir, ondisk.REPLICAS), ranks={owner})}
     return found[tag]
 
 
@@ -42,7 +42,7 @@ def test_a_committed_checkpoint_is_on_the_next_node_when_the_commit_returns(tmp_
     assert codes == [0, 0], outputs
     assert [json.loads(out.strip().splitlines()[-1])["flushed"] for out in outputs] == [[True, True]] * 2, outputs
     for rank, d in enumerate(dirs):
-        assert store.read_latest(d) == "global_step10"
+        assert records.read_latest(d) == "global_step10"
         assert replica_of(dirs[1 - rank], rank, "global_step10").valid
 
 
@@ -55,9 +55,9 @@ def test_a_node_lost_while_replicating_leaves_the_checkpoint_uncommitted_and_the
     assert time.monotonic() - t0 < 40, outputs[0]
     # Rank 0's part of global_step10 reached no other node: committing it would promise what losing
     # node 0 could not keep.
-    assert store.read_latest(dirs[0]) == "global_step5", outputs[0]
-    assert store.read_commit(os.path.join(dirs[0], "global_step10")) is None
+    assert records.read_latest(dirs[0]) == "global_step5", outputs[0]
+    assert records.read_commit(os.path.join(dirs[0], "global_step10")) is None
     assert "not replicated to the next node" in outputs[0]
     # Its part stays, for a recovery that finds every rank's part sound; global_step5 is whole on both nodes.
-    assert sorted(store.read_manifests(os.path.join(dirs[0], "global_step10"))) == [0]
+    assert sorted(records.read_manifests(os.path.join(dirs[0], "global_step10"))) == [0]
     assert replica_of(dirs[1], 0, "global_step5").valid and replica_of(dirs[0], 1, "global_step5").valid

@@ -17,7 +17,7 @@ import tempfile
 import pytest
 
 from benchmarks.common.processes import tiny_config
-from cpsr_ds.checkpoint.capture import host_snapshot, survivor
+from cpsr_ds.checkpoint.capture import dumps, host_snapshot, run_id, survivor
 from cpsr_ds.checkpoint.storage.private_dir import PrivateDirError
 from cpsr_ds.config import ConfigError, CPSRConfig
 from cpsr_ds.rundir import GUARD, LOCK, RunDirectoryBusy, acquire, holders
@@ -116,7 +116,7 @@ def test_the_survivor_root_and_everything_under_it_are_private_whatever_the_umas
         engine, _ = trained(tmp_path, iterations=2, memory_interval=1)
         assert engine.survivor.dump("test")
     found = [(top, name) for top, dirs, files in os.walk(root) for name in dirs + files]
-    assert any(name == survivor.STATE_FILE for _, name in found) and any(name.endswith(".memory0") for _, name in found)
+    assert any(name == dumps.STATE_FILE for _, name in found) and any(name.endswith(".memory0") for _, name in found)
     assert mode(root) == 0o700
     assert {(os.path.join(top, name), mode(os.path.join(top, name))) for top, name in found} == {
         (os.path.join(top, name), 0o700 if os.path.isdir(os.path.join(top, name)) else 0o600) for top, name in found}
@@ -172,8 +172,8 @@ def test_a_planted_dump_is_refused_when_read_and_the_restart_stops_with_a_named_
     engine, _ = trained(tmp_path, iterations=4, interval=3)
     assert engine.survivor.dump("test")
     engine.destroy()
-    root, run = str(tmp_path / "survivors"), survivor.run_identity(str(tmp_path / "run"))
-    assert survivor.read_survivor(root, 0, run).iteration == 4
+    root, run = str(tmp_path / "survivors"), run_id.run_identity(str(tmp_path / "run"))
+    assert dumps.read_survivor(root, 0, run).iteration == 4
     give_to_nobody(root)
     os.chmod(root, 0o777)
     caplog.clear()
@@ -181,7 +181,7 @@ def test_a_planted_dump_is_refused_when_read_and_the_restart_stops_with_a_named_
     config["cpsr"]["checkpoint"].update(survivor_dir=root, interval=3)
     with pytest.raises(PrivateDirError, match=f"cpsr: {root} is owned by nobody"):
         build(config)
-    assert f"survivor dump of rank 0 in {survivor.dump_dir(root, run, 0)} not used: cpsr: {root} is owned by nobody" \
+    assert f"survivor dump of rank 0 in {dumps.dump_dir(root, run, 0)} not used: cpsr: {root} is owned by nobody" \
            in caplog.text
 
 
@@ -192,7 +192,7 @@ def test_another_users_directory_or_lock_file_we_cannot_open_is_refused_by_name_
     os.mkdir(root, 0o700)
     os.mkdir(run_dir)
     os.chmod(run_dir, 0o777)
-    refused = as_nobody(survivor.prepare, CPSRConfig.parse_block(
+    refused = as_nobody(dumps.prepare, CPSRConfig.parse_block(
         {"checkpoint": {"dir": run_dir, "survivor_dir": root}}).checkpoint)
     assert refused.startswith(f"cpsr_ds.checkpoint.storage.private_dir.PrivateDirError: cpsr: {root} is owned by root (uid 0), "
                               "mode 0700, not by you (nobody (uid 65534))"), refused
@@ -208,13 +208,13 @@ def test_another_users_directory_or_lock_file_we_cannot_open_is_refused_by_name_
 def test_a_copied_run_directory_is_a_run_of_its_own_and_does_not_take_the_originals_dump(tmp_path, caplog):
     engine, _ = trained(tmp_path, iterations=2)
     assert engine.survivor.dump("test")
-    root, run = str(tmp_path / "survivors"), survivor.run_identity(str(tmp_path / "run"))
+    root, run = str(tmp_path / "survivors"), run_id.run_identity(str(tmp_path / "run"))
     copy = str(tmp_path / "runB")
     shutil.copytree(tmp_path / "run", copy)  # cp -r: cpsr_run.json too
-    assert survivor.run_identity(copy) not in (run, None)
-    assert survivor.run_identity(copy) == survivor.run_identity(copy)  # and keeps it
-    assert survivor.read_survivor(root, 0, survivor.run_identity(copy)) is None
-    assert survivor.read_survivor(root, 0, run) is not None  # the original's is still the original's
+    assert run_id.run_identity(copy) not in (run, None)
+    assert run_id.run_identity(copy) == run_id.run_identity(copy)  # and keeps it
+    assert dumps.read_survivor(root, 0, run_id.run_identity(copy)) is None
+    assert dumps.read_survivor(root, 0, run) is not None  # the original's is still the original's
     with caplog.at_level(logging.WARNING):
         survivor.install(engine, cfg_of(engine, dir=copy), attempt=2)
     assert f"the run directory {os.path.realpath(copy)} was made as {os.path.realpath(tmp_path / 'run')}" in caplog.text
@@ -225,9 +225,9 @@ def test_every_process_that_sees_a_run_directory_gets_one_identity(tmp_path):
     """Ranks on one node ask at once, at the first start and in a copy; each directory gets one identity."""
     first, copy = tmp_path / "run", tmp_path / "copy"
     first.mkdir()
-    made = {outcome(child) for child in [forked(survivor.run_identity, str(first)) for _ in range(8)]}
+    made = {outcome(child) for child in [forked(run_id.run_identity, str(first)) for _ in range(8)]}
     shutil.copytree(first, copy)
-    copied = {outcome(child) for child in [forked(survivor.run_identity, str(copy)) for _ in range(8)]}
+    copied = {outcome(child) for child in [forked(run_id.run_identity, str(copy)) for _ in range(8)]}
     assert len(made) == len(copied) == 1 and made != copied, (made, copied)
 
 
@@ -235,16 +235,16 @@ def test_a_dump_whose_run_directory_holds_another_run_now_is_refused(tmp_path, c
     engine, _ = trained(tmp_path, iterations=2)
     assert engine.survivor.dump("test")
     engine.destroy()
-    root, run = str(tmp_path / "survivors"), survivor.run_identity(str(tmp_path / "run"))
+    root, run = str(tmp_path / "survivors"), run_id.run_identity(str(tmp_path / "run"))
     copy = str(tmp_path / "runB")
     shutil.copytree(tmp_path / "run", copy)
-    owner = os.path.join(root, run, survivor.OWNER)
+    owner = os.path.join(root, run, dumps.OWNER)
     with open(owner, "w") as f:
         f.write(f'{{"run_dir": "{copy}"}}')
-    assert survivor.read_survivor(root, 0, run) is None
-    assert f"its run directory {copy} ({survivor.OWNER}) holds another run now, not run {run!r}" in caplog.text
+    assert dumps.read_survivor(root, 0, run) is None
+    assert f"its run directory {copy} ({dumps.OWNER}) holds another run now, not run {run!r}" in caplog.text
     os.unlink(owner)
-    assert survivor.read_survivor(root, 0, run) is None and "its run directory is unknown" in caplog.text
+    assert dumps.read_survivor(root, 0, run) is None and "its run directory is unknown" in caplog.text
 
 
 # ---------------------------------------------------------------- the run directory's lock

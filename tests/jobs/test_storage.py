@@ -12,7 +12,7 @@ import pytest
 import torch.distributed as dist
 
 from cpsr_ds.checkpoint.capture import exiting
-from cpsr_ds.checkpoint.storage import layout, store
+from cpsr_ds.checkpoint.storage import agreement, catalog, layout, records, topology
 from cpsr_ds.checkpoint.engines.factory import create_engine
 from cpsr_ds.checkpoint.capture.journal import Entry, Progress
 from benchmarks.common.processes import free_port
@@ -25,11 +25,11 @@ def test_node_local_directories_commit_and_each_node_keeps_its_latest(node_engin
     dirs, engines = node_engines()
     both(engines, dirs, 5)
     for rank, d in enumerate(dirs):
-        assert store.read_latest(d) == "global_step5"
-        (ckpt,) = store.list_checkpoints(d, ranks={rank})
+        assert records.read_latest(d) == "global_step5"
+        (ckpt,) = catalog.list_checkpoints(d, ranks={rank})
         assert ckpt.valid and ckpt.committed
         # Only its own rank's part is on each node.
-        assert sorted(store.read_manifests(os.path.join(d, "global_step5"))) == [rank]
+        assert sorted(records.read_manifests(os.path.join(d, "global_step5"))) == [rank]
     assert all(eng.stats.persisted == 1 and eng.stats.failed == 0 for eng in engines)
 
 
@@ -41,7 +41,7 @@ def test_shared_storage_on_node_local_directories_never_commits(tmp_path, caplog
         checkpoint(eng, d, 5, states(n=100), rank=rank)
     with caplog.at_level(logging.ERROR):
         assert all(eng.flush(30) for eng in engines)
-    assert store.read_latest(dirs[0]) is None and "rank manifests [1] missing" in caplog.text
+    assert records.read_latest(dirs[0]) is None and "rank manifests [1] missing" in caplog.text
     for eng in engines:
         eng.cleanup()
 
@@ -52,7 +52,7 @@ def test_retention_runs_on_every_node(node_engines):
         both(engines, dirs, step)
     for d in dirs:
         assert sorted(n for n in os.listdir(d) if n.startswith("global")) == ["global_step3", "global_step4"]
-        assert store.read_latest(d) == "global_step4"
+        assert records.read_latest(d) == "global_step4"
 
 
 def test_a_part_given_up_on_one_node_is_given_up_on_every_node(node_engines, caplog):
@@ -64,7 +64,7 @@ def test_a_part_given_up_on_one_node_is_given_up_on_every_node(node_engines, cap
         assert all(eng.flush(30) for eng in engines)
     assert "non-finite" in caplog.text
     for d in dirs:
-        assert store.read_latest(d) == "global_step5" and not os.path.exists(os.path.join(d, "global_step10"))
+        assert records.read_latest(d) == "global_step5" and not os.path.exists(os.path.join(d, "global_step10"))
 
 
 def test_a_failing_follower_leaves_within_the_grace_and_keeps_its_part(node_engines, monkeypatch):
@@ -74,7 +74,7 @@ def test_a_failing_follower_leaves_within_the_grace_and_keeps_its_part(node_engi
     rank1.commit(rank1.get_commit_info())  # rank 0 died before deciding on global_step10
     exiting.mark("RuntimeError in train_batch: Connection closed by peer")
     assert timed_cleanup(rank1) < exiting.EXIT_GRACE_S + 1
-    assert store.read_manifests(os.path.join(dirs[1], "global_step10")).keys() == {1}
+    assert records.read_manifests(os.path.join(dirs[1], "global_step10")).keys() == {1}
 
 
 def test_rank_0_ends_only_once_the_other_ranks_no_longer_need_the_store_it_holds(node_engines):
@@ -138,8 +138,8 @@ def test_a_rank_that_loses_the_store_keeps_its_part_for_recovery(tmp_path, store
     with caplog.at_level(logging.INFO):
         assert rank1.flush(30), "rank 1's checkpoint still pending 30 s after the store went"
         assert timed_cleanup(rank1) < 5
-    assert store.read_manifests(os.path.join(d, "global_step10")).keys() == {1}
-    assert store.read_latest(d) is None and "its part here stays, uncommitted on this node" in caplog.text
+    assert records.read_manifests(os.path.join(d, "global_step10")).keys() == {1}
+    assert records.read_latest(d) is None and "its part here stays, uncommitted on this node" in caplog.text
 
 
 class DiesAfterSetting:
@@ -176,18 +176,18 @@ def test_rank_0_that_loses_the_store_after_announcing_a_commit_keeps_its_part(tm
         assert engines[0].flush(30), "rank 0's checkpoint still pending 30 s after the store went"
         for eng in reversed(engines):
             assert timed_cleanup(eng) < 15
-    assert store.read_manifests(os.path.join(dirs[0], "global_step10")).keys() == {0}
+    assert records.read_manifests(os.path.join(dirs[0], "global_step10")).keys() == {0}
     assert "its part here stays, uncommitted on this node" in caplog.text
 
 
 def test_shared_storage_not_shared_is_refused_naming_the_setting(tmp_path):
     with pytest.raises(ConfigError, match=r"checkpoint.storage is shared.*rank 0 sees the files of ranks \[0\] only.*node_local"):
-        layout.check_nodes("shared", "/ckpt", [[0], [1]], "run")
-    assert layout.check_nodes("shared", "/ckpt", [[0, 1], [0, 1]], "run").groups == ((0, 1),)
-    nodes = layout.check_nodes("node_local", "/ckpt", [[0, 1], [0, 1], [2, 3], [2, 3]], "run")
+        topology.check_nodes("shared", "/ckpt", [[0], [1]], "run")
+    assert topology.check_nodes("shared", "/ckpt", [[0, 1], [0, 1]], "run").groups == ((0, 1),)
+    nodes = topology.check_nodes("node_local", "/ckpt", [[0, 1], [0, 1], [2, 3], [2, 3]], "run")
     assert nodes.groups == ((0, 1), (2, 3)) and nodes.leads(2) and not nodes.leads(3)
     with pytest.raises(ConfigError, match="checkpoint.storage.*rank 1 sees the files of ranks \\[0, 1\\]"):
-        layout.check_nodes("node_local", "/ckpt", [[0], [0, 1]], "run")
+        topology.check_nodes("node_local", "/ckpt", [[0], [0, 1]], "run")
 
 
 def test_storage_node_local_refuses_the_synchronous_strategy(tmp_path):
@@ -206,26 +206,26 @@ def test_agreement_takes_the_newest_checkpoint_every_rank_holds_own_copy_or_repl
         {"parts": {}, "replicas": {}},
     ]
     reports[0]["replicas"] = {1: {"a": part((5, 1)), "b": part((10, 1), problems=["damaged"])}}
-    assert [(a.tag, a.sources) for a in layout.agree(reports)] == [("a", {1: 0})]
+    assert [(a.tag, a.sources) for a in agreement.agree(reports)] == [("a", {1: 0})]
     reports[0]["replicas"][1]["b"] = part((10, 1))
     # c committed where node 0 had not written its record yet
     reports[1]["parts"][1] = {"c": part((15, 1), committed=True)}
     reports[0]["replicas"][1]["c"] = part((15, 1))
-    assert [(a.tag, a.sources) for a in layout.agree(reports)] == [("a", {1: 0}), ("b", {1: 0}), ("c", {})]
+    assert [(a.tag, a.sources) for a in agreement.agree(reports)] == [("a", {1: 0}), ("b", {1: 0}), ("c", {})]
 
 
 def test_a_checkpoint_whose_every_part_is_sound_is_agreed_before_its_record_is_written():
     """A node killed while the replicas were on their way: no node wrote the record, every part stands."""
     reports = [{"parts": {0: {"a": part((5, 1)), "b": part((10, 1), committed=False)}}, "replicas": {}},
                {"parts": {1: {"a": part((5, 1)), "b": part((10, 1), committed=False)}}, "replicas": {}}]
-    assert [a.tag for a in layout.agree(reports)] == ["a", "b"]
+    assert [a.tag for a in agreement.agree(reports)] == ["a", "b"]
     # Rank 0 gave b up for rank 1's part (its non-finite tensor, say): not loadable, not agreed.
     reports[1]["parts"][1]["b"] = part((10, 1), committed=False, problems=["non-finite values in fp32"])
-    assert [a.tag for a in layout.agree(reports)] == ["a"]
+    assert [a.tag for a in agreement.agree(reports)] == ["a"]
 
 
 def test_progress_combines_every_node_s_journals_f_the_slowest():
     node0 = Progress({0: [Entry(i, 1.0, 0.0) for i in range(1, 13)]}, 12)
     node1 = Progress({1: [Entry(i, 1.0, 0.0) for i in range(1, 12)]}, 11, ("a problem",))
-    combined = layout.combine_progress([node0, node1])
+    combined = agreement.combine_progress([node0, node1])
     assert combined.reached == 11 and set(combined.entries) == {0, 1} and combined.problems == ("a problem",)

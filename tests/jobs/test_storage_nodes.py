@@ -16,7 +16,7 @@ import pytest
 
 from benchmarks.common.processes import finish, free_port, tiny_config
 from conftest import ROOT, run_job
-from cpsr_ds.checkpoint.storage import layout, store
+from cpsr_ds.checkpoint.storage import agreement, catalog, ondisk, records
 from cpsr_ds.checkpoint.capture.exiting import EXIT_RESTART_CANNOT_HELP
 from cpsr_ds.config import CPSRConfig
 from cpsr_ds.recovery import REPORTS, read_reports
@@ -71,8 +71,8 @@ def write_config(tmp_path, config: dict, name: str = "ds_config"):
 def newest_commit(dirs) -> str:
     """The newest checkpoint either node's ``latest`` names: the kill comes KILL_AT - 12 = 5 iterations after
     global_step12 starts persisting, so on a busy machine its commit may not have come; global_step6's has."""
-    tags = [tag for tag in (store.read_latest(str(d)) for d in dirs) if tag is not None]
-    newest = max(tags, key=store.tag_iteration, default=None)
+    tags = [tag for tag in (records.read_latest(str(d)) for d in dirs) if tag is not None]
+    newest = max(tags, key=ondisk.tag_iteration, default=None)
     assert newest in {f"global_step{i}" for i in range(INTERVAL, KILL_AT, INTERVAL)}, tags
     return newest
 
@@ -101,12 +101,12 @@ def test_a_whole_node_sigkilled_its_disk_and_memory_gone_the_job_recovers_from_s
     codes = run_nodes(tmp_path, paths, dirs, "first")
     assert codes[1] == -9 and codes[0] != 0, logs(tmp_path, "first")
     committed = newest_commit(dirs)
-    assert committed == store.read_latest(str(dirs[0])), logs(tmp_path, "first")
+    assert committed == records.read_latest(str(dirs[0])), logs(tmp_path, "first")
     # Rank 1's part of it lives on node 0 too: a commit waits for the replicas.
-    replicas = {c.tag: c for c in store.list_checkpoints(str(dirs[0] / store.REPLICAS), ranks={1})}
+    replicas = {c.tag: c for c in catalog.list_checkpoints(str(dirs[0] / ondisk.REPLICAS), ranks={1})}
     assert replicas[committed].valid, replicas
     # A newer one may be whole on node 0 too, its replication done but not yet confirmed when node 1 went.
-    newest_whole = max((c.tag for c in replicas.values() if c.valid), key=store.tag_iteration)
+    newest_whole = max((c.tag for c in replicas.values() if c.valid), key=ondisk.tag_iteration)
     assert any(shm[0].rglob("*")), "node 0 took host snapshots"
 
     for lost in (dirs[1], shm[1]):
@@ -116,13 +116,13 @@ def test_a_whole_node_sigkilled_its_disk_and_memory_gone_the_job_recovers_from_s
     codes = run_nodes(tmp_path, paths, dirs, "second")
     assert codes == [0, 0], logs(tmp_path, "second")
     *_, report = read_reports(str(dirs[0]))
-    assert report.method == "recompute" and report.checkpoint == store.tag_iteration(newest_whole), report
+    assert report.method == "recompute" and report.checkpoint == ondisk.tag_iteration(newest_whole), report
     assert report.sources is None, report  # node 0's own snapshot was not taken alone
     assert report.reached in (KILL_AT - 1, KILL_AT), report
     assert "restored from the replica" in (tmp_path / "second-node1.log").read_text()
     assert [recorded_attempt(str(d)) for d in dirs] == [2, 2]  # node 1 counts on from node 0's record
     # Node 1 trains on and commits again, with its own latest.
-    assert store.read_latest(str(dirs[0])) == store.read_latest(str(dirs[1])) == f"global_step{ITERATIONS}"
+    assert records.read_latest(str(dirs[0])) == records.read_latest(str(dirs[1])) == f"global_step{ITERATIONS}"
 
 
 def test_a_job_restarted_on_the_node_left_resumes_from_its_parts_and_replicas(tmp_path):
@@ -136,8 +136,8 @@ def test_a_job_restarted_on_the_node_left_resumes_from_its_parts_and_replicas(tm
     # A commit waits for the replicas, so node 1 keeps rank 0's part of the newest commit, on node 0's record
     # too (rank 0 may have written it before node 1 heard of the decision), or of a newer checkpoint whose
     # replication was done when node 0 went.
-    replicated = [c.tag for c in store.list_checkpoints(str(dirs[1] / store.REPLICAS), ranks={0}) if c.valid]
-    assert replicated and store.tag_iteration(replicated[-1]) >= store.tag_iteration(committed), logs(tmp_path, "first")
+    replicated = [c.tag for c in catalog.list_checkpoints(str(dirs[1] / ondisk.REPLICAS), ranks={0}) if c.valid]
+    assert replicated and ondisk.tag_iteration(replicated[-1]) >= ondisk.tag_iteration(committed), logs(tmp_path, "first")
 
     del config["cpsr"]["faults"]  # its marker was on the node that went
     write_config(tmp_path, config)
@@ -145,10 +145,10 @@ def test_a_job_restarted_on_the_node_left_resumes_from_its_parts_and_replicas(tm
     proc = start_node(0, config_path, free_port(), dirs[1], log_path, world_size=1)
     assert finish([proc], 240) == [0], log_path.read_text()[-3000:]
     *_, report = read_reports(str(dirs[1]))
-    assert (report.method, report.checkpoint) == ("recompute", store.tag_iteration(replicated[-1])), report
+    assert (report.method, report.checkpoint) == ("recompute", ondisk.tag_iteration(replicated[-1])), report
     assert report.reached in (KILL_AT - 1, KILL_AT) and "data-parallel degree 2 -> 1" in report.world_change, report
     assert "restored from this node's replicas" in log_path.read_text()
-    assert store.read_latest(str(dirs[1])) == f"global_step{ITERATIONS}"
+    assert records.read_latest(str(dirs[1])) == f"global_step{ITERATIONS}"
 
 
 @contextlib.contextmanager
@@ -165,7 +165,7 @@ def small_tmpfs(path, size: str):
 def part_bytes(directory, tag: str, page: int = 4096) -> int:
     """What rank 0's part of ``tag`` in ``directory`` takes on a tmpfs: its files, manifest and commit record, each
     in whole pages."""
-    files = store.read_manifests(str(directory / tag))[0]["files"].values()
+    files = records.read_manifests(str(directory / tag))[0]["files"].values()
     return sum(-(-entry["size"] // page) * page for entry in files) + 2 * page
 
 
@@ -192,7 +192,7 @@ def test_a_restart_that_cannot_restore_a_replica_onto_a_full_disk_stops_named_an
         config = node_local_config(dirs[0], stages=1, zero_stage=1, kill_rank=0)
         codes = run_nodes(tmp_path, write_config(tmp_path, config), dirs, "first")
         assert codes[0] == -9 and codes[1] != 0, logs(tmp_path, "first")
-        replicated = [c.tag for c in store.list_checkpoints(str(dirs[1] / store.REPLICAS), ranks={0}) if c.valid]
+        replicated = [c.tag for c in catalog.list_checkpoints(str(dirs[1] / ondisk.REPLICAS), ranks={0}) if c.valid]
         assert replicated, logs(tmp_path, "first")
 
         del config["cpsr"]["faults"]
@@ -207,14 +207,14 @@ def test_a_restart_that_cannot_restore_a_replica_onto_a_full_disk_stops_named_an
 
         # Room for rank 0's parts of the older checkpoints alone: the newest is left out, the next newest serves.
         assert len(replicated) >= 2, replicated
-        part = partial(part_bytes, dirs[1] / store.REPLICAS)
+        part = partial(part_bytes, dirs[1] / ondisk.REPLICAS)
         os.unlink(disk / "filler")
         fill(disk / "filler", leave=sum(map(part, replicated[:-1])) + part(replicated[-1]) // 2)
-        restorable = layout.agreed_checkpoints(CPSRConfig.parse_block(config["cpsr"]).checkpoint)
+        restorable = agreement.agreed_checkpoints(CPSRConfig.parse_block(config["cpsr"]).checkpoint)
         assert [c.tag for c in restorable] == replicated[:-1], (restorable, replicated)
 
         os.unlink(disk / "filler")
         run_job(tmp_path, config, "--train-iters", ITERATIONS, supervised=True, nprocs=1)
         *_, report = read_reports(str(dirs[1]))
-        assert (report.method, report.checkpoint) == ("recompute", store.tag_iteration(replicated[-1])), report
-        assert store.read_latest(str(dirs[1])) == f"global_step{ITERATIONS}"
+        assert (report.method, report.checkpoint) == ("recompute", ondisk.tag_iteration(replicated[-1])), report
+        assert records.read_latest(str(dirs[1])) == f"global_step{ITERATIONS}"

@@ -12,7 +12,7 @@ import torch
 from benchmarks.common.processes import tiny_config
 from conftest import run_job
 from cpsr_ds import plugin
-from cpsr_ds.checkpoint.storage import store
+from cpsr_ds.checkpoint.storage import records
 from cpsr_ds.checkpoint.engines.throttle import Throttle
 from cpsr_ds.recovery.sources import summaries
 
@@ -137,7 +137,7 @@ def test_a_script_that_exits_without_destroying_its_engine_still_writes_the_last
     config = tiny_config(run_dir, stages=1)
     config["cpsr"]["checkpoint"].update(interval=5, write_mbps=1.0)
     run_job(tmp_path, config, "--train-iters", 20, "--eval-interval", 20, nprocs=1)
-    assert store.read_latest(str(run_dir)) == "global_step20"
+    assert records.read_latest(str(run_dir)) == "global_step20"
     written = os.listdir(os.path.dirname(summaries.path(str(run_dir), 0, 20, 0)))
     assert any(name.startswith("000000020-") for name in written), written
     # The last checkpoint was still open at exit (no optimizer step sealed it): persisted before its summary.

@@ -14,8 +14,9 @@ import torch
 from benchmarks.common.processes import tiny_config
 from conftest import ROOT, run_job
 from cpsr_ds.__main__ import inspect_report
-from cpsr_ds.checkpoint.storage import store
-from cpsr_ds.checkpoint.capture import survivor
+from cpsr_ds.checkpoint.storage import ondisk
+from cpsr_ds.checkpoint.storage.filesystem import fs
+from cpsr_ds.checkpoint.capture import dumps, run_id, survivor
 from cpsr_ds.checkpoint.capture.journal import journal_path, read_journal
 from cpsr_ds.config import ConfigError, CPSRConfig
 from cpsr_ds.recovery import engine_state, read_reports
@@ -24,12 +25,12 @@ from support.training import process_group, trained  # noqa: F401 (a fixture; pr
 
 
 def where(engine, tmp_path):
-    return str(tmp_path / "survivors"), survivor.run_identity(str(tmp_path / "run"))
+    return str(tmp_path / "survivors"), run_id.run_identity(str(tmp_path / "run"))
 
 
 def read(engine, tmp_path, **kwargs):
     root, run = where(engine, tmp_path)
-    return survivor.read_survivor(root, engine.global_rank, run, **kwargs)
+    return dumps.read_survivor(root, engine.global_rank, run, **kwargs)
 
 
 @pytest.mark.parametrize("zero_stage", [0, 1])
@@ -66,12 +67,12 @@ def test_a_damaged_partial_or_foreign_dump_is_rejected(tmp_path, caplog):
     engine, _ = trained(tmp_path)
     assert engine.survivor.dump("test")
     root, run = where(engine, tmp_path)
-    directory = survivor.dump_dir(root, run, 0)
-    path = os.path.join(directory, survivor.STATE_FILE)
-    manifest = os.path.join(directory, store.manifest_name(0))
+    directory = dumps.dump_dir(root, run, 0)
+    path = os.path.join(directory, dumps.STATE_FILE)
+    manifest = os.path.join(directory, ondisk.manifest_name(0))
     good = open(path, "rb").read()
-    shutil.copytree(directory, survivor.dump_dir(root, "another-run", 0))  # another run's dump, where this one reads
-    assert survivor.read_survivor(root, 0, "another-run") is None
+    shutil.copytree(directory, dumps.dump_dir(root, "another-run", 0))  # another run's dump, where this one reads
+    assert dumps.read_survivor(root, 0, "another-run") is None
     assert "not this run" in caplog.text
     with open(path, "r+b") as f:  # one flipped byte in the data
         f.seek(len(good) - 3)
@@ -84,13 +85,13 @@ def test_a_damaged_partial_or_foreign_dump_is_rejected(tmp_path, caplog):
     os.unlink(manifest)
     assert read(engine, tmp_path) is None and "partial dump" in caplog.text
     # Another run in the same run directory gets another identity: the old dump is not its.
-    os.unlink(tmp_path / "run" / survivor.RUN_ID)
-    assert survivor.run_identity(str(tmp_path / "run")) != run
+    os.unlink(tmp_path / "run" / run_id.RUN_ID)
+    assert run_id.run_identity(str(tmp_path / "run")) != run
 
 
 def test_a_dump_past_its_time_limit_is_abandoned_and_never_committed(tmp_path, monkeypatch):
     engine, _ = trained(tmp_path, survivor_timeout_s=0.5)
-    write = store.write_atomic
+    write = fs.write_atomic
     finished = threading.Event()
 
     def slow_write(*args, **kwargs):
@@ -100,14 +101,14 @@ def test_a_dump_past_its_time_limit_is_abandoned_and_never_committed(tmp_path, m
         finally:
             finished.set()
 
-    monkeypatch.setattr(store, "write_atomic", slow_write)
+    monkeypatch.setattr(fs, "write_atomic", slow_write)
     t0 = time.monotonic()
     assert not engine.survivor.dump("test")
     assert time.monotonic() - t0 < 1.2
     assert finished.wait(10)
     time.sleep(0.2)  # the writer, past its file, would now commit
     root, run = where(engine, tmp_path)
-    assert not os.path.exists(survivor.dump_dir(root, run, 0)) and read(engine, tmp_path) is None
+    assert not os.path.exists(dumps.dump_dir(root, run, 0)) and read(engine, tmp_path) is None
 
 
 def test_a_dump_waits_for_the_optimizer_step_and_refuses_a_torn_state(tmp_path):
@@ -194,17 +195,17 @@ def test_a_restart_removes_its_ranks_earlier_dump_and_the_dumps_of_deleted_runs(
     root, run = where(engine, tmp_path / "a")
     stale = tmp_path / "a" / "survivors" / "gone-run"
     stale.mkdir()
-    store.write_json_atomic(str(stale / survivor.OWNER), {"run_dir": str(tmp_path / "deleted")})
+    fs.write_json_atomic(str(stale / dumps.OWNER), {"run_dir": str(tmp_path / "deleted")})
     survivor.install(engine, CPSRConfig.model_validate(tiny_config(tmp_path / "a" / "run")["cpsr"]).checkpoint.model_copy(
         update={"survivor_dir": root}), attempt=2)
-    assert survivor.read_survivor(root, 0, run) is None and not stale.exists()
+    assert dumps.read_survivor(root, 0, run) is None and not stale.exists()
 
 
 def test_the_survivor_keys_are_checked_and_can_turn_the_dump_off(tmp_path):
     with pytest.raises(ConfigError, match="checkpoint.survivor_timeout_s"):
         CPSRConfig.parse_block({"checkpoint": {"survivor_timeout_s": 0}})
     assert CPSRConfig.parse_block({}).checkpoint.survivor_dir is None
-    assert survivor.default_root().startswith("/dev/shm/") and str(os.getuid()) in survivor.default_root()
+    assert dumps.default_root().startswith("/dev/shm/") and str(os.getuid()) in dumps.default_root()
     engine, _ = trained(tmp_path, survivor=False)
     assert not hasattr(engine, "survivor")
 
@@ -231,14 +232,14 @@ def failed_run(tmp_path_factory):
 
 def test_the_rank_the_launcher_stops_after_its_peer_is_killed_dumps_its_exact_state(failed_run):
     tmp_path, _, result = failed_run
-    run = survivor.run_identity(str(tmp_path / "run"))
-    dumped = survivor.read_survivor(str(tmp_path / "survivors"), 0, run, attempt=1)
+    run = run_id.run_identity(str(tmp_path / "run"))
+    dumped = dumps.read_survivor(str(tmp_path / "survivors"), 0, run, attempt=1)
     assert dumped is not None, result.stdout[-4000:]
     assert dumped.iteration == KILL_AT and dumped.stage == 0 and dumped.world_size == 2, dumped.reason
     expected = torch.load(tmp_path / "probes" / f"rank0-iteration{KILL_AT}.pt")
     assert sorted(dumped.state) == sorted(expected)
     assert all(torch.equal(dumped.state[k], expected[k]) for k in expected)
-    assert survivor.read_survivor(str(tmp_path / "survivors"), 1, run) is None  # SIGKILL leaves nothing
+    assert dumps.read_survivor(str(tmp_path / "survivors"), 1, run) is None  # SIGKILL leaves nothing
 
 
 def test_the_restart_takes_the_surviving_stage_from_its_dump_and_predicts_only_the_lost_one(failed_run):

@@ -7,7 +7,8 @@ import time
 import pytest
 import torch
 
-from cpsr_ds.checkpoint.storage import store
+from cpsr_ds.checkpoint.storage import records
+from cpsr_ds.checkpoint.storage.filesystem import fs
 from cpsr_ds.checkpoint.engines import throttle
 from cpsr_ds.checkpoint.engines.throttle import MB, Throttle
 from cpsr_ds.config import CPSRConfig, ConfigError
@@ -72,15 +73,15 @@ def test_write_atomic_keeps_the_bytes_and_the_rate(tmp_path):
     data = os.urandom(1_500_001)  # not whole pages: the last piece goes buffered
     path = str(tmp_path / "f")
     start = time.perf_counter()
-    size, digest = store.write_atomic(path, [data], "xxh3_64", direct=True, throttle=Throttle(1 * MB))
+    size, digest = fs.write_atomic(path, [data], "xxh3_64", direct=True, throttle=Throttle(1 * MB))
     elapsed = time.perf_counter() - start
     assert size == len(data) and open(path, "rb").read() == data
-    assert digest == store.write_atomic(str(tmp_path / "g"), [data], "xxh3_64")[1]
+    assert digest == fs.write_atomic(str(tmp_path / "g"), [data], "xxh3_64")[1]
     assert 0.9 * 1.5 <= elapsed < 1.5 * 3 + 2
 
 
 def written_bytes(d: str, tag: str) -> int:
-    return sum(entry["size"] for man in store.read_manifests(os.path.join(d, tag)).values()
+    return sum(entry["size"] for man in records.read_manifests(os.path.join(d, tag)).values()
                for entry in man["files"].values())
 
 
@@ -103,7 +104,7 @@ def test_the_writer_persists_at_write_mbps_while_training_goes_on(tmp_path, engi
     assert expected >= 2.0
     assert 0.9 * expected <= persisted < 2 * expected + 3
     assert training < 0.25 * expected, "create, save and commit waited for the throttled writer"
-    assert store.read_latest(d) == "global_step1"
+    assert records.read_latest(d) == "global_step1"
     if strategy != "cpsr":  # pccheck's two checkpoints in flight share the rate: no more often than one is written
         assert eng.interval(expected / 10) >= 10
 
@@ -138,4 +139,4 @@ def test_the_torch_engine_writes_at_write_mbps(tmp_path, engines):  # noqa: F811
     elapsed = time.perf_counter() - start
     expected = written_bytes(d, tag) / (RATE_MBPS * MB)
     assert 0.9 * expected <= elapsed < 2 * expected + 3
-    assert store.read_latest(d) == tag
+    assert records.read_latest(d) == tag

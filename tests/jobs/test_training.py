@@ -10,7 +10,8 @@ import pytest
 
 from benchmarks.common.processes import tiny_config
 from conftest import run_job
-from cpsr_ds.checkpoint.storage.store import list_checkpoints, read_latest
+from cpsr_ds.checkpoint.storage.catalog import list_checkpoints
+from cpsr_ds.checkpoint.storage.records import read_latest
 from cpsr_ds.checkpoint.capture.journal import ProgressJournal, journal_path, read_journal, read_validation
 
 ITERS = 40

@@ -19,7 +19,8 @@ from cpsr_ds.__main__ import main
 from cpsr_ds.checkpoint.capture.journal import ProgressJournal
 from cpsr_ds.checkpoint.engines.factory import create_engine
 from cpsr_ds.checkpoint.engines.snapshot import HostBuffers, snapshot_file
-from cpsr_ds.checkpoint.storage import layout, store
+from cpsr_ds.checkpoint.storage import committing, layout, ondisk, records, topology
+from cpsr_ds.checkpoint.storage.filesystem import fs
 from cpsr_ds.config import CheckpointConfig
 
 
@@ -57,7 +58,7 @@ def assert_same(a, b):
 def write_snapshot(path, state, chunk_bytes=None):
     snap = snapshot_file(os.path.basename(path), state, HostBuffers(pin=False), chunk_bytes)
     snap.copy(None)
-    return store.write_atomic(path, snap.chunks(), "xxh3_64")
+    return fs.write_atomic(path, snap.chunks(), "xxh3_64")
 
 
 def make_checkpoint(ckpt_dir, tag, world_size=2, commit=True, attempt=0, started_ns=0):
@@ -67,20 +68,20 @@ def make_checkpoint(ckpt_dir, tag, world_size=2, commit=True, attempt=0, started
     for rank in range(world_size):
         name = f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
         size, digest = write_snapshot(os.path.join(tag_dir, name), {"rank": rank, "x": torch.full((50,), rank / 2)})
-        store.write_json_atomic(os.path.join(tag_dir, store.manifest_name(rank)), {
+        fs.write_json_atomic(os.path.join(tag_dir, ondisk.manifest_name(rank)), {
             "tag": tag, "rank": rank, "world_size": world_size, "started_ns": started_ns, "attempt": attempt,
-            "iteration": store.tag_iteration(tag), "checksum": "xxh3_64",
+            "iteration": ondisk.tag_iteration(tag), "checksum": "xxh3_64",
             "files": {name: {"size": size, "digest": digest}}})
     if commit:
-        store.commit_checkpoint(ckpt_dir, tag, {"tag": tag, "world_size": world_size, "started_ns": started_ns,
-                                                "attempt": attempt, "iteration": store.tag_iteration(tag)})
+        committing.commit_checkpoint(ckpt_dir, tag, {"tag": tag, "world_size": world_size, "started_ns": started_ns,
+                                                "attempt": attempt, "iteration": ondisk.tag_iteration(tag)})
 
 
 @pytest.fixture
 def two_checkpoints(tmp_path):
     make_checkpoint(str(tmp_path), "global_step10")
     make_checkpoint(str(tmp_path), "global_step20")
-    assert store.read_latest(str(tmp_path)) == "global_step20"
+    assert records.read_latest(str(tmp_path)) == "global_step20"
     return str(tmp_path)
 
 
@@ -136,14 +137,14 @@ def states(scale=1.0, n=50_000):
 def hung_storage(monkeypatch):
     """``hang()`` makes every later file write wait until the test ends or the function it returns is called."""
     answer = threading.Event()
-    write_atomic = store.write_atomic
+    write_atomic = fs.write_atomic
 
     def hung(*args, **kw):
         answer.wait()
         return write_atomic(*args, **kw)
 
     def hang():
-        monkeypatch.setattr(store, "write_atomic", hung)
+        monkeypatch.setattr(fs, "write_atomic", hung)
         return answer.set
 
     yield hang
@@ -170,7 +171,7 @@ def timed_cleanup(eng, limit_s=30.0) -> float:
 
 # ---------------------------------------------------------------- two nodes, a directory each
 
-TWO_NODES = layout.Nodes(((0,), (1,)), run="test")
+TWO_NODES = topology.Nodes(((0,), (1,)), run="test")
 
 
 @pytest.fixture
@@ -201,7 +202,7 @@ def both(engines, dirs, step, st=None):
 def replicate(dirs, tag):
     """What replication leaves: each node's part of ``tag`` also under the next node's replicas/."""
     for n, d in enumerate(dirs):
-        shutil.copytree(os.path.join(d, tag), os.path.join(dirs[(n + 1) % len(dirs)], store.REPLICAS, tag))
+        shutil.copytree(os.path.join(d, tag), os.path.join(dirs[(n + 1) % len(dirs)], ondisk.REPLICAS, tag))
 
 
 def journal(d, rank, last):
@@ -212,8 +213,8 @@ def journal(d, rank, last):
 
 
 def start_token(d, rank, run="run-1"):
-    os.makedirs(os.path.join(d, layout.TOKENS), exist_ok=True)
-    with open(os.path.join(d, layout.TOKENS, f"rank{rank:05d}"), "w") as f:
+    os.makedirs(os.path.join(d, topology.TOKENS), exist_ok=True)
+    with open(os.path.join(d, topology.TOKENS, f"rank{rank:05d}"), "w") as f:
         f.write(run)
 
 
@@ -262,7 +263,7 @@ def edit_json(path, change):
 def deepspeed_checkpoint(ckpt_dir, tag, state):
     os.makedirs(os.path.join(ckpt_dir, tag))
     torch.save(state, os.path.join(ckpt_dir, tag, "mp_rank_00_model_states.pt"))
-    write(os.path.join(ckpt_dir, store.LATEST), tag.encode())
+    write(os.path.join(ckpt_dir, ondisk.LATEST), tag.encode())
 
 
 # ---------------------------------------------------------------- DeepSpeed's torch engine

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from cpsr_ds.checkpoint.storage import fileformat, store
+from cpsr_ds.checkpoint.storage import catalog, fileformat, ondisk, records, retention
 from cpsr_ds.checkpoint.storage.fileformat import read_snapshot
 from support.checkpoints import (NEW, RANK1, deepspeed_checkpoint, edit_json, make_checkpoint,  # noqa: F401 (a fixture)
                                  run_inspect, two_checkpoints, write, write_snapshot)
@@ -31,8 +31,8 @@ def replace_by_directory(path):
     os.makedirs(path)
 
 
-MANIFEST = os.path.join(NEW, store.manifest_name(1))
-COMMIT = os.path.join(NEW, store.COMMIT)
+MANIFEST = os.path.join(NEW, ondisk.manifest_name(1))
+COMMIT = os.path.join(NEW, ondisk.COMMIT)
 
 # name: (file damaged, how, what the problem says)
 DAMAGED_CHECKPOINT = {
@@ -63,9 +63,9 @@ def test_damaged_metadata_is_named_and_the_older_checkpoint_used(two_checkpoints
     path = os.path.join(two_checkpoints, rel)
     damage(path, monkeypatch)
     with caplog.at_level(logging.ERROR):
-        assert store.select_checkpoint(two_checkpoints) == "global_step10"
+        assert catalog.select_checkpoint(two_checkpoints) == "global_step10"
     assert path in caplog.text and what in caplog.text
-    assert [c.tag for c in store.loadable_checkpoints(two_checkpoints, read_data=False)] == ["global_step10"]
+    assert [c.tag for c in catalog.loadable_checkpoints(two_checkpoints, read_data=False)] == ["global_step10"]
     report = run_inspect(two_checkpoints, capsys)
     bad = report["rows"][NEW]
     assert bad["status"] == "invalid" and not bad["valid"]
@@ -76,7 +76,7 @@ def test_damaged_metadata_is_named_and_the_older_checkpoint_used(two_checkpoints
 
 def test_commit_record_without_started_ns_is_fine(two_checkpoints):
     edit_json(os.path.join(two_checkpoints, COMMIT), lambda c: c.pop("started_ns"))
-    assert store.select_checkpoint(two_checkpoints) == NEW
+    assert catalog.select_checkpoint(two_checkpoints) == NEW
 
 
 DAMAGED_LATEST = {
@@ -90,11 +90,11 @@ DAMAGED_LATEST = {
 @pytest.mark.parametrize("case", DAMAGED_LATEST)
 def test_damaged_latest_is_named_and_counts_as_none(two_checkpoints, monkeypatch, caplog, capsys, case):
     damage, what = DAMAGED_LATEST[case]
-    path = os.path.join(two_checkpoints, store.LATEST)
+    path = os.path.join(two_checkpoints, ondisk.LATEST)
     damage(path, monkeypatch)
     with caplog.at_level(logging.WARNING):
-        assert store.read_latest(two_checkpoints) is None
-        assert store.select_checkpoint(two_checkpoints) == NEW
+        assert records.read_latest(two_checkpoints) is None
+        assert catalog.select_checkpoint(two_checkpoints) == NEW
     assert path in caplog.text and what in caplog.text
     report = run_inspect(two_checkpoints, capsys)
     assert report["latest"] is None and report["usable"] == NEW
@@ -102,32 +102,32 @@ def test_damaged_latest_is_named_and_counts_as_none(two_checkpoints, monkeypatch
 
 @pytest.mark.parametrize("damage", ["binary", "directory"])
 def test_damaged_latest_is_replaced_by_the_next_commit(two_checkpoints, damage):
-    path = os.path.join(two_checkpoints, store.LATEST)
+    path = os.path.join(two_checkpoints, ondisk.LATEST)
     if damage == "binary":
         write(path, b"\xff\xfe")
     else:
         os.unlink(path)
         os.makedirs(os.path.join(path, "inside"))
     make_checkpoint(two_checkpoints, "global_step15")
-    assert store.read_latest(two_checkpoints) == "global_step15"
+    assert records.read_latest(two_checkpoints) == "global_step15"
     make_checkpoint(two_checkpoints, "global_step30")
-    assert store.read_latest(two_checkpoints) == "global_step30"
+    assert records.read_latest(two_checkpoints) == "global_step30"
 
 
 def test_latest_naming_a_damaged_checkpoint_moves_to_an_older_commit(two_checkpoints):
     write(os.path.join(two_checkpoints, MANIFEST), b"[]")
     make_checkpoint(two_checkpoints, "global_step15")
-    assert store.read_latest(two_checkpoints) == "global_step15"
+    assert records.read_latest(two_checkpoints) == "global_step15"
 
 
 # ---------------------------------------------------------------- checkpoints without a verifiable manifest
 
 def test_snapshot_files_without_metadata_are_ours_and_partial(two_checkpoints, capsys):
     tag_dir = os.path.join(two_checkpoints, NEW)
-    for name in (store.manifest_name(0), store.manifest_name(1), store.COMMIT):
+    for name in (ondisk.manifest_name(0), ondisk.manifest_name(1), ondisk.COMMIT):
         os.unlink(os.path.join(tag_dir, name))
     os.truncate(os.path.join(tag_dir, RANK1), 0)  # one file without our header
-    assert store.select_checkpoint(two_checkpoints) == "global_step10"
+    assert catalog.select_checkpoint(two_checkpoints) == "global_step10"
     row = run_inspect(two_checkpoints, capsys)["rows"][NEW]
     assert row["kind"] == "cpsr" and row["status"] == "not committed" and not row["valid"]
     assert "partial checkpoint" in row["problems"][0]
@@ -143,12 +143,12 @@ def test_deepspeed_checkpoint_is_opened_before_it_is_chosen(tmp_path, caplog, ca
     deepspeed_checkpoint(d, "global_step1", {"module": {"3.weight": torch.ones(3)}})
     deepspeed_checkpoint(d, "global_step2", {"module": {"3.weight": torch.ones(3)}})
     deepspeed_checkpoint(d, "global_step3", {"module": {"3.weight": torch.ones(3)}})
-    write(os.path.join(d, store.LATEST), b"global_step2")
+    write(os.path.join(d, ondisk.LATEST), b"global_step2")
     bad = os.path.join(d, "global_step2", "mp_rank_00_model_states.pt")
     damage(bad)
     for read_data in (True, False):
         with caplog.at_level(logging.ERROR):
-            assert store.select_checkpoint(d, read_data) == "global_step1"
+            assert catalog.select_checkpoint(d, read_data) == "global_step1"
         assert bad in caplog.text and what in caplog.text
     rows = run_inspect(d, capsys)["rows"]
     assert [rows[t]["status"] for t in ("global_step1", "global_step2", "global_step3")] == [
@@ -163,13 +163,13 @@ def test_manifest_listing_no_files_or_not_every_file_is_invalid(tmp_path, capsys
     make_checkpoint(d, "global_step20", world_size=1)
     make_checkpoint(d, "global_step30", world_size=1)
     write(os.path.join(d, "global_step30", "stray.pt"), b"x")
-    edit_json(os.path.join(d, "global_step20", store.manifest_name(0)), lambda m: m.update(files={}))
-    assert store.select_checkpoint(d) == "global_step10"
+    edit_json(os.path.join(d, "global_step20", ondisk.manifest_name(0)), lambda m: m.update(files={}))
+    assert catalog.select_checkpoint(d) == "global_step10"
     rows = run_inspect(d, capsys)["rows"]
     assert any("stray.pt: listed in no rank manifest" in p for p in rows["global_step30"]["problems"])
     assert any("listed in no rank manifest" in p for p in rows["global_step20"]["problems"])
     os.unlink(os.path.join(d, "global_step20", "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
-    assert any("no files" in p for p in store.list_checkpoints(d)[1].problems)
+    assert any("no files" in p for p in catalog.list_checkpoints(d)[1].problems)
 
 
 # ---------------------------------------------------------------- non-finite state
@@ -178,7 +178,7 @@ def rewrite(ckpt_dir, tag, rank, state):
     """Replace rank ``rank``'s file with ``state``, re-checksummed, its manifest updated so that it verifies."""
     name = f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
     size, digest = write_snapshot(os.path.join(ckpt_dir, tag, name), state)
-    edit_json(os.path.join(ckpt_dir, tag, store.manifest_name(rank)),
+    edit_json(os.path.join(ckpt_dir, tag, ondisk.manifest_name(rank)),
               lambda m: m["files"][name].update(size=size, digest=digest))
     return os.path.join(ckpt_dir, tag, name)
 
@@ -194,7 +194,7 @@ def test_nan_in_a_rechecksummed_file_is_named_and_the_older_checkpoint_used(two_
     path = rewrite(two_checkpoints, NEW, 1, state)
     assert torch.isnan(read_snapshot(path)["module"]["3.weight"]).any()
     with caplog.at_level(logging.ERROR):
-        assert store.select_checkpoint(two_checkpoints) == "global_step10"
+        assert catalog.select_checkpoint(two_checkpoints) == "global_step10"
     assert f"{path}: non-finite values in module.3.weight" in caplog.text
     rows = run_inspect(two_checkpoints, capsys)["rows"]
     assert rows[NEW]["status"] == "invalid"
@@ -203,23 +203,23 @@ def test_nan_in_a_rechecksummed_file_is_named_and_the_older_checkpoint_used(two_
     state["optimizer_state_dict"]["state"][0]["exp_avg"][1] = float("-inf")
     state["module"]["3.bias"][0] = float("inf")
     rewrite(two_checkpoints, NEW, 1, state)
-    assert store.list_checkpoints(two_checkpoints)[1].problems == [
+    assert catalog.list_checkpoints(two_checkpoints)[1].problems == [
         f"{path}: non-finite values in module.3.bias",
         f"{path}: non-finite values in optimizer_state_dict.state.0.exp_avg"]
 
 
 def test_manifest_listing_nonfinite_tensors_is_invalid_without_reading_data(two_checkpoints):
     edit_json(os.path.join(two_checkpoints, MANIFEST), lambda m: m["files"][RANK1].update(nonfinite=["x"]))
-    assert store.select_checkpoint(two_checkpoints, read_data=False) == "global_step10"
+    assert catalog.select_checkpoint(two_checkpoints, read_data=False) == "global_step10"
     path = os.path.join(two_checkpoints, NEW, RANK1)
-    assert store.list_checkpoints(two_checkpoints, read_data=False)[1].problems == [
+    assert catalog.list_checkpoints(two_checkpoints, read_data=False)[1].problems == [
         f"{path}: non-finite values in x"]
 
 
 def test_retention_never_counts_a_damaged_checkpoint(two_checkpoints):
     d = two_checkpoints
     make_checkpoint(d, "global_step30")
-    edit_json(os.path.join(d, "global_step30", store.manifest_name(0)),
+    edit_json(os.path.join(d, "global_step30", ondisk.manifest_name(0)),
               lambda m: m["files"]["zero_pp_rank_0_mp_rank_00_optim_states.pt"].update(nonfinite=["x"]))
-    assert store.apply_retention(d, keep_last=1, protected=lambda tag: False) == ["global_step10"]
-    assert store.select_checkpoint(d) == NEW
+    assert retention.apply_retention(d, keep_last=1, protected=lambda tag: False) == ["global_step10"]
+    assert catalog.select_checkpoint(d) == NEW

@@ -10,12 +10,13 @@ import pytest
 import torch
 
 from cpsr_ds.__main__ import main
-from cpsr_ds.checkpoint.storage import store
+from cpsr_ds.checkpoint.storage import catalog, loading, ondisk, records, retention
+from cpsr_ds.checkpoint.storage.filesystem import describe_error, fs
+from cpsr_ds.integration.deepspeed import load_hook
 from cpsr_ds.checkpoint.engines.checkfreq import measured_interval, profiled_interval
 from cpsr_ds.checkpoint.engines.async_engine import CheckpointStats
 from cpsr_ds.checkpoint.storage.fileformat import ALIGN, CheckpointError, TensorRef, flatten, layout, read_snapshot, unflatten
 from cpsr_ds.checkpoint.engines.persist import RetryPolicy, with_retries
-from cpsr_ds.checkpoint.storage.store import describe_error
 from cpsr_ds.config import CheckpointConfig
 from cpsr_ds.checkpoint.engines.snapshot import plan
 from support.checkpoints import (assert_same, make_checkpoint, nested_state, two_checkpoints,  # noqa: F401 (a fixture)
@@ -92,14 +93,14 @@ def test_deepspeed_s_file_count_check_reads_only_the_header_of_a_file_in_our_for
     class Loads:
         def load(self, path, map_location=None):
             loads.append(path)
-            return store.load_file(path, map_location)
+            return loading.load_file(path, map_location)
 
-    before = store.bytes_loaded()
-    with store.reading_each_file_once():
+    before = loading.bytes_loaded()
+    with load_hook.reading_each_file_once():
         SDLoaderFactory.get_sd_loader(paths, checkpoint_engine=Loads())
         with pytest.raises(CheckpointError, match="checkpoint count 1 is different from saved mp_world_size 2"):
             SDLoaderFactory.get_sd_loader(paths[1:], checkpoint_engine=Loads())
-    assert loads == [] and 0 < store.bytes_loaded() - before < 2 * 4096 * 2
+    assert loads == [] and 0 < loading.bytes_loaded() - before < 2 * 4096 * 2
     # Outside the block DeepSpeed's own check runs, loading the file whole.
     SDLoaderFactory.get_sd_loader(paths, checkpoint_engine=Loads())
     assert loads == paths[:1]
@@ -107,14 +108,14 @@ def test_deepspeed_s_file_count_check_reads_only_the_header_of_a_file_in_our_for
 
 def test_write_atomic_leaves_target_untouched_on_error(tmp_path):
     path = str(tmp_path / "x")
-    store.write_atomic(path, [b"old"])
+    fs.write_atomic(path, [b"old"])
 
     def chunks():
         yield b"new"
         raise OSError(errno.ENOSPC, "No space left on device")
 
     with pytest.raises(OSError):
-        store.write_atomic(path, chunks())
+        fs.write_atomic(path, chunks())
     assert open(path, "rb").read() == b"old"
     assert os.listdir(tmp_path) == ["x"]
 
@@ -181,7 +182,7 @@ def test_corrupt_file_is_named_and_previous_checkpoint_selected(two_checkpoints,
         f.seek(-4, os.SEEK_END)
         f.write(b"oops")
     with caplog.at_level(logging.ERROR):
-        assert store.select_checkpoint(two_checkpoints) == "global_step10"
+        assert catalog.select_checkpoint(two_checkpoints) == "global_step10"
     assert "zero_pp_rank_1_mp_rank_00_optim_states.pt: checksum mismatch" in caplog.text
 
 
@@ -189,21 +190,21 @@ def test_truncated_file_is_named_and_previous_checkpoint_selected(two_checkpoint
     bad = os.path.join(two_checkpoints, "global_step20", "zero_pp_rank_0_mp_rank_00_optim_states.pt")
     os.truncate(bad, 100)
     with caplog.at_level(logging.ERROR):
-        assert store.select_checkpoint(two_checkpoints, read_data=False) == "global_step10"
+        assert catalog.select_checkpoint(two_checkpoints, read_data=False) == "global_step10"
     assert "zero_pp_rank_0_mp_rank_00_optim_states.pt: truncated or overwritten: 100 bytes" in caplog.text
 
 
 def test_missing_rank_manifest_is_named_and_previous_checkpoint_selected(two_checkpoints, caplog):
-    os.unlink(os.path.join(two_checkpoints, "global_step20", store.manifest_name(1)))
+    os.unlink(os.path.join(two_checkpoints, "global_step20", ondisk.manifest_name(1)))
     with caplog.at_level(logging.ERROR):
-        assert store.select_checkpoint(two_checkpoints) == "global_step10"
+        assert catalog.select_checkpoint(two_checkpoints) == "global_step10"
     assert "global_step20: rank 1 manifest cpsr_manifest.rank00001.json missing" in caplog.text
 
 
 def test_latest_never_moves_back_to_an_older_checkpoint(two_checkpoints):
     make_checkpoint(two_checkpoints, "global_step15")
-    assert store.read_latest(two_checkpoints) == "global_step20"
-    assert store.read_commit(os.path.join(two_checkpoints, "global_step15")) is not None
+    assert records.read_latest(two_checkpoints) == "global_step20"
+    assert records.read_commit(os.path.join(two_checkpoints, "global_step15")) is not None
 
 
 def test_order_follows_iteration_and_attempt_not_the_clock(tmp_path):
@@ -213,14 +214,14 @@ def test_order_follows_iteration_and_attempt_not_the_clock(tmp_path):
     # A later attempt on a host whose clock is an hour behind, and going backwards.
     for i, step in enumerate((40, 50, 60)):
         make_checkpoint(d, f"global_step{step}", attempt=1, started_ns=9 * hour - i)
-        assert store.read_latest(d) == f"global_step{step}"
-    assert sorted(store.apply_retention(d, keep_last=2, protected=lambda tag: False)) == ["global_step30",
+        assert records.read_latest(d) == f"global_step{step}"
+    assert sorted(retention.apply_retention(d, keep_last=2, protected=lambda tag: False)) == ["global_step30",
                                                                                           "global_step40"]
-    assert [(c.tag, c.attempt) for c in store.scan(d)] == [("global_step50", 1), ("global_step60", 1)]
-    assert store.select_checkpoint(d) == "global_step60"
+    assert [(c.tag, c.attempt) for c in catalog.scan(d)] == [("global_step50", 1), ("global_step60", 1)]
+    assert catalog.select_checkpoint(d) == "global_step60"
     make_checkpoint(d, "global_step60", attempt=2, started_ns=0)
-    assert store.read_latest(d) == "global_step60" and store.scan(d)[-1].attempt == 2
-    assert store.order_key(None, 5) < store.order_key(0, 0) < store.order_key(0, 1) < store.order_key(1, 0)
+    assert records.read_latest(d) == "global_step60" and catalog.scan(d)[-1].attempt == 2
+    assert ondisk.order_key(None, 5) < ondisk.order_key(0, 0) < ondisk.order_key(0, 1) < ondisk.order_key(1, 0)
 
 
 def test_retention_keeps_last_k_committed_and_spares_in_flight(tmp_path):
@@ -229,7 +230,7 @@ def test_retention_keeps_last_k_committed_and_spares_in_flight(tmp_path):
         make_checkpoint(d, f"global_step{i * 10}")
     make_checkpoint(d, "global_step5", commit=False)
     make_checkpoint(d, "global_step45", commit=False)
-    deleted = store.apply_retention(d, keep_last=2, protected=lambda tag: tag == "global_step10")
+    deleted = retention.apply_retention(d, keep_last=2, protected=lambda tag: tag == "global_step10")
     assert sorted(deleted) == ["global_step20", "global_step5"]
     assert sorted(os.listdir(d)) == ["global_step10", "global_step30", "global_step40", "global_step45", "latest"]
 
@@ -242,9 +243,9 @@ def test_retention_never_touches_the_run_directory_s_other_folders(tmp_path):
         f.write("1,2.0,3.0\n")
     for i in range(1, 4):
         make_checkpoint(d, f"global_step{i * 10}")
-    store.apply_retention(d, keep_last=1, protected=lambda tag: False)
+    retention.apply_retention(d, keep_last=1, protected=lambda tag: False)
     assert sorted(os.listdir(d)) == ["faults", "global_step30", "journal", "latest"]
-    assert [c.tag for c in store.scan(d)] == ["global_step30"]
+    assert [c.tag for c in catalog.scan(d)] == ["global_step30"]
 
 
 def test_deepspeed_checkpoint_without_manifest_counts_when_latest_names_it(tmp_path):
@@ -254,11 +255,11 @@ def test_deepspeed_checkpoint_without_manifest_counts_when_latest_names_it(tmp_p
         torch.save({"w": torch.ones(2)}, os.path.join(d, tag, "mp_rank_00_model_states.pt"))
     with open(os.path.join(d, "latest"), "w") as f:
         f.write("global_step1")
-    assert store.select_checkpoint(d) == "global_step1"
+    assert catalog.select_checkpoint(d) == "global_step1"
 
 
 def test_inspect_lists_checkpoints_latest_and_journal(two_checkpoints, capsys):
-    os.unlink(os.path.join(two_checkpoints, "global_step20", store.manifest_name(0)))
+    os.unlink(os.path.join(two_checkpoints, "global_step20", ondisk.manifest_name(0)))
     journal = os.path.join(two_checkpoints, "journal")
     os.makedirs(journal)
     with open(os.path.join(journal, "rank00000.csv"), "w") as f:

@@ -11,7 +11,7 @@ from deepspeed.runtime.lr_schedules import WarmupCosineLR, WarmupLR
 
 from cpsr_ds import runlog
 from cpsr_ds.checkpoint.capture.journal import Entry, ProgressJournal, Progress, read_progress
-from cpsr_ds.checkpoint.storage.layout import combine_progress
+from cpsr_ds.checkpoint.storage.agreement import combine_progress
 from cpsr_ds.config import CPSRConfig, RecoveryConfig
 from cpsr_ds.planning.calibration import MEASURED_REDUCTION, PESSIMISM
 from cpsr_ds.planning.cost_model import EmpiricalModel, Estimate, recovery_choice

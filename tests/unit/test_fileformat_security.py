@@ -16,8 +16,9 @@ from deepspeed.utils.tensor_fragment import fragment_address
 import cpsr_ds
 from benchmarks.common.processes import TEST_MODEL, tiny_config
 from conftest import train_on_random_tokens
-from cpsr_ds.checkpoint.storage import store
-from cpsr_ds.checkpoint.capture import survivor
+from cpsr_ds.checkpoint.storage import catalog, loading, ondisk
+from cpsr_ds.checkpoint.storage.filesystem import fs
+from cpsr_ds.checkpoint.capture import dumps
 from cpsr_ds.checkpoint.engines.factory import create_engine
 from cpsr_ds.checkpoint.storage.fileformat import (MAGIC, PAGE, CheckpointError, align, flatten, layout, read_skeleton,
                                            read_snapshot, scan_file)
@@ -53,16 +54,16 @@ def planted_bytes(state) -> bytes:
 def plant(ckpt_dir, rel, raw: bytes, rank: int, digest: bool = True) -> str:
     """Replace file ``rel`` of a checkpoint by ``raw``; with ``digest`` its manifest entry made to match it."""
     path = os.path.join(ckpt_dir, rel)
-    size, checksum = store.write_atomic(path, [raw], "xxh3_64")
+    size, checksum = fs.write_atomic(path, [raw], "xxh3_64")
     if digest:
         name = os.path.basename(rel)
-        edit_json(os.path.join(os.path.dirname(path), store.manifest_name(rank)),
+        edit_json(os.path.join(os.path.dirname(path), ondisk.manifest_name(rank)),
                   lambda m: m["files"][name].update(size=size, digest=checksum))
     return path
 
 
 def entry(ckpt_dir, rel, rank):
-    with open(os.path.join(ckpt_dir, os.path.dirname(rel), store.manifest_name(rank))) as f:
+    with open(os.path.join(ckpt_dir, os.path.dirname(rel), ondisk.manifest_name(rank))) as f:
         return json.load(f)["files"][os.path.basename(rel)]
 
 
@@ -74,11 +75,11 @@ def test_a_planted_snapshot_naming_a_command_is_refused_though_checksum_and_mani
     refused = f"{path}: refused: it names posix.system"
     for read in (lambda: read_snapshot(path, entry(two_checkpoints, rel, 1)), lambda: read_snapshot(path),
                  lambda: scan_file(path, entry(two_checkpoints, rel, 1)), lambda: read_skeleton(path),
-                 lambda: store.load_file(path)):
+                 lambda: loading.load_file(path)):
         with pytest.raises(CheckpointError, match=refused):
             read()
     with caplog.at_level(logging.ERROR):
-        assert store.select_checkpoint(two_checkpoints) == "global_step10"
+        assert catalog.select_checkpoint(two_checkpoints) == "global_step10"
     assert refused in caplog.text
     row = run_inspect(two_checkpoints, capsys)["rows"][NEW]
     assert row["status"] == "invalid" and any(p.startswith(refused) for p in row["problems"])
@@ -110,10 +111,10 @@ def test_a_planted_deepspeed_checkpoint_naming_a_command_is_refused_by_inspect_a
     row = run_inspect(d, capsys)["rows"]["global_step2"]
     assert row["status"] == "invalid" and any(p.startswith(refused) for p in row["problems"])
     with caplog.at_level(logging.ERROR):
-        assert store.select_checkpoint(d) == "global_step1"
+        assert catalog.select_checkpoint(d) == "global_step1"
     assert refused in caplog.text
     with pytest.raises(CheckpointError, match=refused):
-        store.load_file(path)
+        loading.load_file(path)
     assert not marker.exists()
 
 
@@ -141,8 +142,8 @@ def test_a_state_a_restart_would_refuse_is_not_written(tmp_path):
     with pytest.raises(CheckpointError, match="f.pt: not written: it names posix.system"):
         snapshot_file("f.pt", state, HostBuffers(pin=False), None)
     dump = str(tmp_path / "dump")
-    with pytest.raises(CheckpointError, match=f"{dump}/{survivor.STATE_FILE}: not written: it names posix.system"):
-        survivor.write_dump(dump, state, {"rank": 0}, "xxh3_64")
+    with pytest.raises(CheckpointError, match=f"{dump}/{dumps.STATE_FILE}: not written: it names posix.system"):
+        dumps.write_dump(dump, state, {"rank": 0}, "xxh3_64")
     d = str(tmp_path / "run")
     engine = create_engine(config(d, strategy="torch"), 0, 1)
     with pytest.raises(CheckpointError, match=f"{MODEL}: not written: it names posix.system"):
@@ -164,11 +165,11 @@ def test_real_checkpoints_of_the_pipeline_with_zero1_and_bf16_save_and_load(tmp_
     engine.checkpoint_engine.cleanup()
     if strategy == "cpsr":
         assert engine.checkpoint_engine.flush(60)
-    assert store.select_checkpoint(run) == "global_step2"
+    assert catalog.select_checkpoint(run) == "global_step2"
     tag_dir = os.path.join(run, "global_step2")
     optim = next(n for n in os.listdir(tag_dir) if n.endswith("optim_states.pt"))
     expected = engine.optimizer.state_dict()
-    got = store.load_file(os.path.join(tag_dir, optim))["optimizer_state_dict"]
+    got = loading.load_file(os.path.join(tag_dir, optim))["optimizer_state_dict"]
     assert type(got["loss_scaler"]) is type(expected["loss_scaler"])
     assert_same({k: v for k, v in got.items() if k != "loss_scaler"},
                 {k: v for k, v in expected.items() if k != "loss_scaler"})
@@ -176,7 +177,7 @@ def test_real_checkpoints_of_the_pipeline_with_zero1_and_bf16_save_and_load(tmp_
     assert engine.global_steps == 2
 
     marker = tmp_path / "ran"
-    planted = {**store.load_file(os.path.join(tag_dir, optim)), "x": Command(marker)}
+    planted = {**loading.load_file(os.path.join(tag_dir, optim)), "x": Command(marker)}
     if strategy == "cpsr":
         raw = planted_bytes(planted)
     else:

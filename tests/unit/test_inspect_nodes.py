@@ -7,7 +7,7 @@ import shutil
 
 
 from cpsr_ds.__main__ import main
-from cpsr_ds.checkpoint.storage import layout, store
+from cpsr_ds.checkpoint.storage import ondisk, topology
 from cpsr_ds.node_view import held_ranks
 from support.checkpoints import node_engines, start_token, two_nodes  # noqa: F401 (fixtures)
 
@@ -39,7 +39,7 @@ def test_every_node_s_table_its_replicas_and_the_agreed_c_and_f(two_nodes, capsy
 
 def test_a_lost_node_s_ranks_come_from_the_newest_sound_replica(two_nodes, capsys):
     node0, node1 = two_nodes
-    os.truncate(os.path.join(node1, store.REPLICAS, "global_step10", "mp_rank_00_model_states.pt"), 10)
+    os.truncate(os.path.join(node1, ondisk.REPLICAS, "global_step10", "mp_rank_00_model_states.pt"), 10)
     _, report = inspect(capsys, node0, node1)
     assert report["nodes"][0]["parts"][0]["replica_newest_valid"] == "global_step5"
     assert report["agreed"]["checkpoint"] == "global_step10"  # rank 0's own part is still there
@@ -65,9 +65,9 @@ def test_one_node_s_directory_names_its_ranks_and_asks_for_the_others(two_nodes,
 def test_a_directory_s_ranks_are_its_newest_start_s_and_one_every_rank_started_in_is_shared(two_nodes, capsys):
     node0 = two_nodes[0]
     start_token(node0, 1, run="run-0")  # an older start that saw rank 1's files here too
-    os.utime(os.path.join(node0, layout.TOKENS, "rank00001"), (1, 1))
+    os.utime(os.path.join(node0, topology.TOKENS, "rank00001"), (1, 1))
     assert held_ranks(node0) == [0]
-    shutil.rmtree(os.path.join(node0, store.REPLICAS))
+    shutil.rmtree(os.path.join(node0, ondisk.REPLICAS))
     _, report = inspect(capsys, node0)
     # Every rank started here and no replicas: one shared directory, where rank 1's part is missing.
     assert "storage" not in report and not any(r["valid"] for r in report["checkpoints"])

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import cpsr_ds
 from benchmarks.common.processes import TEST_MODEL, tiny_config
-from cpsr_ds.checkpoint.capture import host_snapshot, rng, survivor
+from cpsr_ds.checkpoint.capture import dumps, host_snapshot, rng, run_id
 from cpsr_ds.config import CheckpointConfig
 from examples.gpt.model import GPTConfig, gpt_pipeline
 from cpsr_ds.recovery.sources.host_snapshot import resume_from
@@ -68,11 +68,11 @@ def test_the_state_comes_back_from_a_snapshot_file(tmp_path):
     first = draws()
     (tmp_path / "run").mkdir()
     cfg = CheckpointConfig(dir=str(tmp_path / "run"), survivor_dir=str(tmp_path / "survivors"))
-    root, run = survivor.prepare(cfg)
+    root, run = dumps.prepare(cfg)
     manifest = {"rank": 0, "world_size": 1, "attempt": 1, "run": run, "stage": 0, "iteration": 3, "reason": "test"}
-    survivor.write_dump(survivor.dump_dir(root, run, 0), {"state": {}, "fragments": {}, "counters": {"rng": state}},
+    dumps.write_dump(dumps.dump_dir(root, run, 0), {"state": {}, "fragments": {}, "counters": {"rng": state}},
                         manifest, cfg.checksum)
-    read = survivor.read_survivor(root, 0, run, 1)
+    read = dumps.read_survivor(root, 0, run, 1)
     draws()
     rng.restore(read.counters["rng"])
     assert same(draws(), first)
@@ -95,7 +95,7 @@ def dropout_engine(tmp_path, **checkpoint):
 
 def dumped(engine, tmp_path):
     assert engine.survivor.dump("test")
-    return survivor.read_survivor(str(tmp_path / "survivors"), 0, survivor.run_identity(str(tmp_path / "run")))
+    return dumps.read_survivor(str(tmp_path / "survivors"), 0, run_id.run_identity(str(tmp_path / "run")))
 
 
 def snapshot(engine, tmp_path):

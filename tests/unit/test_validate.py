@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from benchmarks.common.processes import tiny_config
-from cpsr_ds.checkpoint.capture import host_snapshot, survivor
-from cpsr_ds.checkpoint.storage import store
+from cpsr_ds.checkpoint.capture import dumps, host_snapshot, run_id
+from cpsr_ds.checkpoint.storage import records
 from cpsr_ds.checkpoint.storage.fileformat import read_snapshot
 from cpsr_ds.predictor.base import Predictor
 from cpsr_ds.recovery import engine_state
@@ -124,11 +124,11 @@ def first_run(cfg: dict, dump: bool = False) -> dict[int, float]:
 def negate_second_moment(directory: str) -> str:
     """Negate one second moment of the dump (or host snapshot) in ``directory`` and write it again with its
     manifest, checksum and all: a dump whose only fault is its values. Returns the tensor's key."""
-    manifest = store.read_manifests(directory)[0]
-    contents = read_snapshot(os.path.join(directory, survivor.STATE_FILE))
+    manifest = records.read_manifests(directory)[0]
+    contents = read_snapshot(os.path.join(directory, dumps.STATE_FILE))
     key = sorted(k for k in contents["state"] if k.startswith("exp_avg_sq/"))[-1]
     contents["state"][key] = contents["state"][key].neg()
-    survivor.write_dump(directory, contents, manifest, manifest["checksum"])
+    dumps.write_dump(directory, contents, manifest, manifest["checksum"])
     return key
 
 
@@ -155,7 +155,7 @@ def warnings_of(caplog) -> str:
 def test_a_survivor_dump_with_a_negative_second_moment_is_left_out(tmp_path, cpsr_logs, mode):
     run_dir = tmp_path / "run"
     first_run(config(run_dir, mode), dump=True)
-    directory = survivor.dump_dir(str(tmp_path / "survivors"), survivor.run_identity(str(run_dir)), 0)
+    directory = dumps.dump_dir(str(tmp_path / "survivors"), run_id.run_identity(str(run_dir)), 0)
     key = negate_second_moment(directory)
     report, losses, sound = restarted(config(run_dir, mode))
     assert report.reached == F and not (report.sources or {}).get("0", "").startswith("survivor"), report
@@ -171,7 +171,7 @@ def test_a_host_snapshot_with_a_negative_second_moment_is_left_for_the_one_befor
     run_dir = tmp_path / "run"
     cfg = config(run_dir, mode, interval=6, memory_interval=2)
     first = first_run(cfg)
-    root, run = str(tmp_path / "survivors"), survivor.run_identity(str(run_dir))
+    root, run = str(tmp_path / "survivors"), run_id.run_identity(str(run_dir))
     slot = 10 // 2 % host_snapshot.SLOTS
     key = negate_second_moment(host_snapshot.snapshot_dir(root, run, 0, slot))
     report, losses, sound = restarted(cfg)

@@ -1,14 +1,13 @@
 """A changed world size on restart, piece by piece: batch arithmetic, batches, progress, reports, ZeRO partitions."""
 
 import json
-import logging
 import os
 
 import numpy as np
 import pytest
 import torch
 
-from cpsr_ds.checkpoint.storage import store
+from cpsr_ds.checkpoint.storage import catalog, ondisk
 from cpsr_ds.checkpoint.engines.factory import create_engine
 from cpsr_ds.checkpoint.capture.journal import ProgressJournal, read_progress, retire_journals
 from examples.gpt.corpus import Batches
@@ -154,12 +153,12 @@ def test_a_tag_written_again_by_a_smaller_world_is_valid_beside_the_larger_world
     assert all(eng.flush(30) for eng in old)
     for eng in old:
         eng.cleanup()
-    os.unlink(os.path.join(d, "global_step12", store.COMMIT))  # the commit the kill prevented
-    os.unlink(os.path.join(d, store.LATEST))
+    os.unlink(os.path.join(d, "global_step12", ondisk.COMMIT))  # the commit the kill prevented
+    os.unlink(os.path.join(d, ondisk.LATEST))
 
     new = create_engine(config(d, strategy=strategy), 0, 1, attempt=2)
     checkpoint(new, d, 12, states(n=100), rank=0)
     new.cleanup()  # persists and commits what is in flight
-    (ckpt,) = store.list_checkpoints(d)
+    (ckpt,) = catalog.list_checkpoints(d)
     assert (ckpt.world_size, ckpt.attempt, ckpt.problems) == (1, 2, [])
-    assert store.select_checkpoint(d) == "global_step12"
+    assert catalog.select_checkpoint(d) == "global_step12"

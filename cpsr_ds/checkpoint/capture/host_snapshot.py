@@ -7,7 +7,7 @@ last checkpoint, losing at most ``memory_interval`` iterations once the newest s
 is in place; a crash while it is still being written falls back to the one before it
 (up to ``2 * memory_interval - 1`` iterations lost).
 
-A snapshot is a dump in the survivor dump's format (``survivor.write_dump``: manifest,
+A snapshot is a dump in the survivor dump's format (``dumps.write_dump``: manifest,
 checksum, atomic rename). Each rank keeps two, in alternating slots, each replacing the
 one before it: a process killed while writing one (the kill can come right after the
 iteration that started it) still has the one before, so every rank holds a snapshot of
@@ -27,7 +27,7 @@ import time
 from typing import Optional
 
 from cpsr_ds.checkpoint.storage import private_dir
-from cpsr_ds.checkpoint.capture import survivor
+from cpsr_ds.checkpoint.capture import dumps, run_id
 from cpsr_ds.config import CheckpointConfig
 from cpsr_ds.integration.deepspeed.engine_state import local_state
 
@@ -40,13 +40,13 @@ SLOTS = 2
 
 
 def snapshot_dir(root: str, run: str, rank: int, slot: int) -> str:
-    return survivor.dump_dir(root, run, rank) + f".memory{slot}"
+    return dumps.dump_dir(root, run, rank) + f".memory{slot}"
 
 
-def read_snapshots(cfg: CheckpointConfig, rank: int, attempt: int) -> list[survivor.Survivor]:
+def read_snapshots(cfg: CheckpointConfig, rank: int, attempt: int) -> list[dumps.Survivor]:
     """``rank``'s host snapshots of job attempt ``attempt`` of the run in ``cfg.dir``, verified: those usable."""
-    run, root = survivor.run_identity(cfg.dir), survivor.survivor_root(cfg)
-    found = [survivor.read_dump(snapshot_dir(root, run, rank, slot), rank, run, attempt, WHAT) for slot in range(SLOTS)]
+    run, root = run_id.run_identity(cfg.dir), dumps.survivor_root(cfg)
+    found = [dumps.read_dump(snapshot_dir(root, run, rank, slot), rank, run, attempt, WHAT) for slot in range(SLOTS)]
     return [snap for snap in found if snap is not None]
 
 
@@ -56,7 +56,7 @@ class HostSnapshots:
     def __init__(self, engine, root: str, run: str, attempt: int, interval: int, checksum: str):
         self.engine = engine
         self.directories = [snapshot_dir(root, run, engine.global_rank, slot) for slot in range(SLOTS)]
-        self.manifest = survivor.identity(engine, run, attempt)
+        self.manifest = dumps.identity(engine, run, attempt)
         self.interval = interval
         self.checksum = checksum
         self.written = self.skipped = 0
@@ -73,7 +73,7 @@ class HostSnapshots:
         state, fragments = local_state(self.engine)
         # The copy is what the training loop waits for; the next optimizer step may then change the state.
         contents = {"state": {k: t.detach().to("cpu", copy=True) for k, t in state.items()},
-                    "fragments": fragments, "counters": survivor.counters(self.engine)}
+                    "fragments": fragments, "counters": dumps.counters(self.engine)}
         manifest = {**self.manifest, "iteration": iteration, "reason": WHAT, "written_ns": time.time_ns()}
         directory = self.directories[iteration // self.interval % SLOTS]
         self._writer = threading.Thread(target=self._write, args=(directory, contents, manifest),
@@ -82,7 +82,7 @@ class HostSnapshots:
 
     def _write(self, directory: str, contents: dict, manifest: dict) -> None:
         try:
-            survivor.write_dump(directory, contents, manifest, self.checksum)
+            dumps.write_dump(directory, contents, manifest, self.checksum)
             self.written += 1
         # A full /dev/shm, or a root another user took over since the start, must not stop training: the
         # checkpoints still run.
@@ -106,9 +106,9 @@ def install(engine, cfg: CheckpointConfig, attempt: int) -> Optional[HostSnapsho
     if cfg.memory_interval is None:
         _remove_earlier(cfg, engine.global_rank)
         return None
-    root, run = survivor.prepare(cfg)
+    root, run = dumps.prepare(cfg)
     for slot in range(SLOTS):
-        survivor.remove_dump(snapshot_dir(root, run, engine.global_rank, slot))
+        dumps.remove_dump(snapshot_dir(root, run, engine.global_rank, slot))
     snapshots = HostSnapshots(engine, root, run, attempt, cfg.memory_interval, cfg.checksum)
     engine.host_snapshots = snapshots
     return snapshots
@@ -116,10 +116,10 @@ def install(engine, cfg: CheckpointConfig, attempt: int) -> Optional[HostSnapsho
 
 def _remove_earlier(cfg: CheckpointConfig, rank: int) -> None:
     """Remove ``rank``'s snapshots of an earlier attempt that had memory_interval, where they are this user's."""
-    root, run = survivor.survivor_root(cfg), survivor.run_identity(cfg.dir)
+    root, run = dumps.survivor_root(cfg), run_id.run_identity(cfg.dir)
     try:
-        survivor.check_private(root, os.path.join(root, run))
+        dumps.check_private(root, os.path.join(root, run))
     except (OSError, private_dir.PrivateDirError):
         return
     for slot in range(SLOTS):
-        survivor.remove_dump(snapshot_dir(root, run, rank, slot))
+        dumps.remove_dump(snapshot_dir(root, run, rank, slot))

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
-from cpsr_ds.checkpoint.storage.store import describe_error
+from cpsr_ds.checkpoint.storage.filesystem import describe_error
 
 log = logging.getLogger(__name__)
 

@@ -25,12 +25,14 @@ import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
 from cpsr_ds.checkpoint.capture import exiting
-from cpsr_ds.checkpoint.storage import store
+from cpsr_ds.checkpoint.storage import loading, records, retention
 from cpsr_ds.checkpoint.engines import throttle
 from cpsr_ds.checkpoint.storage.layout import make_layout
-from cpsr_ds.checkpoint.engines.persist import BufferPool, Committer, Job, RetryPolicy, Writer
+from cpsr_ds.checkpoint.engines.committer import Committer
+from cpsr_ds.checkpoint.engines.persist import BufferPool, Job, RetryPolicy
+from cpsr_ds.checkpoint.engines.writer import Writer
 from cpsr_ds.checkpoint.engines.snapshot import Copier, HostBuffers, snapshot_file
-from cpsr_ds.checkpoint.storage.store import describe_error
+from cpsr_ds.checkpoint.storage.filesystem import describe_error
 from cpsr_ds.config import CheckpointConfig
 
 log = logging.getLogger(__name__)
@@ -142,7 +144,7 @@ class AsyncCheckpointEngine(CheckpointEngine):
                       "the host buffers; training goes on, latest stays on the last good checkpoint", job.tag, failure)
         else:
             # What an earlier run left under this tag must not be mistaken for this run's.
-            store.forget_metadata(job.tag_dir, self.rank)
+            records.forget_metadata(job.tag_dir, self.rank)
             self.stats.started += job.part
         with self._lock:
             self._jobs.append(job)
@@ -176,7 +178,7 @@ class AsyncCheckpointEngine(CheckpointEngine):
 
     def load(self, path: str, map_location=None):
         """Read a file, verifying it against its checkpoint's manifests; files of DeepSpeed's engine load as they are."""
-        return store.load_file(path, map_location)
+        return loading.load_file(path, map_location)
 
     def makedirs(self, path, exist_ok=False):
         if self._job is not None and not self._job.writes and _inside(path, self._job.tag_dir):
@@ -286,7 +288,7 @@ class AsyncCheckpointEngine(CheckpointEngine):
         if err.errno != errno.ENOSPC:
             return
         try:
-            freed = store.apply_retention(job.ckpt_dir, self.min_keep, self._in_flight)
+            freed = retention.apply_retention(job.ckpt_dir, self.min_keep, self._in_flight)
         except OSError as failed:
             log.warning("checkpoint %s: storage full, freeing space failed: %s", job.tag, describe_error(failed))
             return

@@ -29,12 +29,12 @@ from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
 
 from cpsr_ds.checkpoint.capture import exiting
-from cpsr_ds.checkpoint.storage import store
+from cpsr_ds.checkpoint.storage import committing, filesystem, loading, ondisk, records, retention
+from cpsr_ds.checkpoint.storage.filesystem import describe_error, fs
 from cpsr_ds.checkpoint.engines import throttle
 from cpsr_ds.checkpoint.engines.checkfreq import measured_interval
 from cpsr_ds.checkpoint.engines.async_engine import CheckpointStats
 from cpsr_ds.checkpoint.storage.fileformat import allowed_pickle, flatten, nonfinite_tensors
-from cpsr_ds.checkpoint.storage.store import describe_error
 from cpsr_ds.config import CheckpointConfig
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ class TorchEngine(TorchCheckpointEngine):
         if self._open is not None:
             self.commit(self._open.info)  # no optimizer step since the last save
         t0 = time.perf_counter()
-        store.forget_metadata(os.path.join(info.save_dir, info.tag), self.rank)
+        records.forget_metadata(os.path.join(info.save_dir, info.tag), self.rank)
         self._open = _Open(info)
         self.stats.started += 1
         self._stall_s = time.perf_counter() - t0
@@ -105,7 +105,7 @@ class TorchEngine(TorchCheckpointEngine):
         torch.save(state_dict, buf, _use_new_zipfile_serialization=self.zipfile_serialization)
         if ckpt is None:
             # Outside create()/commit(), as DeepSpeed's engine allows: atomic, but part of no checkpoint.
-            store.write_atomic(path, [buf.getbuffer()], throttle=self.throttle)
+            fs.write_atomic(path, [buf.getbuffer()], throttle=self.throttle)
             return
         rel = os.path.relpath(path, ckpt.tag_dir)
         try:
@@ -119,7 +119,7 @@ class TorchEngine(TorchCheckpointEngine):
             ckpt.files[rel] = {"size": size, "digest": digest, "nonfinite": nonfinite_tensors(skeleton, tensors)}
 
     def load(self, path: str, map_location=None):
-        return store.load_file(path, map_location)
+        return loading.load_file(path, map_location)
 
     def commit(self, info: CheckpointCommitInfo):
         """Write this rank's manifest; on rank 0 commit the checkpoint once every rank's is there."""
@@ -164,7 +164,7 @@ class TorchEngine(TorchCheckpointEngine):
     def _write(self, ckpt: _Open, path: str, buf: io.BytesIO) -> tuple[int, str]:
         def write():
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            return store.write_atomic(path, [buf.getbuffer()], self.cfg.checksum, throttle=self.throttle)
+            return fs.write_atomic(path, [buf.getbuffer()], self.cfg.checksum, throttle=self.throttle)
 
         try:
             return write()
@@ -172,7 +172,7 @@ class TorchEngine(TorchCheckpointEngine):
             if err.errno != errno.ENOSPC:
                 raise
             # Space ran short: older checkpoints beyond the minimum history make room for one more try.
-            freed = store.apply_retention(ckpt.info.save_dir, self.min_keep, lambda tag: tag == ckpt.info.tag)
+            freed = retention.apply_retention(ckpt.info.save_dir, self.min_keep, lambda tag: tag == ckpt.info.tag)
             if not freed:
                 raise
             log.warning("checkpoint %s: %s; deleted %s to make room", ckpt.info.tag, describe_error(err), freed)
@@ -182,11 +182,11 @@ class TorchEngine(TorchCheckpointEngine):
         """Write this rank's manifest; returns why it could not be written, if so."""
         tag = ckpt.info.tag
         manifest = {"tag": tag, "rank": self.rank, "world_size": self.world_size,
-                    "iteration": store.tag_iteration(tag), "attempt": self.attempt, "checksum": self.cfg.checksum,
+                    "iteration": ondisk.tag_iteration(tag), "attempt": self.attempt, "checksum": self.cfg.checksum,
                     "files": ckpt.files, "failed": ckpt.failed}
         try:
             os.makedirs(ckpt.tag_dir, exist_ok=True)
-            store.write_json_atomic(os.path.join(ckpt.tag_dir, store.manifest_name(self.rank)), manifest)
+            fs.write_json_atomic(os.path.join(ckpt.tag_dir, ondisk.manifest_name(self.rank)), manifest)
         except OSError as err:
             log.error("checkpoint %s: giving up writing the rank %d manifest: %s", tag, self.rank, describe_error(err))
             return f"rank {self.rank} manifest not written: {describe_error(err)}"
@@ -200,19 +200,19 @@ class TorchEngine(TorchCheckpointEngine):
             manifests, problem = self._gather(ckpt.tag_dir)
         problem = problem or _refusal(manifests)
         if problem is None:
-            record = {"tag": tag, "world_size": self.world_size, "iteration": store.tag_iteration(tag),
+            record = {"tag": tag, "world_size": self.world_size, "iteration": ondisk.tag_iteration(tag),
                       "attempt": self.attempt, "committed_time": time.time()}
             try:
-                moved = store.commit_checkpoint(save_dir, tag, record)
+                moved = committing.commit_checkpoint(save_dir, tag, record)
             except OSError as err:
                 problem = f"commit record not written: {describe_error(err)}"
         if problem is not None:
             log.error("checkpoint %s: given up, %s; latest stays on the last good checkpoint", tag, problem)
-            store.remove_checkpoint(save_dir, tag)
+            retention.remove_checkpoint(save_dir, tag)
             return problem
         log.info("checkpoint %s committed%s", tag, ", latest moved to it" if moved else "")
         try:
-            store.apply_retention(save_dir, self.cfg.keep_last, lambda t: False)
+            retention.apply_retention(save_dir, self.cfg.keep_last, lambda t: False)
         except OSError as err:
             log.warning("checkpoint %s: retention failed: %s", tag, describe_error(err))
         return None
@@ -226,7 +226,7 @@ class TorchEngine(TorchCheckpointEngine):
         deadline = time.monotonic() + self.cfg.commit_timeout_s
         while True:
             try:
-                manifests, cause = store.read_manifests(tag_dir), None
+                manifests, cause = records.read_manifests(tag_dir), None
             except (OSError, ValueError) as err:
                 manifests, cause = {}, err
             missing = [r for r in range(self.world_size) if r not in manifests]
@@ -239,7 +239,7 @@ class TorchEngine(TorchCheckpointEngine):
             if time.monotonic() >= deadline:
                 return manifests, (f"rank manifests {missing} missing after {self.cfg.commit_timeout_s:.0f} s"
                                    + (f" ({cause})" if cause else ""))
-            time.sleep(store.POLL_S)
+            time.sleep(filesystem.POLL_S)
 
 
 def _refusal(manifests: dict[int, dict]) -> Optional[str]:

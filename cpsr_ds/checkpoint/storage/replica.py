@@ -4,7 +4,7 @@ Once rank 0 has decided to commit a checkpoint, each rank's :class:`Replicator` 
 its part (manifest, the files it lists, rank 0's commit record) to its peer on the next
 node, ``(node + 1) % nodes``, and the checkpoint commits once every rank's has arrived
 (layout.py). The peer keeps it under ``CKPT_DIR/replicas/TAG``: a checkpoint directory
-of its own, never taken for the node's own checkpoints (store.scan skips it), verified
+of its own, never taken for the node's own checkpoints (catalog.scan skips it), verified
 with the same manifests and checksums, and retained alike. At recovery, before DeepSpeed loads, each
 node gets the parts it lacks (its ranks' own; on a job of another world size, every
 rank's) from its replicas or from the node holding them (:func:`restore`); a checkpoint
@@ -32,7 +32,8 @@ from typing import Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from cpsr_ds.checkpoint.storage import store
+from cpsr_ds.checkpoint.storage import catalog, filesystem, ondisk, records, retention
+from cpsr_ds.checkpoint.storage.filesystem import fs
 from cpsr_ds.checkpoint.capture.exiting import RestartCannotHelp
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ def peers(nodes, rank: int) -> tuple[int, list[int]]:
 
 
 def replica_dir(ckpt_dir: str) -> str:
-    return os.path.join(ckpt_dir, store.REPLICAS)
+    return os.path.join(ckpt_dir, ondisk.REPLICAS)
 
 
 def _part(ckpt_dir: str, tag: str, owner: int, record: Optional[dict], only: Optional[re.Pattern]) -> dict:
@@ -82,8 +83,8 @@ def _part(ckpt_dir: str, tag: str, owner: int, record: Optional[dict], only: Opt
     names match alone, marked PARTIAL), the commit record, the files; a part that is gone goes as an empty one."""
     tag_dir = os.path.join(ckpt_dir, tag)
     try:
-        manifest = store.read_manifests(tag_dir).get(owner)
-        record = record or store.read_commit(tag_dir)
+        manifest = records.read_manifests(tag_dir).get(owner)
+        record = record or records.read_commit(tag_dir)
     except (OSError, ValueError) as err:
         log.error("checkpoint %s: rank %d's part in %s unreadable: %s", tag, owner, ckpt_dir, err)
         manifest = None
@@ -136,10 +137,10 @@ def _write_part(into: str, header: dict, contents: Callable[[str, int], Iterator
     for rel in header["files"]:
         path = os.path.join(tag_dir, rel)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        store.write_atomic(path, contents(rel, header["manifest"]["files"][rel]["size"]))
-    store.write_json_atomic(os.path.join(tag_dir, store.manifest_name(header["rank"])), header["manifest"])
+        fs.write_atomic(path, contents(rel, header["manifest"]["files"][rel]["size"]))
+    fs.write_json_atomic(os.path.join(tag_dir, ondisk.manifest_name(header["rank"])), header["manifest"])
     if header["record"] is not None:
-        store.write_json_atomic(os.path.join(tag_dir, store.COMMIT), header["record"])
+        fs.write_json_atomic(os.path.join(tag_dir, ondisk.COMMIT), header["record"])
     return header["tag"]
 
 
@@ -215,7 +216,7 @@ class Replicator:
         for src in self._srcs:
             _receive_part(self._group, src, kept)
         sending.join()
-        store.apply_retention(kept, self.keep_last, lambda t: False, ranks=self._keeps)
+        retention.apply_retention(kept, self.keep_last, lambda t: False, ranks=self._keeps)
         log.info("checkpoint %s: rank %d's part replicated to rank %d", tag, self.rank, self._dst)
 
 
@@ -233,7 +234,7 @@ class Move:
 
 
 def restore(ckpt_dir: str, rank: int, nodes, moves: list[Move]) -> dict[str, str]:
-    """Collective at recovery: every rank takes its side of ``moves``, in order (layout.placement); a part on
+    """Collective at recovery: every rank takes its side of ``moves``, in order (agreement.placement); a part on
     the same node is copied there, one on another node comes over the channel. Returns the checkpoints that
     are not whole where they are needed, each with why (a part not written: a full disk), on every rank."""
     failed = {}
@@ -249,7 +250,7 @@ def restore(ckpt_dir: str, rank: int, nodes, moves: list[Move]) -> dict[str, str
                     _receive_part(_restoring(m), m.src, ckpt_dir)
             except OSError as err:
                 failed.setdefault(m.tag, f"rank {m.owner}'s part not written into {ckpt_dir} on rank {rank}'s node: "
-                                          f"{store.describe_error(err)}")
+                                          f"{filesystem.describe_error(err)}")
                 log.error("checkpoint %s: %s; the checkpoint is left out", m.tag, failed[m.tag])
                 continue
             if tag is not None and not m.only:
@@ -261,7 +262,7 @@ def restore(ckpt_dir: str, rank: int, nodes, moves: list[Move]) -> dict[str, str
     return _everyones(failed)
 
 
-def whole(ckpt_dir: str, checkpoints: list[store.Checkpoint], lost: dict[str, str]) -> list[store.Checkpoint]:
+def whole(ckpt_dir: str, checkpoints: list[catalog.Checkpoint], lost: dict[str, str]) -> list[catalog.Checkpoint]:
     """``checkpoints`` but those :func:`restore` could not make whole (``lost``: why, by tag);
     :class:`RestartCannotHelp` where that leaves none: starting afresh would give the committed ones up."""
     kept = [c for c in checkpoints if c.tag not in lost]

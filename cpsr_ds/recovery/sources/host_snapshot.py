@@ -28,7 +28,7 @@ def ahead(cfg: CheckpointConfig, engine, attempt: int, c: int, f: int | None) ->
 
 
 def agreed_snapshot(cfg: CheckpointConfig, engine, attempt: int, c: int,
-                    f: int | None) -> snapshots.survivor.Survivor | None:
+                    f: int | None) -> snapshots.dumps.Survivor | None:
     """This rank's host snapshot of the previous attempt at the newest iteration m, c < m <= f, of which every
     rank has one, on its own stage of a job of this world size, valid (survivor.usable); else None on every rank
     (a collective, unless the config, the attempt or f, the same on every rank, rule snapshots out)."""
@@ -41,7 +41,7 @@ def agreed_snapshot(cfg: CheckpointConfig, engine, attempt: int, c: int,
     return mine[max(common)] if common else None
 
 
-def resume_from(engine, snap: snapshots.survivor.Survivor, c: int) -> int:
+def resume_from(engine, snap: snapshots.dumps.Survivor, c: int) -> int:
     """Write the snapshot into the engine, which holds checkpoint c, with the counters of its iteration m; m.
     A collective over the stage's data-parallel group under ZeRO, like every rank's own snapshot."""
     restore_dump(engine, snap)

@@ -2,7 +2,7 @@
 
 A failure while checkpoint c' persists loses c' as a checkpoint: the newest committed one is c,
 T_c iterations older, and recomputing redoes c..f. But each rank's writer records every file
-as it lands (``store.record_progress``: size and digest), and DeepSpeed's pipeline engine saves
+as it lands (``progress_record.record_progress``: size and digest), and DeepSpeed's pipeline engine saves
 a stage's layer files (its parameters) before the file with the optimizer's state, so the
 parameters of c' are on storage, whole and checkable, well before c' commits (on the benchmark
 model after a third of the persist: 0.56 of 1.67 MB). Where every rank finds its stage's layer
@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import torch
 
-from cpsr_ds.checkpoint.storage import store
+from cpsr_ds.checkpoint.storage import catalog, progress_record
 from cpsr_ds.checkpoint.storage.fileformat import CheckpointError, read_snapshot
 from cpsr_ds.config import CheckpointConfig
 from cpsr_ds.recovery.agree import gathered
@@ -80,7 +80,7 @@ def steps_module_parameters(engine) -> bool:
 
 def candidates(directory: str, c: int, f: int) -> list[tuple[str, int]]:
     """(tag, iteration) of the uncommitted checkpoints of ours after c, up to f, newest first."""
-    found = [(ck.tag, ck.iteration) for ck in store.scan(directory)
+    found = [(ck.tag, ck.iteration) for ck in catalog.scan(directory)
              if ck.kind == "cpsr" and not ck.committed and ck.iteration is not None and c < ck.iteration <= f]
     return sorted(found, key=lambda t: t[1], reverse=True)
 
@@ -89,7 +89,7 @@ def read_layers(engine, tag_dir: str, iteration: int, tag: str) -> tuple[Landed 
     """(this rank's stage's layers of the checkpoint in ``tag_dir``, None) or (None, why they are not usable: not
     landed, damaged, or, checked as every source's state is (:mod:`cpsr_ds.recovery.validate`), a tensor not
     finite or not of the shape and dtype of the layer's own)."""
-    landed = store.landed_files(tag_dir)
+    landed = progress_record.landed_files(tag_dir)
     module = engine.module
     layers = {}
     for index, layer in enumerate(module.forward_funcs):

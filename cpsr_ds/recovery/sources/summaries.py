@@ -40,7 +40,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from cpsr_ds.checkpoint.storage.store import describe_error, write_atomic
+from cpsr_ds.checkpoint.storage.filesystem import describe_error, fs
 from cpsr_ds.checkpoint.engines.throttle import Throttle
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ def write(directory: str, rank: int, iteration: int, attempt: int, data: list[by
     target = path(directory, rank, iteration, attempt)
     try:
         os.makedirs(os.path.dirname(target), exist_ok=True)
-        write_atomic(target, data, throttle=throttle)
+        fs.write_atomic(target, data, throttle=throttle)
     except OSError as err:
         log.warning("cpsr: the predictor's summary of iteration %d was not written: %s", iteration,
                     describe_error(err))

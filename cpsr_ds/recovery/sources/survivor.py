@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 
 # A module import: the dump's writer imports this package's engine_io, so this may run while it is half loaded.
-from cpsr_ds.checkpoint.capture import rng, survivor as dumps
+from cpsr_ds.checkpoint.capture import dumps, rng, run_id
 from cpsr_ds.config import CheckpointConfig
 from cpsr_ds.integration.deepspeed.engine_state import load_local_state
 from cpsr_ds.recovery.validate import Spec, local_specs, problem
@@ -25,7 +25,7 @@ def dump_at(cfg: CheckpointConfig, engine, attempt: int, f: int) -> dumps.Surviv
     on this rank's stage of a job of this world size; None otherwise (why logged)."""
     if not cfg.survivor or attempt <= 1:
         return None
-    dump = dumps.read_survivor(dumps.survivor_root(cfg), engine.global_rank, dumps.run_identity(cfg.dir),
+    dump = dumps.read_survivor(dumps.survivor_root(cfg), engine.global_rank, run_id.run_identity(cfg.dir),
                               attempt=attempt - 1)
     if dump is None:
         return None
