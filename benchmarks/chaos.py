@@ -103,7 +103,7 @@ import train_gpt  # noqa: E402
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo  # noqa: E402
 
 from cpsr_ds import rundir  # noqa: E402
-from cpsr_ds.__main__ import inspect_report, main as cli_main  # noqa: E402
+from cpsr_ds.cli import inspect_report, main as cli_main  # noqa: E402
 from cpsr_ds.checkpoint.storage import store
 from cpsr_ds.checkpoint.capture import survivor# noqa: E402
 from cpsr_ds.checkpoint.engines.factory import create_engine  # noqa: E402

@@ -13,7 +13,7 @@ import torch
 
 from conftest import ROOT, TEST_MODEL, run_job, tiny_config
 import cpsr_ds
-from cpsr_ds.__main__ import inspect_report
+from cpsr_ds.cli import inspect_report
 from cpsr_ds.checkpoint.storage import store
 from cpsr_ds.checkpoint.capture import survivor
 from cpsr_ds.checkpoint.capture.journal import journal_path, read_journal

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from cpsr_ds.__main__ import main
+from cpsr_ds.cli import main
 from cpsr_ds.checkpoint.storage import fileformat, store
 from cpsr_ds.checkpoint.storage.fileformat import read_snapshot
 from test_checkpoint_store import make_checkpoint, two_checkpoints, write_snapshot  # noqa: F401 (a fixture)

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from cpsr_ds.__main__ import main
+from cpsr_ds.cli import main
 from cpsr_ds.checkpoint.storage import store
 from cpsr_ds.checkpoint.engines.checkfreq import measured_interval, profiled_interval
 from cpsr_ds.checkpoint.engines.async_engine import CheckpointStats

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from cpsr_ds.__main__ import main
+from cpsr_ds.cli import main
 from cpsr_ds.checkpoint.storage import layout, store
 from cpsr_ds.checkpoint.capture.journal import ProgressJournal
 from cpsr_ds.node_view import held_ranks

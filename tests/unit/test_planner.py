@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from cpsr_ds.planning import planner
-from cpsr_ds.__main__ import main
+from cpsr_ds.cli import main
 from cpsr_ds.planning.planner import PbrParams, StageCosts
 
 

@@ -11,7 +11,7 @@ import torch
 
 from conftest import TEST_MODEL, free_port, tiny_config
 import cpsr_ds
-from cpsr_ds.__main__ import main
+from cpsr_ds.cli import main
 from cpsr_ds.checkpoint.storage import store
 from cpsr_ds.checkpoint.engines.factory import create_engine
 from cpsr_ds.checkpoint.engines.torch_engine import TorchEngine
