@@ -18,6 +18,7 @@ import json
 import os
 import re
 import sys
+import types
 import typing
 
 from mkdocs.exceptions import PluginError
@@ -96,11 +97,11 @@ def _is_model(annotation) -> bool:
 
 
 def type_name(annotation) -> str:
-    """A type as a reader of JSON sees it: ``int``, ``"auto"``, ``one of "a", "b"``, ``... or null``."""
+    """A type as a reader of JSON sees it: ``int``, ``"a" or "b"``, ``float or null``, ``list of int``."""
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is typing.Literal:
         return " or ".join(f'`"{a}"`' for a in args)
-    if origin is typing.Union or type(annotation).__name__ == "UnionType":
+    if origin in (typing.Union, types.UnionType):
         named = [type_name(a) for a in args if a is not type(None)]
         return " or ".join(named + (["`null`"] if type(None) in args else []))
     if origin is list:
@@ -144,25 +145,31 @@ def _json_type(field) -> str:
     if field.name == "kind":
         return f"`{json.dumps(field.default)}`"
     written = re.sub(r"Optional\[(.+)\]", r"\1 | None", str(field.type))
-    names = [part.strip() for part in written.split("|")]
-    return " or ".join(JSON_TYPES.get(n, n).replace("[", " of ").replace("]", "").replace("dict of str, str", "object")
-                       for n in names)
+    return " or ".join(_json_name(part.strip()) for part in written.split("|"))
+
+
+def _json_name(python: str) -> str:
+    if python.startswith("dict"):
+        return "object"
+    item = re.fullmatch(r"list\[(.+)\]", python)
+    return f"list of {_json_name(item.group(1))}" if item else JSON_TYPES.get(python, python)
 
 
 def field_comments(cls) -> dict[str, str]:
     """Each dataclass field's comment: the ``#`` lines just above it and the one beside it."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    comments: dict[str, str] = {}
-    above: list[str] = []
-    for line in inspect.getsource(cls).splitlines()[1:]:
-        code, _, beside = line.strip().partition("#")
-        name = code.split(":", 1)[0].strip()
-        if not code:
-            above.append(beside.strip())
+    source = inspect.getsource(cls)
+    lines = source.splitlines()
+    comments = {}
+    for node in ast.parse(source).body[0].body:
+        if not isinstance(node, ast.AnnAssign):
             continue
-        if name in names:
-            comments[name] = " ".join(above + [beside.strip()]).strip()
         above = []
+        for line in reversed(lines[:node.lineno - 1]):
+            if not line.strip().startswith("#"):
+                break
+            above.insert(0, line.strip().lstrip("#").strip())
+        beside = lines[node.lineno - 1].partition("  #")[2].strip()
+        comments[node.target.id] = " ".join(above + [beside]).strip()
     return comments
 
 
