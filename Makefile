@@ -34,7 +34,7 @@ demo: $(STAMP)
 	$(PY) launch/demo.py
 
 test: $(STAMP)
-	$(VENV)/bin/mkdocs build --strict --quiet --site-dir $(VENV)/site
+	$(VENV)/bin/mkdocs build --strict --quiet
 ifeq ($(TEST_WORKERS),1)
 	$(PY) -m pytest -q tests
 else
