@@ -6,6 +6,8 @@
 # Both create .venv on first use; torch is pinned to the CPU wheel (an unpinned
 # torch pulls several GB of CUDA packages).
 # make test-fast: tests/unit alone (no process started, no sleep; under 90 s on 2 cores), the check after each step.
+# make docs: the documentation site (mkdocs, docs/) into site/; make test builds it too, --strict, so a broken
+# link or a config key without a description fails.
 # make gpu-bench [GPU_OUT=DIR] [GPU_PART=1|2|3|quick|all]: every GPU measurement (benchmarks/gpu/run.sh), on the
 # GPU machine, with the wheels of benchmarks/gpu/wheels.sh in .whl/ (it needs no .venv).
 
@@ -17,21 +19,23 @@ TEST_WORKERS ?= 2
 
 export DS_ACCELERATOR ?= cpu
 export PYTHONUNBUFFERED := 1
+export NO_MKDOCS_2_WARNING := 1
 
-.PHONY: demo test test-fast clean gpu-bench .venv
+.PHONY: demo test test-fast docs clean gpu-bench .venv
 
 .venv: $(STAMP)
 
 $(STAMP): setup.py
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e '.[test,bench]' $(TORCH)
+	$(PY) -m pip install -q -e '.[test,bench,docs]' $(TORCH)
 	touch $@
 
 demo: $(STAMP)
 	$(PY) launch/demo.py
 
 test: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict --quiet
 ifeq ($(TEST_WORKERS),1)
 	$(PY) -m pytest -q tests
 else
@@ -42,6 +46,9 @@ endif
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) tests/unit
 
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict
+
 GPU_OUT  ?= benchmarks/results/gpu
 GPU_PART ?= all
 
@@ -49,4 +56,4 @@ gpu-bench:
 	benchmarks/gpu/run.sh $(GPU_OUT) --part $(GPU_PART)
 
 clean:
-	rm -rf runs .pytest_cache
+	rm -rf runs .pytest_cache site

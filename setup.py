@@ -18,5 +18,5 @@ setup(
         "xxhash",
         "tqdm",
     ],
-    extras_require={"test": ["pytest", "pytest-xdist"], "bench": ["matplotlib"]},
+    extras_require={"test": ["pytest", "pytest-xdist"], "bench": ["matplotlib"], "docs": ["mkdocs-material"]},
 )

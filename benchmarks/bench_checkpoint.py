@@ -4,7 +4,7 @@ Measured in one run on the same directory, beside the physical floors: a raw hos
 of the same bytes (the floor of the stall when nothing overlaps it) and the disk's
 sequential write speed with fsync (the ceiling of persist throughput).
 
-The stall, as DESIGN.md defines it, is the time the training loop is blocked by a
+The stall, as docs/design/measurement-protocols.md defines it, is the time the training loop is blocked by a
 checkpoint: measured in a training loop, as DeepSpeed runs one, it is the time spent
 inside the engine's calls when a checkpoint is requested at an iteration boundary
 (``create``, ``save`` per file, and for non-decoupled engines ``commit``) and when a

@@ -1,4 +1,4 @@
-"""Total fault-tolerance cost T_l (the paper's Eq. 1) in real training runs, by DESIGN.md's protocol.
+"""Total fault-tolerance cost T_l (the paper's Eq. 1) in real training runs, by the protocol of docs/design/measurement-protocols.md.
 
     python -m benchmarks.bench_ftcost [--quick] [--json PATH] [--plot PATH] [--out-dir DIR] [--traces N] ...
     python -m benchmarks.bench_ftcost --quick | tee benchmarks/results/bench_ftcost/bench_ftcost_quick.txt

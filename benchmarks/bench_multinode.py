@@ -37,7 +37,7 @@ Failure kinds:
   the job's checkpoints: the shared directory, or node 1's directory (its own parts and
   node 0's replicas) for node_local.
 
-Measured per run (DESIGN.md's protocols: restart downtime from the journal, over repeats):
+Measured per run (the protocols of docs/design/measurement-protocols.md: restart downtime from the journal, over repeats):
 
 - outcome: ``recovered`` when every launcher exited 0 and the restart's recovery.jsonl
   line (the last in the restarted rank 0's directory) is a recompute or a prediction;

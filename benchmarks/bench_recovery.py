@@ -1,4 +1,4 @@
-"""Recovery cost of every method, by DESIGN.md's protocol: the lag behind the reference.
+"""Recovery cost of every method, by the protocol of docs/design/measurement-protocols.md: the lag behind the reference.
 
     python -m benchmarks.bench_recovery [--quick] [--json PATH] [--plot PATH] [--data DIR]
         [--num-layers L --hidden-size H --num-attention-heads A --seq-length S] [--seeds N] ...

@@ -103,7 +103,7 @@ from examples.gpt import train_gpt  # noqa: E402
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo  # noqa: E402
 
 from cpsr_ds import rundir  # noqa: E402
-from cpsr_ds.__main__ import inspect_report, main as cli_main  # noqa: E402
+from cpsr_ds.cli import inspect_report, main as cli_main  # noqa: E402
 from cpsr_ds.checkpoint.storage import catalog, ondisk, progress_record, records
 from cpsr_ds.checkpoint.storage.filesystem import fs
 from cpsr_ds.checkpoint.capture import dumps, run_id  # noqa: E402

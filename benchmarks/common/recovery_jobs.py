@@ -1,4 +1,4 @@
-"""bench_recovery's multi-process layouts: real jobs killed, restarted and measured by DESIGN.md's protocol.
+"""bench_recovery's multi-process layouts: real jobs killed, restarted and measured by the protocol of docs/design/measurement-protocols.md.
 
     python -m benchmarks.bench_recovery --layouts pp2 dp2 crash [pp2dp2] [--quick] [--json PATH]
 

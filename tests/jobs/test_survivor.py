@@ -13,7 +13,7 @@ import torch
 
 from benchmarks.common.processes import tiny_config
 from conftest import ROOT, run_job
-from cpsr_ds.__main__ import inspect_report
+from cpsr_ds.cli import inspect_report
 from cpsr_ds.checkpoint.storage import ondisk
 from cpsr_ds.checkpoint.storage.filesystem import fs
 from cpsr_ds.checkpoint.capture import dumps, run_id, survivor

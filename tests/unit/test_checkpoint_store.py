@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from cpsr_ds.__main__ import main
+from cpsr_ds.cli import main
 from cpsr_ds.checkpoint.storage import catalog, loading, ondisk, records, retention
 from cpsr_ds.checkpoint.storage.filesystem import describe_error, fs
 from cpsr_ds.integration.deepspeed import load_hook

@@ -8,7 +8,7 @@ import pytest
 
 from cpsr_ds.planning import plan_report
 from cpsr_ds import runlog
-from cpsr_ds.__main__ import main
+from cpsr_ds.cli import main
 from cpsr_ds.checkpoint.capture.journal import ProgressJournal, append_validation
 from cpsr_ds.runlog import CostRow, PlanRow, StateRow
 

@@ -6,7 +6,7 @@ import os
 import shutil
 
 
-from cpsr_ds.__main__ import main
+from cpsr_ds.cli import main
 from cpsr_ds.checkpoint.storage import ondisk, topology
 from cpsr_ds.node_view import held_ranks
 from support.checkpoints import node_engines, start_token, two_nodes  # noqa: F401 (fixtures)

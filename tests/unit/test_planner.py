@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from cpsr_ds.planning import fault_tolerance_cost, planner, units
-from cpsr_ds.__main__ import main
+from cpsr_ds.cli import main
 from cpsr_ds.planning.fault_tolerance_cost import PbrParams
 from cpsr_ds.planning.planner import StageCosts
 

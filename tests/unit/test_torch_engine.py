@@ -10,7 +10,7 @@ import torch
 
 from benchmarks.common.processes import TEST_MODEL, tiny_config
 import cpsr_ds
-from cpsr_ds.__main__ import main
+from cpsr_ds.cli import main
 from cpsr_ds.checkpoint.storage import catalog, records
 from cpsr_ds.checkpoint.engines.factory import create_engine
 from cpsr_ds.checkpoint.engines.torch_engine import TorchEngine
