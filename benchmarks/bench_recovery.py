@@ -4,8 +4,8 @@
         [--num-layers L --hidden-size H --num-attention-heads A --seq-length S] [--seeds N] ...
     python -m benchmarks.bench_recovery --merge A.json B.json ... [--json PATH] [--plot PATH]
 
-Without --json and --plot it writes both into benchmarks/results/bench_recovery/
-(``bench_recovery[_LAYOUTS][_quick]``; no plot for --layouts).
+Without --json and --plot a run writes both into benchmarks/results/bench_recovery/
+(``bench_recovery[_LAYOUTS][_quick]``; no plot for --layouts); --merge writes only what it names.
 
 A run can be split by seed across processes or machines (``--first-seed``, ``--seeds``)
 and the parts summarised together with ``--merge``; where parts hold the same case (seed,
@@ -665,7 +665,8 @@ def reestimate(case: dict, curves: dict, references: dict, eval_every: int) -> C
 def main(argv=None, **run_options) -> None:
     """``run_options``: :func:`run`'s."""
     args = parse_args(argv)
-    args = with_default_outputs(args, "bench_recovery", "_".join(args.layouts or []), plot=not args.layouts)
+    if not args.merge:  # a merge of chosen files is written only where asked
+        args = with_default_outputs(args, "bench_recovery", "_".join(args.layouts or []), plot=not args.layouts)
     if args.merge:
         result = merge(args)
     elif args.layouts:
