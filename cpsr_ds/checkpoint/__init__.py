@@ -1,1 +1,1 @@
-"""Checkpoint side effects: the progress journal and (with the checkpoint engine) storage."""
+"""Checkpoints and what else is captured for recovery: the engines (engines/), storage (storage/), capture (capture/)."""

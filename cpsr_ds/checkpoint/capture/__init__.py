@@ -1,1 +1,1 @@
-"""What is captured for recovery besides checkpoints: survivor dumps, host snapshots, the exit path, the journal."""
+"""What is captured for recovery besides checkpoints: the journal, survivor dumps, host snapshots, rng, the exit path."""

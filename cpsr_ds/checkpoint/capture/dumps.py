@@ -140,8 +140,7 @@ def write_dump(directory: str, contents: dict, manifest: dict, checksum: str,
     if not may_commit():
         return 0
     _remove(directory)
-    os.replace(tmp, directory)
-    fs.fsync_dir(parent)
+    fs.rename(tmp, directory)
     return size
 
 

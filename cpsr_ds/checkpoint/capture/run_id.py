@@ -69,7 +69,8 @@ def _made(run_dir: str) -> dict:
     try:
         raw = read_bytes(path)
     except FileNotFoundError:
-        _publish(run_dir, {"run": uuid.uuid4().hex, **_binding(run_dir)})
+        # Another rank may make it first: the first one made is the run's identity.
+        fs.publish_once(path, json.dumps({"run": uuid.uuid4().hex, **_binding(run_dir)}).encode())
         return _made(run_dir)
     try:
         return _parse(raw)
@@ -79,23 +80,6 @@ def _made(run_dir: str) -> dict:
         # Made from the damaged bytes, so that every rank that read them writes the same.
         fs.write_json_atomic(path, {"run": hashlib.sha256(raw).hexdigest()[:32], **_binding(run_dir)})
         return _made(run_dir)
-
-
-def _publish(run_dir: str, record: dict) -> None:
-    """Make ``record`` the run's identity unless another rank made one first (a link fails where one is there)."""
-    path = os.path.join(run_dir, RUN_ID)
-    tmp = f"{fs.temp_name(path)}-{uuid.uuid4().hex}"
-    with open(tmp, "w") as f:
-        json.dump(record, f)
-        f.flush()
-        os.fsync(f.fileno())
-    try:
-        os.link(tmp, path)
-        fs.fsync_dir(run_dir)
-    except FileExistsError:
-        pass
-    finally:
-        os.unlink(tmp)
 
 
 def moved(run_dir: str) -> Optional[str]:

@@ -1,1 +1,1 @@
-"""Storage: the file format, atomic writes, records, scan/verify/select, retention, the per-node layout, replicas."""
+"""Storage: atomic file I/O, the file format, records, the commit, scan/verify/select, retention, nodes, replicas."""

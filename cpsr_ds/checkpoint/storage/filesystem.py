@@ -16,6 +16,7 @@ import os
 import queue
 import shutil
 import threading
+import uuid
 from typing import Any, Iterable, Iterator, Optional
 
 import numpy as np
@@ -106,6 +107,28 @@ class FileSystem:
             os.fsync(f.fileno())
         if first:
             self.fsync_dir(os.path.dirname(path))
+
+    def publish_once(self, path: str, data: bytes) -> bool:
+        """Create ``path`` holding ``data``, durably, unless a file is there already (a hard link fails where one
+        is: whoever makes it first wins); whether this call made it."""
+        tmp = f"{self.temp_name(path)}-{uuid.uuid4().hex}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+            self.fsync_dir(os.path.dirname(path))
+        except FileExistsError:
+            return False
+        finally:
+            os.unlink(tmp)
+        return True
+
+    def rename(self, src: str, dst: str) -> None:
+        """Rename ``src`` to ``dst`` (a file there, or an empty directory, is replaced) and make it durable."""
+        os.replace(src, dst)
+        self.fsync_dir(os.path.dirname(dst))
 
     @staticmethod
     def remove_tree(path: str, trash: str) -> bool:
