@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.join(ROOT, "examples", "gpt"))
 
 import train_gpt  # noqa: E402
 
-from cpsr_ds import plugin  # noqa: E402
+from cpsr_ds.runtime import runtime  # noqa: E402
 from cpsr_ds.predictor.footprint import _reset_peak, _status_kib  # noqa: E402
 from cpsr_ds.integration.deepspeed.engine_state import own_share  # noqa: E402
 
@@ -49,5 +49,5 @@ def measured(recover):
 
 
 if __name__ == "__main__":
-    plugin.recover = measured(plugin.recover)
+    runtime.recover = measured(runtime.recover)
     train_gpt.main()

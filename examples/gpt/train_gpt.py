@@ -39,7 +39,7 @@ import cpsr_ds  # noqa: E402
 from cpsr_ds.checkpoint.capture.journal import append_validation, finished_run, record_finished  # noqa: E402
 from examples.gpt.corpus import Batches, load_corpus  # noqa: E402
 from cpsr_ds.elastic import check_restartable  # noqa: E402
-from cpsr_ds.plugin import release_shm_allreduce_name  # noqa: E402
+from cpsr_ds.integration.deepspeed.install import release_shm_allreduce_name  # noqa: E402
 from examples.gpt.model import GPTConfig, gpt_pipeline  # noqa: E402
 
 

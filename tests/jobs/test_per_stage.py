@@ -12,7 +12,7 @@ from cpsr_ds.checkpoint.storage import store
 from cpsr_ds.checkpoint.storage.store import Checkpoint, retained
 from cpsr_ds.config import ConfigError, CPSRConfig
 from examples.gpt.model import GPTConfig, stage_bounds
-from cpsr_ds.stage_intervals import StageSchedule, multiples
+from cpsr_ds.runtime.schedule import StageSchedule, multiples
 from test_checkpoint_engine import checkpoint, engines, optim, states  # noqa: F401 (fixtures)
 
 # ---------------------------------------------------------------- the interval arithmetic

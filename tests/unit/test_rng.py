@@ -1,5 +1,5 @@
 """Random-number state (cpsr_ds/checkpoint/capture/rng.py) and the fused CPU Adam's bias correction
-(cpsr_ds/recovery/adam_steps.py): what exact recomputation with dropout rests on."""
+(cpsr_ds/integration/deepspeed/adam_steps.py): what exact recomputation with dropout rests on."""
 
 import copy
 import random
@@ -15,7 +15,7 @@ from conftest import TEST_MODEL, tiny_config
 from cpsr_ds.checkpoint.capture import host_snapshot, rng, survivor
 from cpsr_ds.config import CheckpointConfig
 from examples.gpt.model import GPTConfig, gpt_pipeline
-from cpsr_ds.recovery.adam_steps import align_bias_correction, stepped
+from cpsr_ds.integration.deepspeed.adam_steps import align_bias_correction, stepped
 from cpsr_ds.recovery.sources.host_snapshot import resume_from
 from cpsr_ds.recovery.sources.survivor import restore_dump
 from test_plugin import process_group  # noqa: F401 (an autouse fixture: one process group for the module)
@@ -96,12 +96,12 @@ def dropout_engine(tmp_path, **checkpoint):
 
 
 def dumped(engine, tmp_path):
-    assert engine.survivor.dump("test")
+    assert engine.cpsr.survivor.dump("test")
     return survivor.read_survivor(str(tmp_path / "survivors"), 0, survivor.run_identity(str(tmp_path / "run")))
 
 
 def snapshot(engine, tmp_path):
-    engine.host_snapshots.wait(30)
+    engine.cpsr.host_snapshots.wait(30)
     (snap,) = [s for s in host_snapshot.read_snapshots(engine.cpsr.cfg.checkpoint, 0, attempt=1) if s.iteration == 2]
     return snap
 
