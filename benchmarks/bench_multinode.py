@@ -79,8 +79,8 @@ from conftest import (JOB_ENV, NoLoopbackSsh, finish, free_port, kill_tagged, lo
 from lose_node_dir import commit_records  # noqa: E402
 
 from cpsr_ds.checkpoint.capture.journal import journal_path, read_journal  # noqa: E402
-from cpsr_ds.elastic import STORE_SETTING  # noqa: E402
-from cpsr_ds.faults import FAULTS_DIR  # noqa: E402
+from cpsr_ds.runtime.elastic import STORE_SETTING  # noqa: E402
+from cpsr_ds.runtime.faults import FAULTS_DIR  # noqa: E402
 from cpsr_ds.lag import summarize  # noqa: E402
 from cpsr_ds.recovery import read_reports  # noqa: E402
 

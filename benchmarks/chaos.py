@@ -102,7 +102,7 @@ import torch  # noqa: E402
 import train_gpt  # noqa: E402
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo  # noqa: E402
 
-from cpsr_ds import rundir  # noqa: E402
+from cpsr_ds.runtime import rundir  # noqa: E402
 from cpsr_ds.__main__ import inspect_report, main as cli_main  # noqa: E402
 from cpsr_ds.checkpoint.storage import store
 from cpsr_ds.checkpoint.capture import survivor# noqa: E402

@@ -71,7 +71,7 @@ from cpsr_ds.checkpoint.capture.journal import JOURNAL_DIR, journal_path, read_j
 from cpsr_ds.checkpoint.storage.store import LATEST, list_checkpoints  # noqa: E402
 from cpsr_ds.recovery import read_reports  # noqa: E402
 from cpsr_ds.recovery.sources.summaries import SUMMARIES_DIR  # noqa: E402
-from cpsr_ds.rundir import ATTEMPT  # noqa: E402
+from cpsr_ds.runtime.rundir import ATTEMPT  # noqa: E402
 from cpsr_ds.runlog import MEASUREMENTS_DIR  # noqa: E402
 
 MEMORY_INTERVAL = 5  # crash: iterations between host snapshots

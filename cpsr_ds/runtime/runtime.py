@@ -18,11 +18,11 @@ from cpsr_ds.checkpoint.capture import host_snapshot, survivor
 from cpsr_ds.checkpoint.capture.journal import ProgressJournal
 from cpsr_ds.config import CPSRConfig
 from cpsr_ds.coordinator import DROP_WAIT_S
-from cpsr_ds.faults import FaultInjector
+from cpsr_ds.runtime.faults import FaultInjector
 from cpsr_ds.integration.deepspeed.engine_state import data_parallel
 from cpsr_ds.integration.deepspeed.topology import place_of
 from cpsr_ds.recovery import new_predictor, recover
-from cpsr_ds.rundir import RunDirLock
+from cpsr_ds.runtime.rundir import RunDirLock
 from cpsr_ds.runtime.checkpoints import Checkpoints
 from cpsr_ds.runtime.hooks import Hook, Journal, Snapshots, Step
 from cpsr_ds.runtime.measurements import Measurements

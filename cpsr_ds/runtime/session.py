@@ -25,12 +25,12 @@ from cpsr_ds.checkpoint.capture import exiting
 from cpsr_ds.checkpoint.capture.journal import retire_journals
 from cpsr_ds.checkpoint.storage.layout import verify_storage
 from cpsr_ds.config import CPSRConfig
-from cpsr_ds.elastic import check_restartable
-from cpsr_ds.faults import check_kill_rank
+from cpsr_ds.runtime.elastic import check_restartable
+from cpsr_ds.runtime.faults import check_kill_rank
 from cpsr_ds.integration.deepspeed.install import ds_config, installed, pass_config, release_shm_allreduce_name
 from cpsr_ds.integration.deepspeed.topology import tensor_parallel_size
 from cpsr_ds.recovery import RecoveryReport, append_report
-from cpsr_ds.rundir import check_writable, claim
+from cpsr_ds.runtime.rundir import check_writable, claim
 from cpsr_ds.runtime.runtime import Runtime
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import JOB_ENV, ROOT, NoLoopbackSsh, finish, free_port, kill_tagged, loopback_ssh, start, tiny_config
 from cpsr_ds.checkpoint.capture.exiting import EXIT_RESTART_CANNOT_HELP
-from cpsr_ds.elastic import STORE_SETTING, restart_problem
+from cpsr_ds.runtime.elastic import STORE_SETTING, restart_problem
 
 TRAIN_ITERS = 14
 # Six iterations after the checkpoint of 4 (interval 4): time for its commit on a machine the test shares with others.

@@ -20,7 +20,7 @@ from cpsr_ds import runlog
 from examples.gpt.model import GPTConfig, gpt_pipeline
 from cpsr_ds.integration.deepspeed.engine import CPSRPipelineEngine
 from cpsr_ds.recovery import journal_losses
-from cpsr_ds.rundir import LOCK, RunDirectoryBusy, acquire, recorded_attempt
+from cpsr_ds.runtime.rundir import LOCK, RunDirectoryBusy, acquire, recorded_attempt
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -201,7 +201,7 @@ def test_an_attempt_follows_the_newest_any_node_recorded(tmp_path):
 def test_a_killed_jobs_lock_vanishes_with_it(tmp_path):
     run_dir = tmp_path / "run"
     holder = subprocess.Popen(
-        [sys.executable, "-c", f"import sys, time; sys.path.insert(0, {ROOT!r}); from cpsr_ds.rundir import acquire; "
+        [sys.executable, "-c", f"import sys, time; sys.path.insert(0, {ROOT!r}); from cpsr_ds.runtime.rundir import acquire; "
                                f"acquire({str(run_dir)!r}); print('locked', flush=True); time.sleep(600)"],
         stdout=subprocess.PIPE, text=True)  # fmt: skip
     try:

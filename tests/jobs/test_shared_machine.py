@@ -20,7 +20,7 @@ from conftest import tiny_config
 from cpsr_ds.checkpoint.capture import host_snapshot, survivor
 from cpsr_ds.checkpoint.storage.private_dir import PrivateDirError
 from cpsr_ds.config import ConfigError, CPSRConfig
-from cpsr_ds.rundir import GUARD, LOCK, RunDirectoryBusy, acquire, holders
+from cpsr_ds.runtime.rundir import GUARD, LOCK, RunDirectoryBusy, acquire, holders
 from test_plugin import build, process_group  # noqa: F401 (an autouse fixture: one process group for the module)
 from test_survivor import trained
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Optional
 from deepspeed.runtime.pipe import schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
-from cpsr_ds import ending
+from cpsr_ds.runtime import ending
 from cpsr_ds.checkpoint.capture import exiting, rng
 from cpsr_ds.checkpoint.storage.store import reading_each_file_once
 from cpsr_ds.coordinator import BubbleSchedule, PredictorWork
