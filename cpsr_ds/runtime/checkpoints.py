@@ -17,6 +17,8 @@ log = logging.getLogger(__name__)
 
 
 class Checkpoints(Hook):
+    """After each iteration: the checkpoint the scheduler says is due, and the next one set."""
+
     def __init__(self, engine, directory: str, place: Place, scheduler: Scheduler, work: PredictorWork,
                  measurements: Measurements):
         self.engine, self.directory, self.place = engine, directory, place
