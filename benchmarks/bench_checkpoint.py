@@ -62,13 +62,12 @@ for _key, _value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29517", "RANK":
                      "WORLD_SIZE": "1", "CROSS_RANK": "0", "CROSS_SIZE": "1"}.items():
     os.environ.setdefault(_key, _value)
 import deepspeed  # noqa: E402
-import deepspeed.runtime.engine as ds_engine  # noqa: E402
 import torch  # noqa: E402
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo  # noqa: E402
 from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config  # noqa: E402
 
 import cpsr_ds  # noqa: E402
-import cpsr_ds.plugin  # noqa: E402
+from cpsr_ds.integration.deepspeed import install  # noqa: E402
 from cpsr_ds.checkpoint.engines.factory import create_engine  # noqa: E402
 from cpsr_ds.checkpoint.storage.fileformat import PAGE, flatten  # noqa: E402
 from cpsr_ds.config import CheckpointConfig  # noqa: E402
@@ -360,12 +359,12 @@ def deepspeed_factory_for(strategy: str):
     if strategy != "ds_decoupled":
         yield
         return
-    ours, ds_own = cpsr_ds.plugin.deepspeed_factory, ds_engine.create_checkpoint_engine
-    cpsr_ds.plugin.deepspeed_factory = lambda cfg, **_: ds_own
+    ours, ds_own = install.deepspeed_factory, install.DEEPSPEED_FACTORY
+    install.deepspeed_factory = lambda cfg, **_: ds_own
     try:
         yield
     finally:
-        cpsr_ds.plugin.deepspeed_factory = ours
+        install.deepspeed_factory = ours
 
 
 @dataclass(frozen=True)

@@ -79,8 +79,8 @@ from benchmarks.common.processes import (JOB_ENV, NoLoopbackSsh, finish, free_po
                                          loopback_ssh, start, tiny_config)
 
 from cpsr_ds.checkpoint.capture.journal import journal_path, read_journal  # noqa: E402
-from cpsr_ds.elastic import STORE_SETTING  # noqa: E402
-from cpsr_ds.faults import FAULTS_DIR  # noqa: E402
+from cpsr_ds.runtime.elastic import STORE_SETTING  # noqa: E402
+from cpsr_ds.runtime.faults import FAULTS_DIR  # noqa: E402
 from benchmarks.common.lag import summarize  # noqa: E402
 from cpsr_ds.recovery import read_reports  # noqa: E402
 

@@ -98,7 +98,7 @@ from cpsr_ds.config import CPSRConfig, PredictorConfig  # noqa: E402
 from cpsr_ds.planning.fitter import fit_loss_o, fit_loss_p, held_out_error, stage_xi  # noqa: E402
 from examples.gpt.corpus import Batches, load_corpus  # noqa: E402
 from examples.gpt.model import GPTConfig, gpt_pipeline  # noqa: E402
-from cpsr_ds.plugin import Runtime  # noqa: E402
+from cpsr_ds.runtime.runtime import Runtime  # noqa: E402
 from cpsr_ds.recovery import engine_state, new_predictor  # noqa: E402
 from benchmarks.common.lag import Unmeasurable, lag_at  # noqa: E402
 from benchmarks.common.lag import summarize as summarize_values  # noqa: E402

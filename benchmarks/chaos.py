@@ -102,7 +102,7 @@ from benchmarks.common.processes import free_port  # noqa: E402
 from examples.gpt import train_gpt  # noqa: E402
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo  # noqa: E402
 
-from cpsr_ds import rundir  # noqa: E402
+from cpsr_ds.runtime import rundir  # noqa: E402
 from cpsr_ds.cli import inspect_report, main as cli_main  # noqa: E402
 from cpsr_ds.checkpoint.storage import catalog, ondisk, progress_record, records
 from cpsr_ds.checkpoint.storage.filesystem import fs

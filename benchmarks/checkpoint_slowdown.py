@@ -17,7 +17,7 @@ load falls on all of them alike.
 - ``none``: no checkpoint at all: each round's baseline for the mean iteration time.
 
 Per run: the median slowdown per checkpoint (runlog's CostRow, what bench_ftcost sums), the median time of
-the checkpoint on the training loop's path (``plugin.Runtime._checkpoint``: DeepSpeed's save and cpsr's work there)
+the checkpoint on the training loop's path (``Checkpoints._checkpoint``: DeepSpeed's save and cpsr's work there)
 the median and the mean iteration time. Over the rounds: the median, mean and 95 % interval of the runs' medians,
 and per round each variant's slowdown over checkfreq's in the same round (its median and interval). With ``none``,
 per round each variant's mean iteration time above none's: what its checkpoints cost without a baseline of clean
@@ -41,7 +41,7 @@ from benchmarks.common.jobs import Child, finish_benchmark  # noqa: E402  (first
 
 from benchmarks import bench_ftcost  # noqa: E402
 from benchmarks.common.paths import ROOT, with_default_outputs  # noqa: E402
-from cpsr_ds import plugin  # noqa: E402
+from cpsr_ds.runtime.checkpoints import Checkpoints  # noqa: E402
 from benchmarks.common.lag import summarize  # noqa: E402
 
 VARIANTS = {
@@ -66,7 +66,7 @@ def cpsr_block(variant: str, interval: int, write_mbps: float) -> dict:
 def timed_train(config: str, iters: int, valid_sequences: int, out: str) -> None:
     """Child: bench_ftcost's training job, with each checkpoint's time on the loop's path written to ``out``."""
     on_loop = []
-    checkpoint = plugin.Runtime._checkpoint
+    checkpoint = Checkpoints._checkpoint
 
     def timed(*args, **kwargs):
         t0 = time.perf_counter()
@@ -75,7 +75,7 @@ def timed_train(config: str, iters: int, valid_sequences: int, out: str) -> None
         finally:
             on_loop.append(time.perf_counter() - t0)
 
-    plugin.Runtime._checkpoint = timed
+    Checkpoints._checkpoint = timed
     bench_ftcost.train(config, iters, iters, iters, valid_sequences)
     with open(out, "w") as f:
         json.dump(on_loop, f)

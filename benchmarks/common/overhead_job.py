@@ -11,7 +11,7 @@ Adam moments (``own_share``) and the predictor's history.
 import json
 import os
 
-from cpsr_ds import plugin  # noqa: E402
+from cpsr_ds.runtime import runtime  # noqa: E402
 from cpsr_ds.predictor.footprint import _reset_peak, _status_kib  # noqa: E402
 from cpsr_ds.integration.deepspeed.engine_state import own_share  # noqa: E402
 from examples.gpt import train_gpt
@@ -44,5 +44,5 @@ def measured(recover):
 
 
 if __name__ == "__main__":
-    plugin.recover = measured(plugin.recover)
+    runtime.recover = measured(runtime.recover)
     train_gpt.main()

@@ -59,7 +59,7 @@ from cpsr_ds.checkpoint.storage.catalog import list_checkpoints  # noqa: E402
 from cpsr_ds.checkpoint.storage.ondisk import LATEST  # noqa: E402
 from cpsr_ds.recovery import read_reports  # noqa: E402
 from cpsr_ds.recovery.sources.summaries import SUMMARIES_DIR  # noqa: E402
-from cpsr_ds.rundir import ATTEMPT  # noqa: E402
+from cpsr_ds.runtime.rundir import ATTEMPT  # noqa: E402
 from cpsr_ds.runlog import MEASUREMENTS_DIR  # noqa: E402
 
 MEMORY_INTERVAL = 5  # crash: iterations between host snapshots

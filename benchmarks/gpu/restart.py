@@ -110,7 +110,7 @@ def job() -> None:
     """One run of train_gpt.py's job, measured (see the module's docstring); writes rows to RESTART_PROBE_OUT."""
     import deepspeed
 
-    from cpsr_ds import plugin
+    from cpsr_ds.runtime.runtime import Runtime
     from cpsr_ds.recovery import decision
     from cpsr_ds.recovery.sources import checkpoint
 
@@ -125,18 +125,18 @@ def job() -> None:
                                (decision, "restore_dump", "writing_s"), (train_gpt, "load_corpus", "corpus_s"),
                                (train_gpt, "gpt_pipeline", "model_build_s")):
         setattr(module, name, _timed(getattr(module, name), totals, part))
-    plugin.Runtime.__init__ = _timed(plugin.Runtime.__init__, totals, "runtime_s")
+    Runtime.__init__ = _timed(Runtime.__init__, totals, "runtime_s")
     run = train_gpt.setup()
     totals["plugin_setup_s"] = totals.pop("runtime_s") - sum(totals.get(part, 0.0) for part in RECOVERY_PARTS)
     ready = time.time()
     engine = run.engine
     if engine.cpsr.recovery.reached is None:
-        runtime = engine.cpsr
-        runtime._share = _gpu_measured(runtime._share, "share", engine, out)
-        if runtime.predictor is not None:
+        work = engine.cpsr.work
+        work._share = _gpu_measured(work._share, "share", engine, out)
+        if work.predictor is not None:
             for what in PREDICTOR_WORK:
-                if hasattr(runtime.predictor, what):
-                    setattr(runtime.predictor, what, _gpu_measured(getattr(runtime.predictor, what), what, engine, out))
+                if hasattr(work.predictor, what):
+                    setattr(work.predictor, what, _gpu_measured(getattr(work.predictor, what), what, engine, out))
         train_gpt.train(run)
         train_gpt.finish(run)
         return

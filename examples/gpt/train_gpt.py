@@ -5,7 +5,7 @@
 Several nodes, restarted as one job when a rank fails: on the head node,
 ``launch/resilient.sh -- deepspeed --hostfile H examples/gpt/train_gpt.py ...``; or on every
 node ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes N --max-restarts K
---rdzv-backend c10d ... examples/gpt/train_gpt.py ...`` (see cpsr_ds/elastic.py for why).
+--rdzv-backend c10d ... examples/gpt/train_gpt.py ...`` (see cpsr_ds/runtime/elastic.py for why).
 
 Pipeline degree: ``"pipeline": {"stages": S}`` in the DeepSpeed config; the
 data-parallel degree is the world size over S. Model shape: the ``"gpt"`` block;
@@ -38,8 +38,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import cpsr_ds  # noqa: E402
 from cpsr_ds.checkpoint.capture.journal import append_validation, finished_run, record_finished  # noqa: E402
 from examples.gpt.corpus import Batches, load_corpus  # noqa: E402
-from cpsr_ds.elastic import check_restartable  # noqa: E402
-from cpsr_ds.plugin import release_shm_allreduce_name  # noqa: E402
+from cpsr_ds.runtime.elastic import check_restartable  # noqa: E402
+from cpsr_ds.integration.deepspeed.install import release_shm_allreduce_name  # noqa: E402
 from examples.gpt.model import GPTConfig, gpt_pipeline  # noqa: E402
 
 

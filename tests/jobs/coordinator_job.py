@@ -10,9 +10,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(ROOT, "examples", "gpt"))
 
 import train_gpt  # noqa: E402
-from deepspeed.runtime.pipe import schedule  # noqa: E402
+from deepspeed.runtime.pipe.module import PipelineModule  # noqa: E402
 
-from cpsr_ds import plugin  # noqa: E402
+from cpsr_ds.runtime import runtime  # noqa: E402
 from cpsr_ds.predictor import VITPPredictor  # noqa: E402
 
 FORWARD_S = 0.06
@@ -25,14 +25,13 @@ def small_vitp(cfg, shards=1):
 
 
 def slow(forward):
-    def forward_pass(self, buffer_id):
+    def forward_pass(self, *args, **kwargs):
         time.sleep(FORWARD_S)
-        forward(self, buffer_id)
+        return forward(self, *args, **kwargs)
     return forward_pass
 
 
 if __name__ == "__main__":
-    plugin.new_predictor = small_vitp
-    table = plugin.CPSRPipelineEngine._INSTRUCTION_MAP
-    table[schedule.ForwardPass] = slow(table[schedule.ForwardPass])
+    runtime.new_predictor = small_vitp
+    PipelineModule.forward = slow(PipelineModule.forward)
     train_gpt.main()

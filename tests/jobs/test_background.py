@@ -117,15 +117,15 @@ def runs(tmp_path_factory):
         config["cpsr"]["checkpoint"].update(interval=2, keep_last=6)
         model = gpt_pipeline(GPTConfig(**TEST_MODEL), num_stages=1, seed=1)
         engine, *_ = cpsr_ds.initialize(model=model, model_parameters=model.parameters(), config=config)
-        observers = observing_threads(engine.cpsr.predictor)
+        observers = observing_threads(engine.cpsr.work.predictor)
         train_on_random_tokens(engine, ITERS)
         if enabled:
-            c = engine.cpsr.coordinator
+            c = engine.cpsr.work.coordinator
             deadline = time.monotonic() + 60
             while (c.queue or c.running) and time.monotonic() < deadline:  # the thread ends the last job itself
                 time.sleep(0.01)
             c.flush()
-        out[enabled] = (run_dir, engine.cpsr.predictor.trainer.steps, observers)
+        out[enabled] = (run_dir, engine.cpsr.work.predictor.trainer.steps, observers)
         assert engine.checkpoint_engine.flush(timeout_s=60)
         engine.cpsr.close()
     yield out
@@ -153,13 +153,13 @@ def test_a_simple_predictor_without_a_pipeline_works_at_the_checkpoint_on_the_tr
     config["cpsr"]["checkpoint"].update(interval=2)
     model = gpt_pipeline(GPTConfig(**TEST_MODEL), num_stages=1, seed=1)
     engine, *_ = cpsr_ds.initialize(model=model, model_parameters=model.parameters(), config=config)
-    predictor = engine.cpsr.predictor
+    predictor = engine.cpsr.work.predictor
     observers = observing_threads(predictor)
     gpt = GPTConfig(**TEST_MODEL)
     batch = (torch.randint(0, gpt.vocab_size, (engine.train_micro_batch_size_per_gpu(), gpt.seq_length)),) * 2
     for _ in range(4):
         engine.train_batch(iter([batch] * engine.gradient_accumulation_steps()))
-    assert engine.cpsr.coordinator is None and predictor.name == "trend"
+    assert engine.cpsr.work.coordinator is None and predictor.name == "trend"
     assert not [t for t in threading.enumerate() if t.name.startswith("cpsr-predictor")]
     assert observers == [{threading.get_native_id()}] * 2
     assert engine.checkpoint_engine.flush(timeout_s=60)

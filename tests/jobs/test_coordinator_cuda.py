@@ -120,8 +120,8 @@ def runs(tmp_path_factory):
         engine, *_ = cpsr_ds.initialize(model=model, model_parameters=model.parameters(), config=config)
         train_on_random_tokens(engine, ITERS)
         if enabled:
-            engine.cpsr.coordinator.flush()
-        trainer = engine.cpsr.predictor.trainer
+            engine.cpsr.work.coordinator.flush()
+        trainer = engine.cpsr.work.predictor.trainer
         out[name] = {"dir": run_dir, "steps": trainer.steps, "on": next(trainer.model.parameters()).device,
                      "weights": {k: v.detach().cpu() for k, v in trainer.model.state_dict().items()}}
         assert engine.checkpoint_engine.flush(timeout_s=60)

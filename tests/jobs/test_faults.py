@@ -8,13 +8,13 @@ import pytest
 
 from conftest import ROOT
 from cpsr_ds.config import ConfigError, FaultConfig
-from cpsr_ds.faults import FaultInjector, poisson_failure
+from cpsr_ds.runtime.faults import FaultInjector, poisson_failure
 
 CHILD = """
 import sys
 sys.path.insert(0, {root!r})
 from cpsr_ds.config import FaultConfig
-from cpsr_ds.faults import FaultInjector
+from cpsr_ds.runtime.faults import FaultInjector
 cfg = FaultConfig(kill_rank={kill_rank}, kill_at_iteration={kill_at}, poisson_rate_per_hour={rate}, seed=3)
 injector = FaultInjector(cfg, {directory!r}, rank={rank}, world_size=2)
 for iteration in range(1, 200):

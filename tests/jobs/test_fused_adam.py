@@ -7,7 +7,7 @@ import copy
 import torch
 from deepspeed.ops.adam import FusedAdam
 
-from cpsr_ds.recovery.adam_steps import align_bias_correction, stepped
+from cpsr_ds.integration.deepspeed.adam_steps import align_bias_correction, stepped
 
 
 def adam_steps(optimizer, param, grads) -> None:

@@ -20,20 +20,20 @@ def test_every_memory_interval_the_rank_s_exact_state_is_in_shared_memory(tmp_pa
     engine, batches = trained(tmp_path, zero_stage, iterations=4, memory_interval=2)
     at_4 = engine_state(engine)
     engine.train_batch(iter(batches))  # iteration 5: no snapshot due, the state moves on
-    engine.host_snapshots.wait(30)
+    engine.cpsr.host_snapshots.wait(30)
     found = host_snapshot.read_snapshots(engine.cpsr.cfg.checkpoint, 0, attempt=1)
     assert sorted(snap.iteration for snap in found) == [2, 4]  # the one before is kept too
     (snap,) = [snap for snap in found if snap.iteration == 4]
     assert snap.reason == host_snapshot.WHAT
     assert all(torch.equal(snap.state[k], at_4[k]) for k in at_4)
     assert any(not torch.equal(v, at_4[k]) for k, v in engine_state(engine).items())
-    assert engine.host_snapshots.written == 2
+    assert engine.cpsr.host_snapshots.written == 2
 
 
 def test_ranks_whose_newest_snapshots_differ_resume_from_the_newest_they_all_hold(tmp_path, monkeypatch):
     """The killed rank's snapshot of iteration 6 was cut off: it holds 4 (and 2); its peer holds 6 and 4."""
     engine, batches = trained(tmp_path, 0, iterations=6, memory_interval=2)
-    engine.host_snapshots.wait(30)
+    engine.cpsr.host_snapshots.wait(30)
     cfg = engine.cpsr.cfg.checkpoint
     assert sorted(s.iteration for s in host_snapshot.read_snapshots(cfg, 0, attempt=1)) == [4, 6]
     monkeypatch.setattr(snapshot_source, "gathered", lambda mine: [mine, [2, 4]])

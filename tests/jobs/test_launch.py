@@ -14,7 +14,7 @@ from benchmarks.common.processes import (JOB_ENV, NoLoopbackSsh, finish, free_po
                                          tiny_config)
 from conftest import ROOT
 from cpsr_ds.checkpoint.capture.exiting import EXIT_RESTART_CANNOT_HELP
-from cpsr_ds.elastic import STORE_SETTING, restart_problem
+from cpsr_ds.runtime.elastic import STORE_SETTING, restart_problem
 
 TRAIN_ITERS = 14
 # Six iterations after the checkpoint of 4 (interval 4): time for its commit on a machine the test shares with others.

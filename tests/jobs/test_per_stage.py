@@ -13,7 +13,7 @@ from cpsr_ds.checkpoint.storage.catalog import Checkpoint
 from cpsr_ds.checkpoint.storage.retention import retained
 from cpsr_ds.config import ConfigError, CPSRConfig
 from examples.gpt.model import GPTConfig, stage_bounds
-from cpsr_ds.stage_intervals import StageSchedule, multiples
+from cpsr_ds.runtime.schedule import StageSchedule, multiples
 from support.checkpoints import checkpoint, engines, optim, states  # noqa: F401 (a fixture)
 
 

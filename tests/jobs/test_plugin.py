@@ -18,9 +18,9 @@ from benchmarks.common.processes import tiny_config
 from conftest import ROOT
 import cpsr_ds
 from cpsr_ds import runlog
-from cpsr_ds.plugin import CPSRPipelineEngine
+from cpsr_ds.integration.deepspeed.engine import CPSRPipelineEngine
 from cpsr_ds.recovery import journal_losses
-from cpsr_ds.rundir import LOCK, RunDirectoryBusy, acquire, recorded_attempt
+from cpsr_ds.runtime.rundir import LOCK, RunDirectoryBusy, acquire, recorded_attempt
 from support.training import build, process_group, random_batches  # noqa: F401 (a fixture; process_group is autouse)
 
 
@@ -114,7 +114,7 @@ def test_under_zero_a_load_gathers_the_weights_from_the_partitions_and_reads_no_
     assert (layer_files == []) == (zero_stage == 1), read
     if zero_stage == 1:
         # Without the partitions the weights would stay as they were: refused, not resumed from. DeepSpeed's
-        # _load_zero_checkpoint says so (False) where _get_all_zero_checkpoints finds none (None); a missing
+        # ZeRO loader says so (False) where _get_all_zero_checkpoints finds none (None); a missing
         # file raises.
         engine._get_all_zero_checkpoints = lambda *args: None
         with pytest.raises(RuntimeError, match="found no ZeRO partition files"):
@@ -136,8 +136,8 @@ def test_vitp_trains_its_step_limit_after_each_checkpoint_once_it_has_a_window(t
         engine.train_batch(iter(batches))
     # 7 checkpoints; an FFT window of 5 plus a target needs 6, so checkpoints 6 and 7 trained (the last on the
     # coordinator's background thread: one stage, no bubbles).
-    engine.cpsr.coordinator.flush()
-    assert engine.cpsr.predictor.trainer.steps == 6
+    engine.cpsr.work.coordinator.flush()
+    assert engine.cpsr.work.predictor.trainer.steps == 6
     # A failure after one more iteration: the restart's predictor gets the six checkpoints' history and the
     # weights saved with the newest, those trained at checkpoint 6 (3 steps: 7 trains after it is saved).
     engine.train_batch(iter(batches))
@@ -145,7 +145,7 @@ def test_vitp_trains_its_step_limit_after_each_checkpoint_once_it_has_a_window(t
     engine.destroy()
     config["cpsr"]["recovery"] = {"mode": "predict"}
     restarted, *_ = build(config)
-    predictor = restarted.cpsr.predictor
+    predictor = restarted.cpsr.work.predictor
     assert restarted.cpsr.recovery.checkpoint == 14 and restarted.cpsr.recovery.reached == 15
     assert (list(predictor.history.iterations), predictor.trainer.steps) == ([4, 6, 8, 10, 12, 14], 3)
     restarted.destroy()
@@ -181,7 +181,7 @@ def test_an_attempt_follows_the_newest_any_node_recorded(tmp_path):
 def test_a_killed_jobs_lock_vanishes_with_it(tmp_path):
     run_dir = tmp_path / "run"
     holder = subprocess.Popen(
-        [sys.executable, "-c", f"import sys, time; sys.path.insert(0, {ROOT!r}); from cpsr_ds.rundir import acquire; "
+        [sys.executable, "-c", f"import sys, time; sys.path.insert(0, {ROOT!r}); from cpsr_ds.runtime.rundir import acquire; "
                                f"acquire({str(run_dir)!r}); print('locked', flush=True); time.sleep(600)"],
         stdout=subprocess.PIPE, text=True)  # fmt: skip
     try:
@@ -219,10 +219,10 @@ def test_interval_auto_checkpoints_at_the_planned_intervals_and_records_plans_co
         engine.train_batch(iter(batches))
     assert engine.checkpoint_engine.flush(timeout_s=60)
     engine.train_batch(iter(batches))  # the costs are written once seen persisted and bracketed
-    bracketing = [w.iteration for w in engine.cpsr.meter.pending]
+    bracketing = [w.iteration for w in engine.cpsr.measurements.meter.pending]
     # The losses the plans fit, kept in memory, are the journal's over the newest plan's window on.
     newest = runlog.read_plans(str(run_dir))[0][-1].iteration
-    assert engine.cpsr.losses == {i: loss for i, loss in journal_losses(str(run_dir)).items() if i >= newest // 2}
+    assert engine.cpsr.planning.losses == {i: loss for i, loss in journal_losses(str(run_dir)).items() if i >= newest // 2}
     engine.destroy()
 
     plans, problems = runlog.read_plans(str(run_dir))
@@ -295,7 +295,7 @@ def test_time_the_training_loop_spends_between_iterations_is_no_checkpoints_cost
 
 
 def test_the_predictors_weights_go_into_the_checkpoint_as_a_host_copy():
-    from cpsr_ds.plugin import host_copy
+    from cpsr_ds.runtime.predictor_work import host_copy
 
     w, seed = torch.ones(3), torch.zeros(2, dtype=torch.uint8)
     state = {"model": {"w": w}, "curve": [{"loss": 1.0}], "steps": 2, "generator": (seed,)}
@@ -308,7 +308,7 @@ def test_the_predictors_weights_go_into_the_checkpoint_as_a_host_copy():
 
 
 def test_the_next_checkpoint_is_an_interval_after_the_newest_state_on_storage():
-    from cpsr_ds.plugin import next_checkpoint_at
+    from cpsr_ds.runtime.schedule import next_checkpoint_at
 
     assert next_checkpoint_at(40, 40, 12) == 52  # after a checkpoint, or a restart from one
     assert next_checkpoint_at(45, 40, 12) == 52  # a job resumed by prediction at 45 from checkpoint 40
@@ -331,7 +331,7 @@ def test_after_a_predicting_restart_the_schedule_counts_from_the_checkpoint_pred
     engine, *_ = build(config)
     report = engine.cpsr.recovery
     assert (report.method, report.checkpoint, report.resume_iteration) == ("predict", 12, 14), report
-    assert engine.cpsr.interval == 4 and engine.cpsr.next_checkpoint == 16
+    assert engine.cpsr.scheduler.interval == 4 and engine.cpsr.scheduler.next_checkpoint == 16
     for _ in range(3):
         engine.train_batch(iter(batches))
     attempt = engine.cpsr.attempt

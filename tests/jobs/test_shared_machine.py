@@ -20,7 +20,7 @@ from benchmarks.common.processes import tiny_config
 from cpsr_ds.checkpoint.capture import dumps, host_snapshot, run_id, survivor
 from cpsr_ds.checkpoint.storage.private_dir import PrivateDirError
 from cpsr_ds.config import ConfigError, CPSRConfig
-from cpsr_ds.rundir import GUARD, LOCK, RunDirectoryBusy, acquire, holders
+from cpsr_ds.runtime.rundir import GUARD, LOCK, RunDirectoryBusy, acquire, holders
 from support.training import build, process_group, trained  # noqa: F401 (a fixture; process_group is autouse)
 
 
@@ -114,7 +114,7 @@ def test_the_survivor_root_and_everything_under_it_are_private_whatever_the_umas
     root.mkdir(mode=0o755)  # as an earlier version left it
     with umask(0):
         engine, _ = trained(tmp_path, iterations=2, memory_interval=1)
-        assert engine.survivor.dump("test")
+        assert engine.cpsr.survivor.dump("test")
     found = [(top, name) for top, dirs, files in os.walk(root) for name in dirs + files]
     assert any(name == dumps.STATE_FILE for _, name in found) and any(name.endswith(".memory0") for _, name in found)
     assert mode(root) == 0o700
@@ -170,7 +170,7 @@ def test_a_planted_dump_is_refused_when_read_and_the_restart_stops_with_a_named_
     """Another user's root holding a dump of the failure point (here this run's own, given to them) is not read by
     the restart's recovery, and the job stops at the root with an error that names it."""
     engine, _ = trained(tmp_path, iterations=4, interval=3)
-    assert engine.survivor.dump("test")
+    assert engine.cpsr.survivor.dump("test")
     engine.destroy()
     root, run = str(tmp_path / "survivors"), run_id.run_identity(str(tmp_path / "run"))
     assert dumps.read_survivor(root, 0, run).iteration == 4
@@ -207,7 +207,7 @@ def test_another_users_directory_or_lock_file_we_cannot_open_is_refused_by_name_
 
 def test_a_copied_run_directory_is_a_run_of_its_own_and_does_not_take_the_originals_dump(tmp_path, caplog):
     engine, _ = trained(tmp_path, iterations=2)
-    assert engine.survivor.dump("test")
+    assert engine.cpsr.survivor.dump("test")
     root, run = str(tmp_path / "survivors"), run_id.run_identity(str(tmp_path / "run"))
     copy = str(tmp_path / "runB")
     shutil.copytree(tmp_path / "run", copy)  # cp -r: cpsr_run.json too
@@ -233,7 +233,7 @@ def test_every_process_that_sees_a_run_directory_gets_one_identity(tmp_path):
 
 def test_a_dump_whose_run_directory_holds_another_run_now_is_refused(tmp_path, caplog):
     engine, _ = trained(tmp_path, iterations=2)
-    assert engine.survivor.dump("test")
+    assert engine.cpsr.survivor.dump("test")
     engine.destroy()
     root, run = str(tmp_path / "survivors"), run_id.run_identity(str(tmp_path / "run"))
     copy = str(tmp_path / "runB")

@@ -20,7 +20,7 @@ from cpsr_ds.checkpoint.storage import agreement, catalog, ondisk, records
 from cpsr_ds.checkpoint.capture.exiting import EXIT_RESTART_CANNOT_HELP
 from cpsr_ds.config import CPSRConfig
 from cpsr_ds.recovery import REPORTS, read_reports
-from cpsr_ds.rundir import recorded_attempt
+from cpsr_ds.runtime.rundir import recorded_attempt
 
 KILL_AT = 17
 INTERVAL = 6

@@ -11,7 +11,7 @@ import torch
 
 from benchmarks.common.processes import tiny_config
 from conftest import run_job
-from cpsr_ds import plugin
+from cpsr_ds.runtime.schedule import iterations_to_checkpoint
 from cpsr_ds.checkpoint.storage import records
 from cpsr_ds.checkpoint.engines.throttle import Throttle
 from cpsr_ds.recovery.sources import summaries
@@ -103,9 +103,9 @@ def test_a_summary_whose_room_a_slow_persist_took_is_dropped(tmp_path):
 
 
 def test_the_next_checkpoint_is_reckoned_from_the_fixed_interval_or_the_schedule():
-    assert [plugin.iterations_to_checkpoint(i, 18, 0) for i in (18, 19, 35, 36)] == [18, 17, 1, 18]
-    assert plugin.iterations_to_checkpoint(19, "auto", 54) == 35
-    assert plugin.iterations_to_checkpoint(60, "auto", 54) == 0  # overdue: due now
+    assert [iterations_to_checkpoint(i, 18, 0) for i in (18, 19, 35, 36)] == [18, 17, 1, 18]
+    assert iterations_to_checkpoint(19, "auto", 54) == 35
+    assert iterations_to_checkpoint(60, "auto", 54) == 0  # overdue: due now
 
 
 def test_a_summary_the_writer_cannot_serialise_is_logged_and_the_next_one_written(tmp_path, caplog):

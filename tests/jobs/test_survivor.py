@@ -37,7 +37,7 @@ def read(engine, tmp_path, **kwargs):
 def test_the_dump_holds_exactly_the_engines_state_and_counters(tmp_path, zero_stage):
     engine, _ = trained(tmp_path, zero_stage)
     assert read(engine, tmp_path) is None  # nothing dumped yet
-    assert engine.survivor.dump("test")
+    assert engine.cpsr.survivor.dump("test")
     dumped = read(engine, tmp_path, attempt=1)
     expected = engine_state(engine)
     assert dumped.iteration == engine.global_steps == 2 and dumped.attempt == 1 and dumped.reason == "test"
@@ -53,7 +53,7 @@ def test_the_dump_holds_exactly_the_engines_state_and_counters(tmp_path, zero_st
 @pytest.mark.parametrize("zero_stage", [0, 1])
 def test_a_dump_written_back_gives_the_engine_its_state_and_the_forward_pass_its_weights(tmp_path, zero_stage):
     engine, batches = trained(tmp_path, zero_stage)
-    assert engine.survivor.dump("test")
+    assert engine.cpsr.survivor.dump("test")
     expected, loss = engine_state(engine), engine.eval_batch(iter(batches))
     engine.train_batch(iter(batches))  # the state moves on
     assert any(not torch.equal(v, expected[k]) for k, v in engine_state(engine).items())
@@ -65,7 +65,7 @@ def test_a_dump_written_back_gives_the_engine_its_state_and_the_forward_pass_its
 
 def test_a_damaged_partial_or_foreign_dump_is_rejected(tmp_path, caplog):
     engine, _ = trained(tmp_path)
-    assert engine.survivor.dump("test")
+    assert engine.cpsr.survivor.dump("test")
     root, run = where(engine, tmp_path)
     directory = dumps.dump_dir(root, run, 0)
     path = os.path.join(directory, dumps.STATE_FILE)
@@ -103,7 +103,7 @@ def test_a_dump_past_its_time_limit_is_abandoned_and_never_committed(tmp_path, m
 
     monkeypatch.setattr(fs, "write_atomic", slow_write)
     t0 = time.monotonic()
-    assert not engine.survivor.dump("test")
+    assert not engine.cpsr.survivor.dump("test")
     assert time.monotonic() - t0 < 1.2
     assert finished.wait(10)
     time.sleep(0.2)  # the writer, past its file, would now commit
@@ -113,7 +113,7 @@ def test_a_dump_past_its_time_limit_is_abandoned_and_never_committed(tmp_path, m
 
 def test_a_dump_waits_for_the_optimizer_step_and_refuses_a_torn_state(tmp_path):
     engine, batches = trained(tmp_path, survivor_timeout_s=0.5)
-    dumper = engine.survivor
+    dumper = engine.cpsr.survivor
     stepping, leave = threading.Event(), threading.Event()
     step = dumper.stepping(lambda: (stepping.set(), leave.wait(10)))
     thread = threading.Thread(target=step)
@@ -122,16 +122,16 @@ def test_a_dump_waits_for_the_optimizer_step_and_refuses_a_torn_state(tmp_path):
     assert not dumper._dump("mid-step")  # the step outlasts the time limit: no dump
     leave.set()
     thread.join()
-    take_step = engine._take_model_step
+    step = engine.optimizer.step
 
     def failing_step(*args, **kwargs):
         raise RuntimeError("Connection reset by peer")
 
-    engine._take_model_step = dumper.stepping(failing_step)
+    engine.optimizer.step = failing_step
     with pytest.raises(RuntimeError):
         engine.train_batch(iter(batches))  # raises in the step: dumps from train_batch, but the state is torn
     assert dumper.outcome is False and "raised" in dumper.torn
-    engine._take_model_step = take_step
+    engine.optimizer.step = step
     assert read(engine, tmp_path) is None
 
 
@@ -166,14 +166,14 @@ def test_sigterm_handled_on_the_main_thread_inside_the_optimizer_step_dumps_once
     engine, batches = trained(tmp_path, survivor_timeout_s=10)
     died = threading.Event()
     monkeypatch.setattr(survivor, "die", lambda signum: died.set())
-    take_step = engine._take_model_step.__wrapped__
+    step = engine.optimizer.step
 
     def signalled_step(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.5)  # Python runs the signal's handler here, on the main thread, inside the step
-        return take_step(*args, **kwargs)
+        return step(*args, **kwargs)
 
-    engine._take_model_step = engine.survivor.stepping(signalled_step)
+    engine.optimizer.step = signalled_step
     started = time.monotonic()
     engine.train_batch(iter(batches))
     assert died.wait(30)
@@ -191,7 +191,7 @@ def test_after_the_dump_the_process_ends_by_the_signal_even_with_a_python_handle
 
 def test_a_restart_removes_its_ranks_earlier_dump_and_the_dumps_of_deleted_runs(tmp_path):
     engine, _ = trained(tmp_path / "a")
-    assert engine.survivor.dump("test")
+    assert engine.cpsr.survivor.dump("test")
     root, run = where(engine, tmp_path / "a")
     stale = tmp_path / "a" / "survivors" / "gone-run"
     stale.mkdir()
@@ -207,7 +207,7 @@ def test_the_survivor_keys_are_checked_and_can_turn_the_dump_off(tmp_path):
     assert CPSRConfig.parse_block({}).checkpoint.survivor_dir is None
     assert dumps.default_root().startswith("/dev/shm/") and str(os.getuid()) in dumps.default_root()
     engine, _ = trained(tmp_path, survivor=False)
-    assert not hasattr(engine, "survivor")
+    assert engine.cpsr.survivor is None
 
 
 KILL_AT = 10

@@ -47,7 +47,7 @@ def trained(tmp_path, zero_stage=0, iterations=2, **checkpoint):
     shape = (engine.train_micro_batch_size_per_gpu(), gpt.seq_length)
     batches = [(torch.randint(0, gpt.vocab_size, shape, generator=gen),) * 2
                for _ in range(engine.gradient_accumulation_steps())]
-    snapshots = getattr(engine, "host_snapshots", None)
+    snapshots = engine.cpsr.host_snapshots
     for _ in range(iterations):
         engine.train_batch(iter(batches))
         if snapshots is not None:

@@ -94,12 +94,12 @@ def dropout_engine(tmp_path, **checkpoint):
 
 
 def dumped(engine, tmp_path):
-    assert engine.survivor.dump("test")
+    assert engine.cpsr.survivor.dump("test")
     return dumps.read_survivor(str(tmp_path / "survivors"), 0, run_id.run_identity(str(tmp_path / "run")))
 
 
 def snapshot(engine, tmp_path):
-    engine.host_snapshots.wait(30)
+    engine.cpsr.host_snapshots.wait(30)
     (snap,) = [s for s in host_snapshot.read_snapshots(engine.cpsr.cfg.checkpoint, 0, attempt=1) if s.iteration == 2]
     return snap
 

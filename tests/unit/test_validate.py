@@ -112,10 +112,10 @@ def first_run(cfg: dict, dump: bool = False) -> dict[int, float]:
     for _ in range(F):
         loss = engine.train_batch(iter(batches)).item()
         losses[engine.global_steps] = loss
-        if getattr(engine, "host_snapshots", None) is not None:
-            engine.host_snapshots.wait(30)
+        if engine.cpsr.host_snapshots is not None:
+            engine.cpsr.host_snapshots.wait(30)
     if dump:
-        assert engine.survivor.dump("test")
+        assert engine.cpsr.survivor.dump("test")
     assert engine.checkpoint_engine.flush(timeout_s=60)
     engine.destroy()
     return losses

@@ -98,7 +98,7 @@ class HostSnapshots:
 
 def install(engine, cfg: CheckpointConfig, attempt: int) -> Optional[HostSnapshots]:
     """Remove the rank's snapshots of an earlier attempt (recovery has read them) and, with ``cfg.memory_interval``,
-    set ``engine.host_snapshots``, which the plugin calls after each iteration; None without memory_interval.
+    return the engine's :class:`HostSnapshots`, which the runtime calls after each iteration; None without it.
 
     Raises :class:`private_dir.PrivateDirError` where memory_interval is set and the survivor root or the run's
     directory under it is not this user's alone; without memory_interval such a directory is left alone.
@@ -109,9 +109,7 @@ def install(engine, cfg: CheckpointConfig, attempt: int) -> Optional[HostSnapsho
     root, run = dumps.prepare(cfg)
     for slot in range(SLOTS):
         dumps.remove_dump(snapshot_dir(root, run, engine.global_rank, slot))
-    snapshots = HostSnapshots(engine, root, run, attempt, cfg.memory_interval, cfg.checksum)
-    engine.host_snapshots = snapshots
-    return snapshots
+    return HostSnapshots(engine, root, run, attempt, cfg.memory_interval, cfg.checksum)
 
 
 def _remove_earlier(cfg: CheckpointConfig, rank: int) -> None:

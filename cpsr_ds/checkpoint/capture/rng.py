@@ -18,6 +18,7 @@ import contextlib
 import logging
 import os
 import random
+import weakref
 from typing import Iterator, Optional
 
 import numpy as np
@@ -25,7 +26,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-ATTRIBUTE = "cpsr_rng"  # on the engine: the record of its last optimizer step
+# Each engine's record of its last optimizer step, kept beside the engine rather than on it, by the engine's
+# module (the same through a weak proxy of the engine, which cannot be a key).
+_RECORDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def file_name(rank: int) -> str:
@@ -87,14 +90,14 @@ def preserved(module=None) -> Iterator[None]:
 def record(engine) -> dict:
     """Record (and return) the engine's state now, as the one of its ``global_steps``."""
     state = {"iteration": int(engine.global_steps), **capture(engine.module)}
-    setattr(engine, ATTRIBUTE, state)
+    _RECORDS[engine.module] = state
     return state
 
 
 def recorded(engine) -> Optional[dict]:
     """The state recorded for the engine's current iteration; None where there is none (no step since the
     engine's state last changed otherwise)."""
-    state = getattr(engine, ATTRIBUTE, None)
+    state = _RECORDS.get(engine.module)
     return state if state is not None and state["iteration"] == engine.global_steps else None
 
 
@@ -106,7 +109,7 @@ def resume(engine, state: Optional[dict], source: str) -> None:
                     "from this process's own, not the uninterrupted run's", engine.global_rank, source)
         return
     restore(state, engine.module)
-    setattr(engine, ATTRIBUTE, state)
+    _RECORDS[engine.module] = state
 
 
 def save(engine, tag_dir: str) -> None:

@@ -69,7 +69,7 @@ class Dumper:
             return self._committing
 
     def stepping(self, step: Callable) -> Callable:
-        """``step`` (the engine's ``_take_model_step``) under the state lock; one that raises leaves the state torn."""
+        """``step`` (the engine's optimizer step) under the state lock; one that raises leaves the state torn."""
         @functools.wraps(step)
         def guarded(*args, **kwargs):
             with self._state:
@@ -208,8 +208,8 @@ def install(engine, cfg: CheckpointConfig, attempt: int) -> Optional[Dumper]:
     """After recovery has read the earlier dumps: remove them, and make this engine dump on failure.
 
     Raises :class:`private_dir.PrivateDirError` where the survivor root or the run's directory under it is not
-    this user's alone. Wraps the engine's ``_take_model_step`` (the state lock), sets ``engine.survivor``
-    (the plugin's ``train_batch`` dumps through it when an exception leaves), and watches SIGTERM.
+    this user's alone. Watches SIGTERM; the engine's optimizer step runs under :meth:`Dumper.stepping`, and
+    ``train_batch`` dumps through the dumper when an exception leaves (integration/deepspeed/engine.py).
     """
     if not cfg.survivor:
         return None
@@ -222,7 +222,5 @@ def install(engine, cfg: CheckpointConfig, attempt: int) -> Optional[Dumper]:
     for stale in remove_stale_runs(root):
         log.info("cpsr: removed the survivor dumps of run %s in %s: its run directory is gone", stale, root)
     dumper = Dumper(engine, root, run, attempt, cfg.survivor_timeout_s, cfg.checksum)
-    engine._take_model_step = dumper.stepping(engine._take_model_step)
-    engine.survivor = dumper
     watch_signals(dumper)
     return dumper

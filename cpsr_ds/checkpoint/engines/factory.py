@@ -1,10 +1,9 @@
-"""Builds the checkpoint engine of the configured strategy and plugs it into DeepSpeed."""
+"""Builds the checkpoint engine of the configured strategy (integration/deepspeed/install.py plugs it into DeepSpeed)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
-from deepspeed import comm as dist
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
 
 from cpsr_ds.checkpoint.engines.checkfreq import CheckFreqEngine
@@ -31,12 +30,3 @@ def create_engine(cfg: CheckpointConfig, rank: int, world_size: int, config_para
     return STRATEGIES[cfg.strategy](cfg, rank, world_size, attempt=attempt, min_keep=min_keep,
                                     layout=layout or make_layout(cfg, rank, world_size))
 
-
-def deepspeed_factory(cfg: CheckpointConfig, *, attempt: int = 0, min_keep: int = 1) -> Callable[..., CheckpointEngine]:
-    """A drop-in for ``deepspeed.runtime.engine.create_checkpoint_engine`` building our engine."""
-
-    def create_checkpoint_engine(config_params, groups, zero_stage, has_moe_layers, optimize_dp_state):
-        return create_engine(cfg, dist.get_rank(), dist.get_world_size(), config_params,
-                             attempt=attempt, min_keep=min_keep)
-
-    return create_checkpoint_engine

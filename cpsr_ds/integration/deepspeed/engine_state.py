@@ -1,14 +1,20 @@
 """The engine-state I/O: a stage's fp32 parameters and Adam moments read from and written into DeepSpeed's
-engine (plain, ZeRO-1/2 and bf16 partitions), this data-parallel rank's share of them, and the step counters."""
+engine (plain, ZeRO-1/2 and bf16 partitions), this data-parallel rank's share of them, and the step counters.
+
+Checked against DeepSpeed 0.19.8. Private names used: a parameter's ``_hp_mapping`` (its fragment of the fp32
+partition: utils/mixed_precision_linkage.py and utils/tensor_fragment.py, ``lp_fragment_address``, ``get_hp_fragment``,
+``optim_fragment``); the ZeRO-1/2 optimizer's ``_lazy_init_hp_params_optimizer_state`` and
+``_hp_optimizer_states_linked`` (runtime/zero/stage_1_and_2.py and runtime/bf16_optimizer.py), its
+``parallel_partitioned_bit16_groups``, ``single_partition_of_fp32_groups`` and ``real_dp_process_group``
+(runtime/zero/stage_1_and_2.py DeepSpeedZeroOptimizer.__init__); ``update_lp_params`` (both optimizers).
+"""
 
 from __future__ import annotations
 
-import contextlib
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-from deepspeed.runtime.pipe.module import PipelineModule
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from deepspeed.runtime.lr_schedules import LRRangeTest, OneCycle, WarmupCosineLR, WarmupLR
 from deepspeed.utils import (
@@ -162,85 +168,6 @@ def update_weights(engine) -> None:
         if len(parts) > 1:
             for r, part in enumerate(parts):
                 dist.broadcast(part, src=dist.get_global_rank(group, r), group=group)
-
-
-def _weights_in_partitions(engine) -> bool:
-    """Whether the ZeRO-1/2 optimizer's fp32 partitions, loaded as DeepSpeed loads them by default
-    (``zero_optimization.load_from_fp32_weights``), hold every entry of the pipeline module's state dict (an
-    entry that is None, such as the ``_extra_state`` of megatron-core's linear layers without FP8, holds nothing)."""
-    if not (isinstance(engine.optimizer, DeepSpeedZeroOptimizer) and isinstance(engine.module, PipelineModule)
-            and engine.zero_load_from_fp32_weights()):
-        return False
-    trained = {name for name, p in engine.module.named_parameters() if p.requires_grad}
-    held = {name for name, value in engine.module.state_dict().items() if value is not None}
-    return held == trained
-
-
-@contextlib.contextmanager
-def weights_from_partitions(engine, load_optimizer_states: bool = True, load_module_only: bool = False):
-    """Around the engine's ``load_checkpoint``: under ZeRO-1/2 the module's weights are not read from the
-    checkpoint's layer files but gathered from the fp32 partitions just loaded (``update_lp_params``, what
-    every optimizer step does), so that a stage's data-parallel replicas do not each read its whole weights.
-
-    Only where the partitions hold the whole module state (no frozen parameters, buffers or
-    tied duplicates: :func:`_weights_in_partitions`) and are loaded; otherwise DeepSpeed reads
-    the layer files as usual.
-    """
-    if not load_optimizer_states or load_module_only or not _weights_in_partitions(engine):
-        yield
-        return
-    loaded = []
-    load_zero = engine._load_zero_checkpoint
-
-    def load_zero_noted(*args, **kwargs):
-        loaded.append(load_zero(*args, **kwargs))
-        return loaded[-1]
-
-    # Instance attributes shadow the methods for the one load.
-    engine.module.load_state_dir = lambda *args, **kwargs: None
-    engine._load_zero_checkpoint = load_zero_noted
-    try:
-        yield
-    finally:
-        del engine.module.load_state_dir, engine._load_zero_checkpoint
-    if loaded == [True]:
-        update_weights(engine)
-    elif loaded:
-        raise RuntimeError(f"cpsr: rank {engine.global_rank} found no ZeRO partition files in the checkpoint it "
-                           "loaded, and did not read its layer files: the module's weights are not restored")
-
-
-@contextlib.contextmanager
-def replicas_read_once(engine):
-    """Around the engine's ``load_checkpoint``: without ZeRO a stage's data-parallel replicas load the same files
-    in the same order (its layer files, and its model-states file with the whole optimizer state), so the first
-    replica reads each and broadcasts it to the others in the stage's data-parallel group, rather than every
-    replica reading the stage's whole state. A read that fails on the first replica fails on every one."""
-    dp = data_parallel(engine)
-    if dp.size == 1 or partitioned(engine):
-        yield
-        return
-    checkpoint_engine = engine.checkpoint_engine
-    load = checkpoint_engine.load
-    first = dist.get_global_rank(dp.group, 0)
-
-    def broadcast_load(path, *args, **kwargs):
-        loaded = [None]
-        if dp.rank == 0:
-            try:
-                loaded[0] = load(path, *args, **kwargs)
-            except Exception as err:  # the others wait for this file: they get the error instead
-                loaded[0] = err
-        dist.broadcast_object_list(loaded, src=first, group=dp.group)
-        if isinstance(loaded[0], Exception):
-            raise loaded[0]
-        return loaded[0]
-
-    checkpoint_engine.load = broadcast_load
-    try:
-        yield
-    finally:
-        del checkpoint_engine.load
 
 
 class DataParallel(NamedTuple):

@@ -18,6 +18,7 @@ import time
 import numpy as np
 
 from cpsr_ds.config import ConfigError, FaultConfig
+from cpsr_ds.runtime.hooks import Hook, Step
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ def check_kill_rank(cfg: FaultConfig, world_size: int) -> None:
                           f"(world size {world_size}: ranks 0 to {world_size - 1})")
 
 
-class FaultInjector:
+class FaultInjector(Hook):
     def __init__(self, cfg: FaultConfig, directory: str, rank: int, world_size: int):
         check_kill_rank(cfg, world_size)
         self.cfg = cfg
@@ -52,8 +53,12 @@ class FaultInjector:
             after_s, victim = poisson_failure(cfg.poisson_rate_per_hour, cfg.seed, index, world_size)
             self.poisson = (f"poisson-{index}", time.monotonic() + after_s, victim)
 
+    def after_iteration(self, step: Step) -> None:
+        """May not return."""
+        self.check(step.iteration)
+
     def check(self, iteration: int) -> None:
-        """Called after every iteration; may not return."""
+        """Fire the failure due after ``iteration`` on this rank, if any; may not return."""
         if iteration in self.kill_at and self.rank == self.cfg.kill_rank:
             self._fire(f"iteration-{iteration}-rank-{self.rank}", iteration)
         if self.poisson is not None:

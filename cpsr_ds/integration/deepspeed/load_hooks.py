@@ -1,0 +1,97 @@
+"""Around DeepSpeed's ``load_checkpoint``: what a stage's data-parallel replicas read, read once.
+
+Each hook shadows one engine method with an instance attribute for the duration of one load, and removes it
+after. Checked against DeepSpeed 0.19.8: runtime/engine.py DeepSpeedEngine.load_checkpoint ->
+_load_checkpoint (reads the module through ``module.load_state_dir`` on a PipelineModule, runtime/pipe/module.py,
+and every file through ``checkpoint_engine.load``) -> _load_zero_checkpoint (the ZeRO partitions; False where
+_get_all_zero_checkpoints finds none).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch.distributed as dist
+from deepspeed.runtime.pipe.module import PipelineModule
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+from cpsr_ds.integration.deepspeed.engine_state import data_parallel, partitioned, update_weights
+
+
+def _weights_in_partitions(engine) -> bool:
+    """Whether the ZeRO-1/2 optimizer's fp32 partitions, loaded as DeepSpeed loads them by default
+    (``zero_optimization.load_from_fp32_weights``), hold every entry of the pipeline module's state dict (an
+    entry that is None, such as the ``_extra_state`` of megatron-core's linear layers without FP8, holds nothing)."""
+    if not (isinstance(engine.optimizer, DeepSpeedZeroOptimizer) and isinstance(engine.module, PipelineModule)
+            and engine.zero_load_from_fp32_weights()):
+        return False
+    trained = {name for name, p in engine.module.named_parameters() if p.requires_grad}
+    held = {name for name, value in engine.module.state_dict().items() if value is not None}
+    return held == trained
+
+
+@contextlib.contextmanager
+def weights_from_partitions(engine, load_optimizer_states: bool = True, load_module_only: bool = False):
+    """Around the engine's ``load_checkpoint``: under ZeRO-1/2 the module's weights are not read from the
+    checkpoint's layer files but gathered from the fp32 partitions just loaded (``update_lp_params``, what
+    every optimizer step does), so that a stage's data-parallel replicas do not each read its whole weights.
+
+    Only where the partitions hold the whole module state (no frozen parameters, buffers or
+    tied duplicates: :func:`_weights_in_partitions`) and are loaded; otherwise DeepSpeed reads
+    the layer files as usual.
+    """
+    if not load_optimizer_states or load_module_only or not _weights_in_partitions(engine):
+        yield
+        return
+    loaded = []
+    load_zero = engine._load_zero_checkpoint
+
+    def load_zero_noted(*args, **kwargs):
+        loaded.append(load_zero(*args, **kwargs))
+        return loaded[-1]
+
+    # Instance attributes shadow the methods for the one load.
+    engine.module.load_state_dir = lambda *args, **kwargs: None
+    engine._load_zero_checkpoint = load_zero_noted
+    try:
+        yield
+    finally:
+        del engine.module.load_state_dir, engine._load_zero_checkpoint
+    if loaded == [True]:
+        update_weights(engine)
+    elif loaded:
+        raise RuntimeError(f"cpsr: rank {engine.global_rank} found no ZeRO partition files in the checkpoint it "
+                           "loaded, and did not read its layer files: the module's weights are not restored")
+
+
+@contextlib.contextmanager
+def replicas_read_once(engine):
+    """Around the engine's ``load_checkpoint``: without ZeRO a stage's data-parallel replicas load the same files
+    in the same order (its layer files, and its model-states file with the whole optimizer state), so the first
+    replica reads each and broadcasts it to the others in the stage's data-parallel group, rather than every
+    replica reading the stage's whole state. A read that fails on the first replica fails on every one."""
+    dp = data_parallel(engine)
+    if dp.size == 1 or partitioned(engine):
+        yield
+        return
+    checkpoint_engine = engine.checkpoint_engine
+    load = checkpoint_engine.load
+    first = dist.get_global_rank(dp.group, 0)
+
+    def broadcast_load(path, *args, **kwargs):
+        loaded = [None]
+        if dp.rank == 0:
+            try:
+                loaded[0] = load(path, *args, **kwargs)
+            except Exception as err:  # the others wait for this file: they get the error instead
+                loaded[0] = err
+        dist.broadcast_object_list(loaded, src=first, group=dp.group)
+        if isinstance(loaded[0], Exception):
+            raise loaded[0]
+        return loaded[0]
+
+    checkpoint_engine.load = broadcast_load
+    try:
+        yield
+    finally:
+        del checkpoint_engine.load
