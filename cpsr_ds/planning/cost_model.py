@@ -161,7 +161,7 @@ class EmpiricalModel:
     bench_recovery's ``--layouts pp2`` checks the scaling against measured lags.
 
     ``planned_iterations``: the run's planned length, where its learning rate schedule
-    decays to a planned end (recovery.engine_io.planned_iterations). Then a predictor
+    decays to a planned end (integration.deepspeed.engine_state.planned_iterations). Then a predictor
     with a profile in ``by_place`` takes rho at the failure's place f / planned_iterations
     (linear between the measured places, constant beyond them): the lag that counts is the
     one left at the end of training, which ``reduction`` (measured over [2d, 4d] after f)

@@ -26,8 +26,7 @@ the state at f, what r is measured against), which the cost model weighs like an
 predictor means RB-R.
 
 Modules: ``decision`` (the choice and its guards), ``sources`` (where recovered state
-comes from, one file each), ``engine_io`` (reading and writing a stage's state in
-DeepSpeed's engine), ``agree`` (ranks deciding alike), ``report`` (``recovery.jsonl``).
+comes from, one file each), ``agree`` (ranks deciding alike), ``report`` (``recovery.jsonl``).
 """
 
 from cpsr_ds.recovery.decision import (

@@ -394,7 +394,7 @@ def recovery_model(name: str, directory: str, losses: dict[int, float], stage: i
     were recorded, or one in recovery.mode recompute) or a NoFit leaves the model
     without params, and its estimate says why. The empirical model's is scaled by ``share``,
     the share of the job's parameters predicted (:func:`predicted_share_of_job`); the paper's
-    N_p is the stage's already. ``planned``: the run's planned length (engine_io.planned_iterations),
+    N_p is the stage's already. ``planned``: the run's planned length (engine_state.planned_iterations),
     where the empirical model's rho depends on the failure's place in it; ``horizon``: how far ahead
     the predictor's held-out check predicted, beyond which the empirical lag grows faster.
     """

@@ -1,6 +1,6 @@
 """The one check of a state before recovery resumes from it, whatever its source.
 
-A state (a dict of tensors by key, ``kind/name`` as :func:`engine_io.engine_state` keys them, or a layer's
+A state (a dict of tensors by key, ``kind/name`` as :func:`~cpsr_ds.integration.deepspeed.engine_state.engine_state` keys them, or a layer's
 state dict) may be resumed from only where every tensor is finite, has the shape and dtype the engine holds
 in its place (no tensor missing, none the engine has no place for), and Adam's second moments
 (``exp_avg_sq``, a running mean of squared gradients) are nowhere negative: the optimizer divides by their
@@ -84,7 +84,7 @@ def clamp_second_moments(state: dict[str, torch.Tensor]) -> tuple[dict[str, torc
 
 
 def local_specs(engine) -> tuple[dict[str, Spec], dict[str, tuple[int, int]]]:
-    """(the shape and dtype of each tensor :func:`engine_io.local_state` gives, the fragments it gives), from
+    """(the shape and dtype of each tensor :func:`~cpsr_ds.integration.deepspeed.engine_state.local_state` gives, the fragments it gives), from
     the engine's parameters alone: a restart asks before the optimizer holds any state. Under ZeRO/bf16 a
     fragment is flat and fp32, and a fragment covering the whole tensor has its shape and is not listed."""
     specs, fragments = {}, {}
@@ -105,5 +105,5 @@ def local_specs(engine) -> tuple[dict[str, Spec], dict[str, tuple[int, int]]]:
 
 
 def share_specs(engine) -> dict[str, Spec]:
-    """The shape and dtype (fp32) of each tensor :func:`engine_io.own_share` gives, nothing copied."""
+    """The shape and dtype (fp32) of each tensor :func:`~cpsr_ds.integration.deepspeed.engine_state.own_share` gives, nothing copied."""
     return {key: Spec(tuple(t.shape), torch.float32) for key, t in own_views(engine).items() if t.numel()}

@@ -1,4 +1,4 @@
-"""DeepSpeed's fused CPU Adam restored mid-run steps on as the uninterrupted one (cpsr_ds/recovery/adam_steps.py). Its
+"""DeepSpeed's fused CPU Adam restored mid-run steps on as the uninterrupted one (cpsr_ds/integration/deepspeed/adam_steps.py). Its
 C++ op is built by ninja's compiler processes on first use, a minute where no build is cached, so the test is here
 rather than in the unit tier."""
 

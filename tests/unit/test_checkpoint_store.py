@@ -12,7 +12,7 @@ import torch
 from cpsr_ds.cli import main
 from cpsr_ds.checkpoint.storage import catalog, loading, ondisk, records, retention
 from cpsr_ds.checkpoint.storage.filesystem import describe_error, fs
-from cpsr_ds.integration.deepspeed import load_hook
+from cpsr_ds.integration.deepspeed import load_hooks
 from cpsr_ds.checkpoint.engines.checkfreq import measured_interval, profiled_interval
 from cpsr_ds.checkpoint.engines.async_engine import CheckpointStats
 from cpsr_ds.checkpoint.storage.fileformat import ALIGN, CheckpointError, TensorRef, flatten, layout, read_snapshot, unflatten
@@ -96,7 +96,7 @@ def test_deepspeed_s_file_count_check_reads_only_the_header_of_a_file_in_our_for
             return loading.load_file(path, map_location)
 
     before = loading.bytes_loaded()
-    with load_hook.reading_each_file_once():
+    with load_hooks.reading_each_file_once():
         SDLoaderFactory.get_sd_loader(paths, checkpoint_engine=Loads())
         with pytest.raises(CheckpointError, match="checkpoint count 1 is different from saved mp_world_size 2"):
             SDLoaderFactory.get_sd_loader(paths[1:], checkpoint_engine=Loads())

@@ -95,7 +95,7 @@ class Survivor:
     nbytes: int
     reason: str  # what made the rank dump
     # the module's whole weights by parameter name, where a data-parallel peer's partition needs them
-    # (engine_io.replica_weights); None otherwise
+    # (engine_state.replica_weights); None otherwise
     weights: dict[str, torch.Tensor] | None = None
 
 

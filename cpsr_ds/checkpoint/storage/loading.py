@@ -3,7 +3,7 @@
 The checkpoint engines' ``load`` reads through :func:`load_file`; files of DeepSpeed's
 own format, without manifests, load as they are. Within :func:`each_file_once` a file
 loaded again gets what its first load returned (DeepSpeed reads some files twice, see
-integration/deepspeed/load_hook.py).
+integration/deepspeed/load_hooks.py).
 """
 
 from __future__ import annotations

@@ -17,11 +17,10 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from cpsr_ds.runtime import ending
 from cpsr_ds.checkpoint.capture import exiting, rng
-from cpsr_ds.integration.deepspeed.load_hook import reading_each_file_once
 from cpsr_ds.coordinator import BubbleSchedule, PredictorWork
 from cpsr_ds.integration.deepspeed.adam_steps import align_bias_correction, stepped
 from cpsr_ds.integration.deepspeed.engine_state import base_optimizer
-from cpsr_ds.integration.deepspeed.load_hooks import replicas_read_once, weights_from_partitions
+from cpsr_ds.integration.deepspeed.load_hooks import reading_each_file_once, replicas_read_once, weights_from_partitions
 
 if TYPE_CHECKING:
     from cpsr_ds.runtime.runtime import Runtime

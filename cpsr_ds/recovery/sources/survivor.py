@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 
-# A module import: the dump's writer imports this package's engine_io, so this may run while it is half loaded.
 from cpsr_ds.checkpoint.capture import dumps, rng, run_id
 from cpsr_ds.config import CheckpointConfig
 from cpsr_ds.integration.deepspeed.engine_state import load_local_state
