@@ -57,8 +57,10 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+from benchmarks.common.processes import free_port
+
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-for _key, _value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29517", "RANK": "0", "LOCAL_RANK": "0",
+for _key, _value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "LOCAL_RANK": "0",
                      "WORLD_SIZE": "1", "CROSS_RANK": "0", "CROSS_SIZE": "1"}.items():
     os.environ.setdefault(_key, _value)
 import deepspeed  # noqa: E402

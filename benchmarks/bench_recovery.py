@@ -106,6 +106,7 @@ from cpsr_ds.planning.fitter import fit_curve  # noqa: E402
 
 from benchmarks.common import recovery_jobs  # noqa: E402
 from benchmarks.common.paths import ROOT, with_default_outputs  # noqa: E402
+from benchmarks.common.processes import free_port  # noqa: E402
 from benchmarks.common.recovery_cases import (  # noqa: E402
     Case, ds_config, estimate, evaluation_points, failures, interval, pct, print_cases, recomputed,
     reduction_summary, reference_fit)
@@ -674,7 +675,7 @@ def main(argv=None, **run_options) -> None:
         result = recovery_jobs.summarize(args, recovery_jobs.run(args))
         result["seconds"] = time.time() - start
     else:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29533"), RANK="0",
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", str(free_port())), RANK="0",
                           WORLD_SIZE="1", LOCAL_RANK="0")
         deepspeed.init_distributed(dist_backend="gloo")
         start = time.time()

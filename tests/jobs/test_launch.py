@@ -159,7 +159,7 @@ def test_resilient_restarts_a_failed_job_but_not_one_that_says_a_restart_cannot_
     """An uncaught RestartCannotHelp exits with EXIT_RESTART_CANNOT_HELP once the atexit handlers ran; resilient.sh
     stops there and says why, and restarts any other failure."""
     counter = tmp_path / "attempts"
-    script = ("import atexit; from cpsr_ds.checkpoint import exiting; exiting.install(); "
+    script = ("import atexit; from cpsr_ds.checkpoint.capture import exiting; exiting.install(); "
               f"open({str(counter)!r}, 'a').write('attempt '); atexit.register(print, 'atexit ran'); "
               f"raise {error}('no state left')")
     result = subprocess.run([os.path.join(ROOT, "launch", "resilient.sh"), "--max-restarts", "2", "--",

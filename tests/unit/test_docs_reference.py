@@ -4,6 +4,7 @@ record field is in them, and a key without a description stops the docs build.""
 import importlib.util
 import json
 import os
+import re
 
 import pytest
 from mkdocs.exceptions import PluginError
@@ -36,6 +37,11 @@ def test_every_config_key_has_a_row_with_its_default():
         assert f"| `{key}` |" in page, key
     assert '| `checkpoint.interval` | int or `"auto"` | `"auto"` |' in page
     assert "| `predictor.history` | int | `4` | >= 2 |" in page
+
+
+def test_the_config_reference_documents_every_key_and_no_other():
+    documented = set(re.findall(r"^\| `([a-z_.]+)` \|", reference.generate("config"), flags=re.M))
+    assert set(leaf_keys(CPSRConfig)) == documented
 
 
 def test_a_config_key_without_a_description_stops_the_build():
