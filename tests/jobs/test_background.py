@@ -135,7 +135,7 @@ def runs(tmp_path_factory):
         assert engine.checkpoint_engine.flush(timeout_s=60)
         engine.cpsr.close()
     yield out
-    torch.distributed.destroy_process_group()
+    deepspeed.comm.destroy_process_group()  # torch's, and the groups DeepSpeed cached from it
 
 
 def test_training_is_the_same_with_the_work_on_a_background_thread(runs):

@@ -127,7 +127,7 @@ def runs(tmp_path_factory):
         assert engine.checkpoint_engine.flush(timeout_s=60)
         engine.cpsr.close()
     yield out
-    torch.distributed.destroy_process_group()
+    deepspeed.comm.destroy_process_group()  # torch's, and the groups DeepSpeed cached from it
 
 
 def losses(run) -> dict:
