@@ -49,8 +49,9 @@ def shm_path(tmp_path):
         shutil.rmtree(path, ignore_errors=True)
 
 
-def train_on_random_tokens(engine, iterations: int) -> None:
-    """``iterations`` of the tiny GPT (TEST_MODEL) on random tokens, inputs as labels: the same for every engine."""
+def train_on_random_tokens(engine, iterations: int, between=None) -> None:
+    """``iterations`` of the tiny GPT (TEST_MODEL) on random tokens, inputs as labels: the same for every engine;
+    ``between()``, where given, after each iteration."""
     import torch
 
     from examples.gpt.model import GPTConfig
@@ -61,6 +62,8 @@ def train_on_random_tokens(engine, iterations: int) -> None:
     for _ in range(iterations):
         engine.train_batch(iter([(torch.randint(0, gpt.vocab_size, shape, generator=gen),) * 2
                                  for _ in range(engine.gradient_accumulation_steps())]))
+        if between is not None:
+            between()
 
 
 def run_job(tmp_path, config: dict, *args, supervised: bool = False, nprocs: int = 2, timeout: int = 300,

@@ -105,7 +105,8 @@ def observing_threads(predictor) -> list:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The same fp32 job (same seed), PP = 1, vitp learning after each checkpoint, with the coordinator on and off."""
+    """The same fp32 job (same seed), PP = 1, vitp learning after each checkpoint, with the coordinator on (its
+    thread given the time to end its work after each iteration) and off."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     deepspeed.init_distributed(dist_backend="gloo")
     out = {}
@@ -118,12 +119,17 @@ def runs(tmp_path_factory):
         model = gpt_pipeline(GPTConfig(**TEST_MODEL), num_stages=1, seed=1)
         engine, *_ = cpsr_ds.initialize(model=model, model_parameters=model.parameters(), config=config)
         observers = observing_threads(engine.cpsr.work.predictor)
-        train_on_random_tokens(engine, ITERS)
-        if enabled:
-            c = engine.cpsr.work.coordinator
+        c = engine.cpsr.work.coordinator
+
+        def thread_done():
+            """The thread's work ended, bounded: on a loaded machine the nice thread may get no core for longer
+            than two iterations, and the next checkpoint would then run what it had not started inline."""
             deadline = time.monotonic() + 60
-            while (c.queue or c.running) and time.monotonic() < deadline:  # the thread ends the last job itself
+            while (c.queue or c.running) and time.monotonic() < deadline:
                 time.sleep(0.01)
+
+        train_on_random_tokens(engine, ITERS, between=thread_done if enabled else None)
+        if enabled:
             c.flush()
         out[enabled] = (run_dir, engine.cpsr.work.predictor.trainer.steps, observers)
         assert engine.checkpoint_engine.flush(timeout_s=60)

@@ -244,9 +244,11 @@ def test_interval_auto_checkpoints_at_the_planned_intervals_and_records_plans_co
     assert [r.held_out_error is not None for r in states] == [False, False] + [True] * (len(states) - 2)
     assert all(r.relative_error > 0 for r in states[2:])
     costs = [r for r in rows if isinstance(r, runlog.CostRow)]
-    # Every checkpoint but the newest has its cost: the newest waits for the iterations after its persist.
-    assert bracketing == [checkpoints[-1]]
-    assert checkpoint_iterations(rows, runlog.CostRow) == checkpoints[:-1]
+    # Every checkpoint has its cost, in order, but the newest ones: the newest waits for the iterations after its
+    # persist, and one whose persist a loaded machine stretched past the next checkpoint waits with it.
+    assert checkpoints[-1] in bracketing
+    assert checkpoint_iterations(rows, runlog.CostRow) + bracketing == checkpoints
+    assert len(costs) >= len(checkpoints) // 2
     assert all(c.stall_s > 0 and math.isfinite(c.slowdown_s) and c.persist_s > 0 and c.nbytes > 0
                and c.iteration_time_s > 0 for c in costs)
     monitored = tmp_path / "csv" / "job"
