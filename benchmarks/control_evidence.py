@@ -107,14 +107,16 @@ def main(argv=None) -> None:
         result = json.load(f)
     rows, missing = [], 0
     references = {}
+    defaults = {(c["seed"], c["c"], c["d"]): c["decision"] for c in result["cases"] if c["method"] == "default"}
     for case in result["cases"]:
-        if case["method"] in ("recompute", "default") or case["lag_iters"] is None:
-            continue
+        if case["method"] in ("recompute", "default") or case["lag_iters"] is None or "(RB-R)" in case["decision"]:
+            continue  # not a predicting recovery (vitp not ready recomputes)
         seed_dir = os.path.join(args.runs, f"seed{case['seed']}-Tc{case['Tc']}")
         if seed_dir not in references:
             references[seed_dir] = journal(os.path.join(seed_dir, "reference"))
-        got = candidates(case, os.path.join(seed_dir, f"{case['method']}-c{case['c']}-d{case['d']}"),
-                         references[seed_dir])
+        # Where the default predicted with this predictor, bench_recovery took its run for the predictor's case.
+        name = "default" if case["decision"] == defaults.get((case["seed"], case["c"], case["d"])) else case["method"]
+        got = candidates(case, os.path.join(seed_dir, f"{name}-c{case['c']}-d{case['d']}"), references[seed_dir])
         if got is None:
             missing += 1
             continue
@@ -123,7 +125,8 @@ def main(argv=None) -> None:
     if not rows:
         raise SystemExit(f"control_evidence: no run directory of {args.result}'s cases under {args.runs}")
     summary = evaluate(rows)
-    print(f"{len(rows)} predicting recoveries of {args.result} ({missing} without a run directory)")
+    print(f"{len(rows)} predicting recoveries of {os.path.relpath(args.result, ROOT)} ({missing} without their run "
+          "directory)")
     print(f"{'candidate':16s} {'spearman':>8s} {'|err|/d':>8s} {'err/d':>7s} {'picks cheapest':>15s}")
     for name in CANDIDATES:
         s = summary[name]
