@@ -146,6 +146,7 @@ def main(argv=None) -> None:
     with open(args.workloads) as f:
         workloads = json.load(f)
     cases_path = (args.json or os.path.join(args.out_dir, "bench_control")) + ".cases.jsonl"
+    os.makedirs(os.path.dirname(cases_path), exist_ok=True)
     if not args.resume and os.path.exists(cases_path):
         os.remove(cases_path)
     done = read_done(cases_path)
