@@ -56,12 +56,24 @@ def param_shape(p: torch.Tensor) -> torch.Size:
     return getattr(p, "ds_shape", p.shape)
 
 
+def fragment_of(engine, p) -> tuple[int, int, torch.dtype]:
+    """(start, numel, dtype): where this rank's fp32 fragment of a partitioned ``p`` lies in the flattened
+    parameter, from the parameters alone (a restart asks before the optimizer holds any state)."""
+    if zero3(engine):
+        size = p.ds_tensor.ds_numel
+        start = data_parallel(engine).rank * size
+        return start, max(0, min(size, p.ds_numel - start)), torch.float32
+    mapping = p._hp_mapping
+    if mapping is None:
+        return 0, 0, torch.get_default_dtype()
+    return mapping.lp_fragment_address.start, mapping.lp_fragment_address.numel, mapping.hp_fragment.dtype
+
+
 def _zero3_fragment(engine, p) -> tuple[int, int, dict[str, torch.Tensor]]:
     """(start, numel, parts): this rank's ZeRO-3 partition of ``p`` in the flattened parameter, its fp32 master
     and moments (views, the partition's padding cut off). A KeyError before the first step made the moments."""
-    optimizer, size = engine.optimizer, p.ds_tensor.ds_numel
-    start = data_parallel(engine).rank * size
-    numel = max(0, min(size, p.ds_numel - start))
+    optimizer = engine.optimizer
+    start, numel, _ = fragment_of(engine, p)
     parts = {"param": optimizer.get_local_fp32_param(p),
              **{kind: optimizer.get_local_fp32_param(p, kind) for kind in MOMENTS}}
     return start, numel, {kind: t.narrow(0, 0, numel) for kind, t in parts.items()}
@@ -174,6 +186,8 @@ def load_local_state(engine, state: dict[str, torch.Tensor], fragments: dict[str
                 saved = fragments.get(name, (0, param_shape(p).numel()))
                 raise ValueError(f"cpsr recovery: rank {engine.global_rank}'s saved fragment of {name} is "
                                  f"[{saved[0]}, {saved[0] + saved[1]}), its partition now holds another")
+            if numel == 0:  # a ZeRO-3 partition of padding only: own_share leaves it out
+                continue
             for kind, fragment in parts.items():
                 fragment.copy_(state[f"{kind}/{name}"].reshape(fragment.shape))
     update_weights(engine)
