@@ -19,7 +19,7 @@ from typing import Mapping, NamedTuple
 import torch
 
 from cpsr_ds.checkpoint.storage.fileformat import is_finite
-from cpsr_ds.integration.deepspeed.engine_state import MOMENTS, fragment_of, own_views, param_shape, partitioned
+from cpsr_ds.integration.deepspeed.engine_state import MOMENTS, own_views, partitioned
 
 SECOND_MOMENT = MOMENTS[1]
 
@@ -92,9 +92,12 @@ def local_specs(engine) -> tuple[dict[str, Spec], dict[str, tuple[int, int]]]:
     for name, p in engine.module.named_parameters():
         spec = Spec(tuple(p.shape), p.dtype)
         if zero:
-            start, numel, dtype = fragment_of(engine, p)
-            whole = start == 0 and numel == param_shape(p).numel()
-            spec = Spec(tuple(param_shape(p)) if whole else (numel,), dtype)
+            mapping = p._hp_mapping
+            start, numel = (0, 0) if mapping is None else (mapping.lp_fragment_address.start,
+                                                           mapping.lp_fragment_address.numel)
+            dtype = torch.get_default_dtype() if mapping is None else mapping.hp_fragment.dtype
+            whole = start == 0 and numel == p.numel()
+            spec = Spec(tuple(p.shape) if whole else (numel,), dtype)
             if not whole:
                 fragments[name] = (start, numel)
         specs.update((f"{kind}/{name}", spec) for kind in ("param", *MOMENTS))

@@ -1,8 +1,8 @@
 """``cpsr_ds.initialize``: ``deepspeed.initialize`` plus CPSR's runtime.
 
 With a ``"cpsr"`` block in the DeepSpeed config (and ``"enabled": true``) a start claims the run directory,
-fits this start's layout to the last one's (world.py), builds the engine with our engine class (the pipeline engine
-for a ``PipelineModule``, the plain engine otherwise) and checkpoint engine, and attaches the runtime (``engine.cpsr``), which recovers the engine from what earlier attempts left
+fits this start's layout to the last one's (world.py), builds the engine with our engine class and checkpoint
+engine, and attaches the runtime (``engine.cpsr``), which recovers the engine from what earlier attempts left
 (``engine.cpsr.recovery`` says how, and ``engine.global_steps`` is where to resume). Without the block it is
 ``deepspeed.initialize`` itself.
 """
@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
+from deepspeed.runtime.pipe.module import PipelineModule
 
 from cpsr_ds import world
 from cpsr_ds.checkpoint.capture import exiting
@@ -27,7 +28,7 @@ from cpsr_ds.config import CPSRConfig
 from cpsr_ds.runtime.elastic import check_restartable
 from cpsr_ds.runtime.faults import check_kill_rank
 from cpsr_ds.integration.deepspeed.install import ds_config, installed, pass_config, release_shm_allreduce_name
-from cpsr_ds.integration.deepspeed.topology import stages_of, tensor_parallel_size
+from cpsr_ds.integration.deepspeed.topology import tensor_parallel_size
 from cpsr_ds.recovery import RecoveryReport, append_report
 from cpsr_ds.runtime.rundir import check_writable, claim
 from cpsr_ds.runtime.runtime import Runtime
@@ -41,8 +42,8 @@ def initialize(*args, **kwargs):
     cfg = CPSRConfig.from_ds_config(ds_config(bound))
     if not cfg.enabled:
         return deepspeed.initialize(*args, **kwargs)
-    if bound.arguments.get("model") is None:
-        raise TypeError("cpsr_ds.initialize: no model (pass model=...)")
+    if not isinstance(bound.arguments.get("model"), PipelineModule):
+        raise TypeError("cpsr_ds: the model must be a deepspeed.pipe.PipelineModule (num_stages=1 for no pipelining)")
     _init_distributed(bound)
     check_writable(cfg.checkpoint)
     verify_storage(cfg.checkpoint)
@@ -102,7 +103,7 @@ def _fit_layout(bound: inspect.BoundArguments, cfg: CPSRConfig, attempt: int) ->
     """
     model, directory = bound.arguments["model"], cfg.checkpoint.dir
     config = ds_config(bound)
-    here = world.layout_of(config, dist.get_world_size(), stages_of(model), tensor_parallel_size(model), attempt)
+    here = world.layout_of(config, dist.get_world_size(), model.num_stages, tensor_parallel_size(model), attempt)
     last = world.newest(_gather(world.read_layout(directory), _collective_device()))
     try:
         config, here, change = world.adapt(config, last, here)

@@ -58,6 +58,11 @@ def test_config_path_and_bad_block(tmp_path):
         build(str(path))
 
 
+def test_a_plain_module_is_refused_with_a_clear_error(tmp_path):
+    with pytest.raises(TypeError, match="must be a deepspeed.pipe.PipelineModule"):
+        cpsr_ds.initialize(model=torch.nn.Linear(2, 2), config=tiny_config(tmp_path, stages=1))
+
+
 def test_the_pipeline_engine_commits_a_checkpoint_before_its_optimizer_step(tmp_path):
     """The snapshot must be complete before the optimizer overwrites what it copies."""
     engine, *_ = build(tiny_config(tmp_path / "run", stages=1))

@@ -274,4 +274,4 @@ def process_group():
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     deepspeed.init_distributed(dist_backend="gloo")
     yield
-    deepspeed.comm.destroy_process_group()  # torch's, and the groups DeepSpeed cached from it
+    torch.distributed.destroy_process_group()

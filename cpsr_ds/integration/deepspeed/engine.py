@@ -1,8 +1,6 @@
 """The pipeline engine ``cpsr_ds.initialize`` builds: DeepSpeed's ``PipelineEngine`` with CPSR's runtime
 (``engine.cpsr``) called around each iteration, its checkpoints committed before the optimizer steps, and
-the predictor's work run in the pipeline's bubbles; and :class:`CPSREngine`, what it shares with the plain
-engine (plain_engine.py): checkpoints with the random-number state, the optimizer step under the survivor
-dump's lock, the bounded end.
+the predictor's work run in the pipeline's bubbles.
 
 Checked against DeepSpeed 0.19.8 (runtime/engine.py DeepSpeedEngine, runtime/pipe/engine.py PipelineEngine):
 each override of a private method names the one it replaces.
@@ -11,7 +9,6 @@ each override of a private method names the one it replaces.
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
 from functools import partial
 from typing import TYPE_CHECKING, Optional
 
@@ -29,9 +26,7 @@ if TYPE_CHECKING:
     from cpsr_ds.runtime.runtime import Runtime
 
 
-class CPSREngine:
-    """What CPSR adds to any DeepSpeed engine; mixed in before DeepSpeed's engine class."""
-
+class CPSRPipelineEngine(PipelineEngine):
     # The only attribute CPSR sets on an engine; None until initialize attaches it.
     cpsr: Optional[Runtime] = None
 
@@ -79,20 +74,6 @@ class CPSREngine:
                 if runtime is not None:
                     runtime.close()
 
-    @contextmanager
-    def _iteration_part(self, name: str):
-        """Around a part of an iteration (``name``): a peer's death shows here as a gloo error, from then on no
-        wait at exit is for other ranks, and the survivor dump writes the last completed iteration's state."""
-        with exiting.marks_failure(name):
-            try:
-                yield
-            except Exception as err:
-                self.cpsr.failed(f"{type(err).__name__} in {name}: {err}")
-                raise
-
-
-class CPSRPipelineEngine(CPSREngine, PipelineEngine):
-
     def _coordinator(self):
         """Where the predictor's work goes in the pipeline's bubbles; None where it does not."""
         return None if self.cpsr is None else self.cpsr.work.coordinator
@@ -122,10 +103,15 @@ class CPSRPipelineEngine(CPSREngine, PipelineEngine):
         self._bubble_ended()
 
     def train_batch(self, data_iter=None):
-        with self._iteration_part("train_batch"):
-            self.cpsr.before_iteration()
-            loss = super().train_batch(data_iter)
-            self.cpsr.after_iteration(self, float(loss))
+        # A peer's death shows here as a gloo error: from then on no wait at exit is for other ranks.
+        with exiting.marks_failure("train_batch"):
+            try:
+                self.cpsr.before_iteration()
+                loss = super().train_batch(data_iter)
+                self.cpsr.after_iteration(self, float(loss))
+            except Exception as err:
+                self.cpsr.failed(f"{type(err).__name__} in train_batch: {err}")
+                raise
         return loss
 
     def _get_all_ckpt_names(self, checkpoints_path, tag):

@@ -6,10 +6,7 @@ partition: utils/mixed_precision_linkage.py and utils/tensor_fragment.py, ``lp_f
 ``optim_fragment``); the ZeRO-1/2 optimizer's ``_lazy_init_hp_params_optimizer_state`` and
 ``_hp_optimizer_states_linked`` (runtime/zero/stage_1_and_2.py and runtime/bf16_optimizer.py), its
 ``parallel_partitioned_bit16_groups``, ``single_partition_of_fp32_groups`` and ``real_dp_process_group``
-(runtime/zero/stage_1_and_2.py DeepSpeedZeroOptimizer.__init__); ``update_lp_params`` (both optimizers). Under
-ZeRO-3 (runtime/zero/stage3.py DeepSpeedZeroOptimizer_Stage3): a parameter's ``ds_tensor`` (this rank's partition,
-``ds_numel`` elements of ``ds_shape`` in all), ``get_local_fp32_param`` (its fp32 partition and moments, views of
-the sub-group's flat partition) and ``_reassign_or_swap_out_partitioned_parameters`` (what each step does after).
+(runtime/zero/stage_1_and_2.py DeepSpeedZeroOptimizer.__init__); ``update_lp_params`` (both optimizers).
 """
 
 from __future__ import annotations
@@ -19,7 +16,6 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.lr_schedules import LRRangeTest, OneCycle, WarmupCosineLR, WarmupLR
 from deepspeed.utils import (
     safe_get_full_fp32_param,
@@ -42,42 +38,8 @@ def base_optimizer(engine):
 
 
 def partitioned(engine) -> bool:
-    """ZeRO-1/2 and bf16 keep fp32 masters and moments in partitions behind ``_hp_mapping``; ZeRO-3 in its
-    sub-groups' flat partitions (:func:`zero3`)."""
-    return zero3(engine) or any(hasattr(p, "_hp_mapping") for p in engine.module.parameters())
-
-
-def zero3(engine) -> bool:
-    """ZeRO-3: each rank holds its partition of every parameter, the module's own tensors are empty."""
-    return isinstance(engine.optimizer, DeepSpeedZeroOptimizer_Stage3)
-
-
-def param_shape(p: torch.Tensor) -> torch.Size:
-    """A parameter's whole shape, where ZeRO-3 has partitioned it too (the module's tensor then is empty)."""
-    return getattr(p, "ds_shape", p.shape)
-
-
-def fragment_of(engine, p) -> tuple[int, int, torch.dtype]:
-    """(start, numel, dtype): where this rank's fp32 fragment of a partitioned ``p`` lies in the flattened
-    parameter, from the parameters alone (a restart asks before the optimizer holds any state)."""
-    if zero3(engine):
-        size = p.ds_tensor.ds_numel
-        start = data_parallel(engine).rank * size
-        return start, max(0, min(size, p.ds_numel - start)), torch.float32
-    mapping = p._hp_mapping
-    if mapping is None:
-        return 0, 0, torch.get_default_dtype()
-    return mapping.lp_fragment_address.start, mapping.lp_fragment_address.numel, mapping.hp_fragment.dtype
-
-
-def _zero3_fragment(engine, p) -> tuple[int, int, dict[str, torch.Tensor]]:
-    """(start, numel, parts): this rank's ZeRO-3 partition of ``p`` in the flattened parameter, its fp32 master
-    and moments (views, the partition's padding cut off). A KeyError before the first step made the moments."""
-    optimizer = engine.optimizer
-    start, numel, _ = fragment_of(engine, p)
-    parts = {"param": optimizer.get_local_fp32_param(p),
-             **{kind: optimizer.get_local_fp32_param(p, kind) for kind in MOMENTS}}
-    return start, numel, {kind: t.narrow(0, 0, numel) for kind, t in parts.items()}
+    """ZeRO-1/2 and bf16 keep fp32 masters and moments in partitions behind ``_hp_mapping``."""
+    return any(hasattr(p, "_hp_mapping") for p in engine.module.parameters())
 
 
 def _link_partitions(engine) -> None:
@@ -132,36 +94,31 @@ def local_state(engine) -> tuple[dict[str, torch.Tensor], dict[str, tuple[int, i
             for kind in MOMENTS:
                 state[f"{kind}/{name}"] = opt_state[p][kind].detach()
         return state, fragments
-    if not zero3(engine) and any(p._hp_mapping is not None and p._hp_mapping.optim_fragment is None
-                                 for p in engine.module.parameters()):
+    if any(p._hp_mapping is not None and p._hp_mapping.optim_fragment is None for p in engine.module.parameters()):
         _link_partitions(engine)
     for name, p in engine.module.named_parameters():
-        start, numel, parts = _zero3_fragment(engine, p) if zero3(engine) else _hp_fragment(p)
-        whole = start == 0 and numel == param_shape(p).numel()
+        mapping = p._hp_mapping
+        if mapping is None:
+            start, numel, parts = 0, 0, {k: torch.empty(0) for k in ("param", *MOMENTS)}
+        else:
+            start, numel = mapping.lp_fragment_address.start, mapping.lp_fragment_address.numel
+            try:
+                parts = {"param": mapping.get_hp_fragment(), **{k: mapping.get_hp_fragment(k) for k in MOMENTS}}
+            except ValueError as err:  # DeepSpeed's words for a moment no optimizer step has made yet
+                raise KeyError(str(err)) from err
+        whole = start == 0 and numel == p.numel()
         for kind, t in parts.items():
-            state[f"{kind}/{name}"] = t.detach().view(param_shape(p)) if whole else t.detach()
+            state[f"{kind}/{name}"] = t.detach().view(p.shape) if whole else t.detach()
         if not whole:
             fragments[name] = (start, numel)
     return state, fragments
-
-
-def _hp_fragment(p) -> tuple[int, int, dict[str, torch.Tensor]]:
-    """(start, numel, parts): this rank's ZeRO-1/2 or bf16 fragment of ``p`` behind its ``_hp_mapping``."""
-    mapping = p._hp_mapping
-    if mapping is None:
-        return 0, 0, {k: torch.empty(0) for k in ("param", *MOMENTS)}
-    try:
-        parts = {"param": mapping.get_hp_fragment(), **{k: mapping.get_hp_fragment(k) for k in MOMENTS}}
-    except ValueError as err:  # DeepSpeed's words for a moment no optimizer step has made yet
-        raise KeyError(str(err)) from err
-    return mapping.lp_fragment_address.start, mapping.lp_fragment_address.numel, parts
 
 
 def replica_weights(engine) -> dict[str, torch.Tensor] | None:
     """The module's whole weights by parameter name (live tensors), where a data-parallel peer that lost its state
     needs them: under ZeRO-1/2 (and bf16) every replica holds the module's weights whole but only its own partition
     of the fp32 masters and moments. None where the rank's own state already is whole, or it has no replica."""
-    if not partitioned(engine) or zero3(engine) or data_parallel(engine).size == 1:
+    if not partitioned(engine) or data_parallel(engine).size == 1:
         return None
     return {name: p.detach() for name, p in engine.module.named_parameters()}
 
@@ -180,16 +137,15 @@ def load_local_state(engine, state: dict[str, torch.Tensor], fragments: dict[str
             return
         _link_partitions(engine)
         for name, p in engine.module.named_parameters():
-            if not zero3(engine) and p._hp_mapping is None:
+            mapping = p._hp_mapping
+            if mapping is None:
                 continue
-            start, numel, parts = _zero3_fragment(engine, p) if zero3(engine) else _hp_fragment(p)
-            if fragments.get(name, (0, param_shape(p).numel())) != (start, numel):
-                saved = fragments.get(name, (0, param_shape(p).numel()))
+            start, numel = fragments.get(name, (0, p.numel()))
+            if (start, numel) != (mapping.lp_fragment_address.start, mapping.lp_fragment_address.numel):
                 raise ValueError(f"cpsr recovery: rank {engine.global_rank}'s saved fragment of {name} is "
-                                 f"[{saved[0]}, {saved[0] + saved[1]}), its partition now holds another")
-            if numel == 0:  # a ZeRO-3 partition of padding only: own_share leaves it out
-                continue
-            for kind, fragment in parts.items():
+                                 f"[{start}, {start + numel}), its partition now holds another")
+            for kind in ("param", *MOMENTS):
+                fragment = mapping.get_hp_fragment() if kind == "param" else mapping.get_hp_fragment(kind)
                 fragment.copy_(state[f"{kind}/{name}"].reshape(fragment.shape))
     update_weights(engine)
 
@@ -204,10 +160,6 @@ def update_weights(engine) -> None:
     of the predictor's history. A broadcast of a dense tensor needs none.
     """
     optimizer = engine.optimizer
-    if zero3(engine):
-        for sub_group in range(len(optimizer.fp32_partitioned_groups_flat)):
-            optimizer._reassign_or_swap_out_partitioned_parameters(sub_group)
-        return
     if not isinstance(optimizer, DeepSpeedZeroOptimizer) or engine.device.type != "cpu":
         optimizer.update_lp_params()
         return
@@ -290,7 +242,7 @@ def load_own_share(engine, own: dict[str, torch.Tensor]) -> None:
 
 def state_shapes(engine) -> dict[str, tuple[int, ...]]:
     """The shape of every tensor :func:`engine_state` gives, by key."""
-    return {f"{kind}/{name}": tuple(param_shape(p)) for name, p in engine.module.named_parameters()
+    return {f"{kind}/{name}": tuple(p.shape) for name, p in engine.module.named_parameters()
             for kind in ("param", *MOMENTS)}
 
 

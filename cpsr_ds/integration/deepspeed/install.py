@@ -25,7 +25,6 @@ from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
 from cpsr_ds.checkpoint.engines.factory import create_engine
 from cpsr_ds.config import CPSRConfig
 from cpsr_ds.integration.deepspeed.engine import CPSRPipelineEngine
-from cpsr_ds.integration.deepspeed.plain_engine import CPSRPlainEngine
 
 
 def ds_config(bound: inspect.BoundArguments) -> dict:
@@ -70,21 +69,20 @@ def deepspeed_factory(cfg, *, attempt: int = 0, min_keep: int = 1) -> Callable[.
 
 @contextmanager
 def installed(cfg: CPSRConfig, attempt: int):
-    """Our engine classes and checkpoint engine, for one ``deepspeed.initialize`` call.
+    """Our engine class and checkpoint engine, for one ``deepspeed.initialize`` call.
 
-    DeepSpeed 0.19.8, __init__.py initialize looks ``PipelineEngine`` and ``DeepSpeedEngine`` up in the deepspeed
-    module at call time, and runtime/engine.py imports ``create_checkpoint_engine`` into its own namespace, where
-    the engine finds it.
+    DeepSpeed 0.19.8, __init__.py initialize looks ``PipelineEngine`` up in the deepspeed module at call time,
+    and runtime/engine.py imports ``create_checkpoint_engine`` into its own namespace, where the engine finds it.
     """
-    original = deepspeed.PipelineEngine, deepspeed.DeepSpeedEngine, ds_engine.create_checkpoint_engine
-    deepspeed.PipelineEngine, deepspeed.DeepSpeedEngine = CPSRPipelineEngine, CPSRPlainEngine
+    original = deepspeed.PipelineEngine, ds_engine.create_checkpoint_engine
+    deepspeed.PipelineEngine = CPSRPipelineEngine
     # Freeing space on a full disk must leave the predictor its history.
     ds_engine.create_checkpoint_engine = deepspeed_factory(cfg.checkpoint, attempt=attempt,
                                                            min_keep=cfg.predictor.history)
     try:
         yield
     finally:
-        deepspeed.PipelineEngine, deepspeed.DeepSpeedEngine, ds_engine.create_checkpoint_engine = original
+        deepspeed.PipelineEngine, ds_engine.create_checkpoint_engine = original
 
 
 def release_shm_allreduce_name(rank: int) -> None:

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from deepspeed.runtime.pipe.module import PipelineModule
-
 
 class Place(NamedTuple):
     """This rank's place in the job."""
@@ -29,15 +27,7 @@ def place_of(engine) -> Place:
     return Place(engine.global_rank, engine.world_size, engine.stage_id, engine.num_stages, measuring, stages)
 
 
-def stages_of(model) -> int:
-    """The pipeline stages of ``model``: one for a model that is not a ``PipelineModule`` (the plain engine)."""
-    return model.num_stages if isinstance(model, PipelineModule) else 1
-
-
 def tensor_parallel_size(model) -> int:
-    """The tensor-parallel degree of a pipeline ``model`` (1 where its topology has no "model" axis, and for a
-    model that is not a ``PipelineModule``)."""
-    if not isinstance(model, PipelineModule):
-        return 1
+    """The tensor-parallel degree of a pipeline ``model`` (1 where its topology has no "model" axis)."""
     topology = model._topo
     return topology.get_dim("model") if "model" in topology.get_axis_names() else 1
