@@ -15,7 +15,7 @@ every predictor's (chosen in hindsight); regret = the default's lag - the oracle
 ``mean_regret_over_d`` (mean and 95 % interval), ``guard_violations`` (failures whose final loss excess is above
 ``recovery.max_loss_excess``), ``default_reduction`` and ``oracle_reduction`` (1 - lag / d), and per failure the
 lag the default's decision estimated beside the lag its predictor measured. Each workload's cases are appended to
-``<json>.cases.jsonl`` as it ends; ``--resume`` skips the workloads there.
+``bench_control[_quick].cases.jsonl`` in ``--out-dir`` as it ends; ``--resume`` skips the workloads there.
 """
 
 from __future__ import annotations
@@ -145,8 +145,9 @@ def main(argv=None) -> None:
     start = time.time()
     with open(args.workloads) as f:
         workloads = json.load(f)
-    cases_path = (args.json or os.path.join(args.out_dir, "bench_control")) + ".cases.jsonl"
-    os.makedirs(os.path.dirname(cases_path), exist_ok=True)
+    # Beside the runs, not the results: --resume reads it, the JSON holds every failure's figures.
+    cases_path = os.path.join(args.out_dir, "bench_control_quick.cases.jsonl" if args.quick else "bench_control.cases.jsonl")
+    os.makedirs(args.out_dir, exist_ok=True)
     if not args.resume and os.path.exists(cases_path):
         os.remove(cases_path)
     done = read_done(cases_path)
