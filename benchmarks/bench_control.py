@@ -146,7 +146,7 @@ def main(argv=None) -> None:
     with open(args.workloads) as f:
         workloads = json.load(f)
     # Beside the runs, not the results: --resume reads it, the JSON holds every failure's figures.
-    cases_path = os.path.join(args.out_dir, "bench_control_quick.cases.jsonl" if args.quick else "bench_control.cases.jsonl")
+    cases_path = os.path.join(args.out_dir, f"bench_control{'_quick' * args.quick}.cases.jsonl")
     os.makedirs(args.out_dir, exist_ok=True)
     if not args.resume and os.path.exists(cases_path):
         os.remove(cases_path)
