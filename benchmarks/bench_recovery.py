@@ -108,8 +108,8 @@ from benchmarks.common import recovery_jobs  # noqa: E402
 from benchmarks.common.paths import ROOT, with_default_outputs  # noqa: E402
 from benchmarks.common.processes import free_port  # noqa: E402
 from benchmarks.common.recovery_cases import (  # noqa: E402
-    Case, ds_config, estimate, evaluation_points, failures, interval, pct, print_cases, recomputed,
-    reduction_summary, reference_fit)
+    SCHEDULES, Case, ds_config, estimate, evaluation_points, failures, interval, pct, print_cases, recomputed,
+    reduction_summary, reference_fit, user_scheduler)
 
 PREDICTORS = tuple(predictor.PREDICTORS)
 NEVER = 10**9  # a checkpoint interval that never comes: recovered runs write no checkpoints
@@ -154,6 +154,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="DeepSpeed config: optimizer and warmup (the pipeline is one stage, one process)")
     p.add_argument("--cos-min-ratio", type=float, default=0.1,
                    help="the learning rate decays along a cosine over the reference's length to this share of its peak")
+    p.add_argument("--schedule", choices=SCHEDULES, default="cosine",
+                   help="the learning-rate schedule after the config's warm-up: cosine (to --cos-min-ratio), linear "
+                   "(DeepSpeed's WarmupDecayLR, to 0), constant (WarmupLR), wsd (warmup-stable-decay: a torch LambdaLR "
+                   "decaying linearly to 0 over the last 20 %%, passed to initialize as a user's own scheduler)")
+    p.add_argument("--lr", type=float, help="the peak learning rate (default: the config's)")
     model = p.add_argument_group("model (defaults: a GPT small enough for many runs on 2 cores)")
     model.add_argument("--num-layers", type=int, default=2)
     model.add_argument("--hidden-size", type=int, default=64)
@@ -185,7 +190,8 @@ class Seed:
         config = ds_config(args, self.ref_dir, Tc, self.train_iters,
                            {"predictor": {"name": "vitp", "history": 8, "train_budget_s": None,
                                           "train_steps": args.vitp_steps}})
-        self.engine, *_ = cpsr_ds.initialize(model=model, model_parameters=model.parameters(), config=config)
+        self.engine, *_ = cpsr_ds.initialize(model=model, model_parameters=model.parameters(), config=config,
+                                             lr_scheduler=user_scheduler(args, self.train_iters))
         self.batches = Batches(*corpus, seq_length=args.seq_length, micro_batch=args.micro_batch, grad_accum=1,
                                seed=seed, valid_sequences=args.valid_sequences)
         # One stage: evaluation takes micro-batches of any size, and larger ones run faster.

@@ -274,6 +274,12 @@ class PlannerConfig(_Strict):
         50, gt=0, description="Iterations between checkpoints with checkpoint.interval auto, until the first "
         "checkpoint's costs have been measured.")
     max_interval: int = Field(10_000, gt=0, description="The longest interval auto plans, iterations.")
+    train_iters: Optional[int] = Field(
+        None, gt=0,
+        description="The run's planned length in iterations, for a learning-rate scheduler that does not say it "
+        "(torch's LambdaLR, which Hugging Face's schedules are): a lag a prediction leaves counts by how much of the "
+        "decaying schedule is still ahead, read up to this end. DeepSpeed's decaying schedules say it "
+        "(total_num_steps); with neither, a decaying schedule's end is unknown and recovery recomputes.")
 
 
 class CoordinatorConfig(_Strict):

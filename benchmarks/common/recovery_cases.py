@@ -7,6 +7,8 @@ import json
 import math
 from dataclasses import dataclass, field
 
+import torch
+
 from benchmarks.common.lag import Unmeasurable, late_lag, transient
 from benchmarks.common.lag import summarize as summarize_values
 from cpsr_ds.planning.fitter import fit_curve
@@ -43,19 +45,56 @@ class Case:
     lost: int | None = None
 
 
+SCHEDULES = ("cosine", "linear", "constant", "wsd")
+WSD_DECAY = 0.2  # the share of the run a warmup-stable-decay schedule decays over, at its end
+
+
 def ds_config(args, run_dir: str, interval: int, train_iters: int, cpsr: dict) -> dict:
+    """The config of a one-stage run: ``args``'s model batch, schedule (``args.schedule``, default cosine) and peak
+    learning rate (``args.lr``, default the config's), the checkpoint every ``interval``, and the ``cpsr`` block."""
     with open(args.config) as f:
         config = json.load(f)
     config.pop("gpt", None)
     config.update(train_micro_batch_size_per_gpu=args.micro_batch, gradient_accumulation_steps=1)
+    lr = getattr(args, "lr", None) or config["optimizer"]["params"]["lr"]
+    config["optimizer"]["params"]["lr"] = lr
+    warmup = config.get("scheduler", {}).get("params", {}).get("warmup_num_steps", 0)
+    schedule = getattr(args, "schedule", "cosine")
     # GPT training decays the learning rate, and a run that ends at a low rate is what a
     # user's final validation loss is measured on.
-    warmup = config.get("scheduler", {}).get("params", {}).get("warmup_num_steps", 0)
-    config["scheduler"] = {"type": "WarmupCosineLR", "params": {
-        "total_num_steps": train_iters, "warmup_num_steps": warmup, "cos_min_ratio": args.cos_min_ratio}}
+    config["scheduler"] = {
+        "cosine": {"type": "WarmupCosineLR", "params": {
+            "total_num_steps": train_iters, "warmup_num_steps": warmup, "cos_min_ratio": args.cos_min_ratio}},
+        "linear": {"type": "WarmupDecayLR", "params": {
+            "total_num_steps": train_iters, "warmup_num_steps": warmup, "warmup_max_lr": lr}},
+        "constant": {"type": "WarmupLR", "params": {"warmup_num_steps": warmup, "warmup_max_lr": lr}},
+        "wsd": None,  # the user's own LambdaLR: user_scheduler
+    }[schedule]
+    if config["scheduler"] is None:
+        del config["scheduler"]
     config["pipeline"] = {"stages": 1}
     config["cpsr"] = {"checkpoint": {"dir": run_dir, "interval": interval, "keep_last": 10**6}, **cpsr}
+    if schedule == "wsd":  # a LambdaLR does not say where it ends
+        config["cpsr"]["planner"] = {**config["cpsr"].get("planner", {}), "train_iters": train_iters}
     return config
+
+
+def user_scheduler(args, train_iters: int):
+    """For ``--schedule wsd``, the scheduler a user passes to initialize: a function of the optimizer giving a
+    LambdaLR that warms up linearly over the config's warm-up, holds, and decays linearly to 0 over the last
+    WSD_DECAY of the run; None for the schedules the config's "scheduler" block makes."""
+    if getattr(args, "schedule", "cosine") != "wsd":
+        return None
+    with open(args.config) as f:
+        warmup = max(1, json.load(f).get("scheduler", {}).get("params", {}).get("warmup_num_steps", 1))
+    decay_from = int(train_iters * (1 - WSD_DECAY))
+
+    def factor(k: int) -> float:
+        if k < warmup:
+            return (k + 1) / warmup
+        return 1.0 if k < decay_from else max(0.0, (train_iters - k) / (train_iters - decay_from))
+
+    return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def evaluation_points(d: int) -> list[int]:

@@ -21,6 +21,10 @@ MEASURED_REDUCTION = {"trend": 0.690, "linear": 0.484, "vitp": 0.407, "ridge": 0
 # flat end of the schedule needs more than d iterations to make up, a late one less
 # (python -m benchmarks.early_prediction, benchmarks/results/early_prediction/early_prediction.txt).
 END_OF_TRAINING_REDUCTION = {"trend": ((0.25, -0.343), (0.50, 0.615), (0.75, 0.906))}
+# The schedule they were measured under: WarmupCosineLR to this share of the peak rate (bench_recovery's
+# --cos-min-ratio default; its 20 warm-up iterations left out). cost_model reads each place as the share of the
+# learning-rate area still ahead there (lr_schedule.py), which other schedules are compared by.
+END_OF_TRAINING_COS_MIN_RATIO = 0.1
 
 # The loss-excess guard's lag over the empirical model's estimate (cost_model.recovery_choice): the measured lag
 # over (1 - rho) d, rho as above, is at most 1.63 in 90 % of the 216 predicting cases of the six predictors in

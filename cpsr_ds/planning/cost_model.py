@@ -11,7 +11,7 @@ behind one interface, ``model.estimate(f, c, predictor) -> Estimate``:
   T_c, the spacing the fit scaled the held-out errors to;
 - :class:`EmpiricalModel`: T_p = (1 - rho) d, rho per predictor as measured by
   the recovery benchmark (calibration.MEASURED_REDUCTION), times the share of the job's parameters predicted; where the
-  learning rate schedule plans the run's end, rho of the default by the failure's place in it.
+  learning rate decays to a planned end, rho of the default by how much of the schedule is still ahead.
 
 How a failure maps onto the paper's t and T_c. Eq. 10's t is the time on the fits'
 axis (the phase's start as origin in the planner, iteration 0 where the fits are on
@@ -54,9 +54,10 @@ from typing import Callable, Mapping, Optional, Protocol, Sequence
 
 import numpy as np
 
-from cpsr_ds.planning.calibration import END_OF_TRAINING_REDUCTION, MEASURED_REDUCTION
+from cpsr_ds.planning.calibration import END_OF_TRAINING_COS_MIN_RATIO, END_OF_TRAINING_REDUCTION, MEASURED_REDUCTION
 from cpsr_ds.planning.fitter import DISTANCE_EXPONENT, AccuracyFit, LossFit, NoFit, StageCurvature
 from cpsr_ds.planning.fault_tolerance_cost import PbrParams
+from cpsr_ds.planning.lr_schedule import DECAY, UNKNOWN, Shape, remaining_at, warmup_cosine
 
 PREDICT, RECOMPUTE = "predict", "recompute"
 # The predictor that does not predict: c's state taken as the state at f. Recovery falls back to it for a stage
@@ -149,6 +150,14 @@ def paper_model(loss: LossFit | NoFit, accuracy: AccuracyFit | NoFit, curvature:
     return PaperModel(params, accuracy.T_c, exact)
 
 
+def end_of_training_profiles() -> dict[str, tuple[tuple[float, float], ...]]:
+    """calibration.END_OF_TRAINING_REDUCTION as (q, rho): each measured place's share of the learning-rate area
+    still ahead under the schedule it was measured with."""
+    rates = warmup_cosine(1000, END_OF_TRAINING_COS_MIN_RATIO)
+    return {predictor: tuple((remaining_at(rates, place), rho) for place, rho in profile)
+            for predictor, profile in END_OF_TRAINING_REDUCTION.items()}
+
+
 @dataclass(frozen=True)
 class EmpiricalModel:
     """T_p = (1 - rho) d N_p / N, ``reduction``: rho per predictor name; ``share``: N_p / N.
@@ -160,13 +169,13 @@ class EmpiricalModel:
     predicted parameters (Eq. 6), as Eq. 13's x scales with N_p.
     bench_recovery's ``--layouts pp2`` checks the scaling against measured lags.
 
-    ``planned_iterations``: the run's planned length, where its learning rate schedule
-    decays to a planned end (integration.deepspeed.engine_state.planned_iterations). Then a predictor
-    with a profile in ``by_place`` takes rho at the failure's place f / planned_iterations
-    (linear between the measured places, constant beyond them): the lag that counts is the
-    one left at the end of training, which ``reduction`` (measured over [2d, 4d] after f)
-    does not see. Without a planned end (a constant or warm-up-only schedule) rho is
-    ``reduction``'s.
+    ``schedule``: the learning-rate schedule's shape at the failure (planning/lr_schedule.py;
+    None: not known to the caller, taken as constant). The lag that counts is the one left
+    at the end of training, which ``reduction`` (measured over [2d, 4d] after f) does not
+    see. Where the schedule decays, a predictor with a profile in ``by_remaining`` takes rho
+    at q, the share of the run's learning-rate area still ahead (linear between the measured
+    points, constant beyond them); where it stays constant, ``reduction``'s rho holds to the
+    end; a schedule of unknown shape gives no estimate, so recovery recomputes.
 
     ``horizon``: how far ahead the predictor's held-out check predicted (c minus the
     checkpoint before it), the distance rho holds to: bench_recovery measured it at d < T_c.
@@ -180,32 +189,32 @@ class EmpiricalModel:
     reduction: Mapping[str, float] = field(default_factory=lambda: dict(MEASURED_REDUCTION))
     name: str = "empirical"
     share: float = 1.0
-    planned_iterations: Optional[int] = None
+    schedule: Optional[Shape] = None
     horizon: Optional[float] = None
-    by_place: Mapping[str, tuple[tuple[float, float], ...]] = field(
-        default_factory=lambda: dict(END_OF_TRAINING_REDUCTION))
+    by_remaining: Mapping[str, tuple[tuple[float, float], ...]] = field(default_factory=end_of_training_profiles)
 
-    def rho(self, f: float, predictor: str) -> tuple[Optional[float], Optional[float]]:
+    def rho(self, predictor: str) -> tuple[Optional[float], Optional[float]]:
         """(rho, the failure's place in the planned run or None where rho does not depend on it)."""
-        profile = self.by_place.get(predictor)
-        if profile and self.planned_iterations and self.planned_iterations > 0 and math.isfinite(f):
-            place = f / self.planned_iterations
-            places, reductions = zip(*profile)
-            return float(np.interp(place, places, reductions)), place
+        profile = self.by_remaining.get(predictor)
+        if profile and self.schedule is not None and self.schedule.kind == DECAY:
+            remaining, reductions = zip(*sorted(profile))
+            return float(np.interp(self.schedule.remaining, remaining, reductions)), self.schedule.place
         return self.reduction.get(predictor), None
 
     def estimate(self, f: int, c: int, predictor: str) -> Estimate:
         d = _lost(self.name, f, c)
         if isinstance(d, Estimate):
             return d
-        rho, place = self.rho(f, predictor)
+        if self.schedule is not None and self.schedule.kind == UNKNOWN:
+            return Estimate(self.name, None, {"d": d}, f"no end-of-training estimate: {self.schedule.reason}")
+        rho, place = self.rho(predictor)
         if rho is None or not math.isfinite(rho):
             return Estimate(self.name, None, {"d": d},
                             f"no measured reduction for predictor {predictor!r} (known: {', '.join(sorted(self.reduction))})")
         if not 0.0 <= self.share <= 1.0:
             return Estimate(self.name, None, {"d": d, "rho": rho}, f"the share predicted, {self.share}, is not in [0, 1]")
         reach = d / self.horizon if self.horizon and self.horizon > 0 and d > self.horizon else None
-        inputs = {"d": d, "rho": rho, **({} if place is None else {"place": place}),
+        inputs = {"d": d, "rho": rho, **({} if place is None else {"place": place, "remaining": self.schedule.remaining}),
                   **({} if self.share == 1.0 else {"share": self.share}),
                   **({} if reach is None else {"horizon": self.horizon})}
         beyond = 1.0 if reach is None else reach ** (DISTANCE_EXPONENT - 1)
@@ -228,7 +237,8 @@ def _where(estimate: Estimate) -> str:
     the predictor's checked horizon, both."""
     said = []
     if estimate.inputs.get("place") is not None:
-        said.append(f"rho {estimate.inputs['rho']:.2f} at {estimate.inputs['place']:.0%} of the planned run")
+        said.append(f"rho {estimate.inputs['rho']:.2f} at {estimate.inputs['place']:.0%} of the planned run, "
+                    f"{estimate.inputs['remaining']:.0%} of its learning-rate area ahead")
     if estimate.inputs.get("horizon") is not None:
         said.append(f"{estimate.inputs['d']} iterations ahead, beyond the {estimate.inputs['horizon']:g} its "
                     f"held-out check predicted")

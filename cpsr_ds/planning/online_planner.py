@@ -35,6 +35,7 @@ from cpsr_ds.planning.cost_model import (
 )
 from cpsr_ds.planning.fault_tolerance_cost import PbrParams
 from cpsr_ds.planning.fitter import AccuracyFit, LossFit, NoFit, StageCurvature
+from cpsr_ds.planning.lr_schedule import UNKNOWN, Shape
 from cpsr_ds.planning.planner import StageCosts
 
 MIN_T_S = 1e-3  # iterations: a measured slowdown at or below 0 (noise around a free checkpoint)
@@ -102,11 +103,12 @@ def watched(lambda_per_hour: float, stages: Sequence[StageInputs], lag_per_lost_
     return values
 
 
-def place_lag(model: str, predictor: str, iteration: int, planned_iterations: Optional[int]) -> Optional[float]:
-    """1 - rho at ``iteration`` where the empirical model's rho depends on the run's place; None elsewhere."""
+def place_lag(model: str, predictor: str, schedule: Optional[Shape]) -> Optional[float]:
+    """1 - rho where the empirical model's rho depends on how much of the decaying ``schedule`` is ahead; None
+    elsewhere."""
     if model != "empirical":
         return None
-    rho, place = EmpiricalModel(planned_iterations=planned_iterations).rho(iteration, predictor)
+    rho, place = EmpiricalModel(schedule=schedule).rho(predictor)
     return None if place is None else 1.0 - rho
 
 
@@ -155,11 +157,11 @@ class JobInputs:
     failures: int = 0
     hours: float = 0.0
     carried_lag: float = 0.0
-    planned_iterations: Optional[int] = None
+    schedule: Optional[Shape] = None  # the learning-rate schedule's shape at ``iteration``
 
     def empirical(self) -> EmpiricalModel:
-        """The empirical model of this run: rho by its place in the planned run where it has a planned end."""
-        return EmpiricalModel(planned_iterations=self.planned_iterations)
+        """The empirical model of this run: rho by how much of its schedule is ahead where the rate decays."""
+        return EmpiricalModel(schedule=self.schedule)
 
 
 @dataclass(frozen=True)
@@ -209,7 +211,8 @@ def _inputs(job: JobInputs, stages: Sequence[StageInputs], lam: Optional[float],
             "tau_T_c": per_stage(lambda s: fitted(s, "T_c")), "xi": per_stage(lambda s: s.xi),
             "N_p": per_stage(lambda s: s.n_p), "relative_error": per_stage(lambda s: s.relative_error),
             "loss_fit": job.loss.reason if not job.loss else "", "carried_lag": job.carried_lag,
-            "planned_iterations": job.planned_iterations}
+            "schedule": job.schedule and job.schedule.kind,
+            "schedule_remaining": job.schedule and job.schedule.remaining}
 
 
 def _stage_costs(stages: Sequence[StageInputs], iteration_time_s: float) -> list[StageCosts]:
@@ -335,7 +338,9 @@ def _plan(job: JobInputs, stages: Sequence[StageInputs], excess_at, lam: float, 
         return recompute("recovery.mode is recompute")
     if job.model == "empirical":
         predictors = [stage_predictor(job, s) for s in stages]
-        rho = [job.empirical().rho(job.iteration, p)[0] for p in predictors]
+        if job.schedule is not None and job.schedule.kind == UNKNOWN:
+            return recompute(f"no end-of-training estimate: {job.schedule.reason}")
+        rho = [job.empirical().rho(p)[0] for p in predictors]
         unmeasured = sorted({p for p, r in zip(predictors, rho) if not _finite(r)})
         if unmeasured:
             return recompute(f"no measured reduction for predictor {unmeasured[0]!r}")

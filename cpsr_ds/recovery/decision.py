@@ -28,8 +28,10 @@ from cpsr_ds.planning.cost_model import (
     recovery_choice,
 )
 from cpsr_ds.planning.fitter import NoFit, StageCurvature, accuracy_fit, fit_loss_o, fit_recent, loss_excess, recent_losses
+from cpsr_ds.planning.lr_schedule import Shape
 from cpsr_ds.recovery.agree import gathered, on_any_rank
-from cpsr_ds.integration.deepspeed.engine_state import advance_counters, data_parallel, load_own_share, planned_iterations
+from cpsr_ds.integration.deepspeed.engine_state import (advance_counters, data_parallel, load_own_share,
+                                                        planned_iterations, schedule_shape)
 from cpsr_ds.recovery.report import RecoveryReport, carried_lag, earlier_reports
 from cpsr_ds.recovery.sources.checkpoint import load_history, restore, stage_history
 from cpsr_ds.recovery.sources.prediction import checkpoint_as_prediction, load_weights, predicted_share
@@ -251,7 +253,7 @@ def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int, curv
                         f"{cfg.recovery.max_relative_error}: {SKIP}, c's state at f")
             predictor = checkpoint_as_prediction(predictor)
         model = recovery_model(cfg.planner.cost_model, cfg.checkpoint.dir, losses, engine.stage_id, predictor.name,
-                               f, c, curvature, share, planned_iterations(engine),
+                               f, c, curvature, share, schedule_shape(engine, f, cfg.planner.train_iters),
                                held_out.horizon if held_out is not None else None)
         carried = carried_lag(earlier_reports(cfg.checkpoint.dir), c)
         choice = recovery_choice(model.estimate(f, c, predictor.name), d, excess_at(losses, f),
@@ -383,7 +385,7 @@ def predicted_share_of_job(engine, predicting: bool) -> float:
 
 def recovery_model(name: str, directory: str, losses: dict[int, float], stage: int, predictor: str, f: int, c: int,
                    curvature: StageCurvature | NoFit, share: float = 1.0,
-                   planned: int | None = None, horizon: int | None = None) -> CostModel:
+                   schedule: Shape | None = None, horizon: int | None = None) -> CostModel:
     """The recovery cost model ``planner.cost_model`` names, for a failure at f restored from checkpoint c.
 
     The paper's (Eq. 13; Eq. 14 for ``paper-eq14``) is built from the run's own records:
@@ -394,12 +396,12 @@ def recovery_model(name: str, directory: str, losses: dict[int, float], stage: i
     were recorded, or one in recovery.mode recompute) or a NoFit leaves the model
     without params, and its estimate says why. The empirical model's is scaled by ``share``,
     the share of the job's parameters predicted (:func:`predicted_share_of_job`); the paper's
-    N_p is the stage's already. ``planned``: the run's planned length (engine_state.planned_iterations),
-    where the empirical model's rho depends on the failure's place in it; ``horizon``: how far ahead
+    N_p is the stage's already. ``schedule``: the learning-rate schedule's shape at f (engine_state.schedule_shape),
+    which the empirical model's end-of-training rho depends on; ``horizon``: how far ahead
     the predictor's held-out check predicted, beyond which the empirical lag grows faster.
     """
     if name == "empirical":
-        return EmpiricalModel(share=share, planned_iterations=planned, horizon=horizon)
+        return EmpiricalModel(share=share, schedule=schedule, horizon=horizon)
     if name not in ("paper", "paper-eq14"):
         raise ValueError(f"planner.cost_model {name!r}: not a recovery cost model (empirical, paper, paper-eq14)")
     rows, problems = read_measurements(directory)

@@ -16,7 +16,7 @@ from typing import NamedTuple, Optional
 from cpsr_ds import runlog
 from cpsr_ds.checkpoint.capture.journal import finished_iterations, journal_path, plausible, read_journal
 from cpsr_ds.config import CPSRConfig
-from cpsr_ds.integration.deepspeed.engine_state import planned_iterations
+from cpsr_ds.integration.deepspeed.engine_state import schedule_shape
 from cpsr_ds.planning.fitter import fit_loss_o, recent_losses
 from cpsr_ds.planning.failure_rate import failure_rate_per_hour, failures, running_hours
 from cpsr_ds.planning.online_planner import (JobInputs, Planned, StageInputs, describe, drift, place_lag, plan,
@@ -81,9 +81,9 @@ class Planning(Hook):
         measured = len(stages) == self.engine.num_stages and all(s.measured for s in stages)
         lambda_per_hour, n, hours = self._failure_rate()
         cfg = self.cfg
-        planned_length = planned_iterations(self.engine)
+        schedule = schedule_shape(self.engine, iteration, cfg.planner.train_iters)
         now = watched(lambda_per_hour, stages,
-                      place_lag(cfg.planner.cost_model, cfg.predictor.name, iteration, planned_length))
+                      place_lag(cfg.planner.cost_model, cfg.predictor.name, schedule))
         phase = max((s.phase for s in stages), default=0)
         moved = drift(self.planned, now, cfg.planner.replan_drift) if self.planned is not None else []
         reason = replan_reason(self.planned, phase, self.planned_phase, measured, moved, start)
@@ -97,7 +97,7 @@ class Planning(Hook):
         job = JobInputs(iteration, lambda_per_hour, fit_loss_o(losses, iteration), cfg.planner.cost_model,
                         cfg.predictor.name, cfg.recovery.mode, cfg.recovery.max_relative_error,
                         cfg.recovery.max_loss_excess, cfg.planner.max_interval, interval, n, hours,
-                        self.history.carried_lag, planned_length)
+                        self.history.carried_lag, schedule)
         # The guard's curve is fitted once: the plan asks it at many intervals.
         planned = plan(job, stages, excess_at(losses, iteration))
         if moved:

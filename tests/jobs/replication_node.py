@@ -24,7 +24,7 @@ from support.checkpoints import checkpoint, config, states
 
 def main(rank: int, port: int, dirs: list[str], lose_at: int) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    cfg = config(dirs[rank], storage="node_local", commit_timeout_s=60.0)
+    cfg = config(dirs[rank], storage="node_local", commit_timeout_s=240.0)
     topology.verify_storage(cfg)
     send_part = replica._send_part
 

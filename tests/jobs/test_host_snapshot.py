@@ -57,6 +57,7 @@ def landed_snapshots(config: dict, rank: int) -> set[int]:
     return {snap.iteration for snap in found if snap is not None}
 
 
+@pytest.mark.serial  # under load the checkpoint of 8 may not commit by the kill at 13, and no snapshot is used then
 def test_a_crashed_process_on_a_surviving_node_resumes_from_the_newest_snapshot_every_rank_holds(tmp_path, shm_path):
     """PP = 2: rank 1 is SIGKILLed after iteration 13 (no dump), checkpoints every 8, host snapshots every 2: the
     restart recomputes from the newest snapshot both ranks hold, that of 12 (or, where the kill came while it was

@@ -7,8 +7,9 @@ import pytest
 
 from cpsr_ds.planning import online_planner as op
 from cpsr_ds.planning import checkpoint_cost, failure_rate, fault_tolerance_cost, planner, units
-from cpsr_ds.planning.calibration import MEASURED_REDUCTION, PESSIMISM
+from cpsr_ds.planning.calibration import END_OF_TRAINING_COS_MIN_RATIO, MEASURED_REDUCTION, PESSIMISM
 from cpsr_ds.planning.fitter import AccuracyFit, LossFit, NoFit
+from cpsr_ds.planning.lr_schedule import shape, warmup_cosine
 from cpsr_ds.planning.planner import StageCosts
 
 
@@ -189,27 +190,42 @@ def test_drift_names_the_inputs_that_moved_beyond_the_threshold():
     assert op.drift(before, {"iteration_time_s": math.nan}, 0.2) == []
 
 
-def test_in_a_run_with_a_planned_end_the_lag_per_lost_iteration_is_watched():
-    def watched_at(iteration, model="empirical", predictor="trend", planned=2000):
-        return op.watched(0.08, [stage()], op.place_lag(model, predictor, iteration, planned))
+COSINE = warmup_cosine(2000, END_OF_TRAINING_COS_MIN_RATIO)
 
-    assert watched_at(1000)["lag_per_lost_iteration"] == pytest.approx(1 - 0.615)
-    # 1 - rho falls from 0.385 at 50 % of the run to 0.327 at 55 % (15 %) and 0.269 at 60 % (30 %).
-    assert op.drift(watched_at(1000), watched_at(1100), 0.2) == []
+
+def cosine_at(iteration: int):
+    """The shape at ``iteration`` of a 2000-iteration cosine decay to 10 % (the end-of-training profile's own)."""
+    return shape(COSINE[:iteration], COSINE[iteration:])
+
+
+def test_in_a_run_with_a_planned_end_the_lag_per_lost_iteration_is_watched():
+    def watched_at(iteration, model="empirical", predictor="trend", schedule=cosine_at):
+        return op.watched(0.08, [stage()], op.place_lag(model, predictor, schedule(iteration)))
+
+    assert watched_at(1000)["lag_per_lost_iteration"] == pytest.approx(1 - 0.615, rel=1e-3)
+    # 1 - rho falls from 0.385 at 50 % of the run to 0.344 at 52.5 % (11 %) and 0.239 at 60 % (38 %).
+    assert op.drift(watched_at(1000), watched_at(1050), 0.2) == []
     assert [m.split()[0] for m in op.drift(watched_at(1000), watched_at(1200), 0.2)] == ["lag_per_lost_iteration"]
-    for kw in ({"model": "paper"}, {"predictor": "linear"}, {"planned": None}):
+    for kw in ({"model": "paper"}, {"predictor": "linear"}, {"schedule": lambda i: None},
+               {"schedule": lambda i: shape([1.0] * i, [1.0] * 10)}):
         assert "lag_per_lost_iteration" not in watched_at(1000, **kw), kw
 
 
 def test_a_run_with_a_planned_end_plans_for_recomputing_early_and_for_predicting_later():
     recompute = op.plan(job(mode="recompute"), [stage()])
-    early = op.plan(job(iteration=500, planned_iterations=2000), [stage()])
+    early = op.plan(job(iteration=500, schedule=cosine_at(500)), [stage()])
     assert early.recovery == "recompute" and early.T_c == recompute.T_c
-    assert "(rho -0.34 at 25% of the planned run)" in early.fallback and early.inputs["planned_iterations"] == 2000
-    middle, late = (op.plan(job(iteration=i, planned_iterations=2000), [stage()]) for i in (1000, 1500))
+    assert "(rho -0.34 at 25% of the planned run, 57% of its learning-rate area ahead)" in early.fallback
+    assert early.inputs["schedule"] == "decay" and early.inputs["schedule_remaining"] == pytest.approx(0.566, abs=1e-3)
+    middle, late = (op.plan(job(iteration=i, schedule=cosine_at(i)), [stage()]) for i in (1000, 1500))
     assert middle.recovery == late.recovery == "predict"
-    assert middle.inputs["rho"] == [0.615] and late.inputs["rho"] == [0.906]
+    assert middle.inputs["rho"] == [pytest.approx(0.615, abs=1e-3)] and late.inputs["rho"] == [0.906]
     assert recompute.T_c < middle.T_c < late.T_c
+
+
+def test_a_schedule_of_unknown_shape_plans_for_recomputing_and_says_why():
+    unknown = op.plan(job(schedule=shape([1.0] * 10, [1.0, 2.0])), [stage()])
+    assert unknown.recovery == "recompute" and "no end-of-training estimate: the rate rises" in unknown.fallback
 
 
 def test_replan_reasons():

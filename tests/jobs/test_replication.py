@@ -50,9 +50,9 @@ def test_a_node_lost_while_replicating_leaves_the_checkpoint_uncommitted_and_the
     t0 = time.monotonic()
     dirs, codes, outputs = run_ranks(tmp_path, lose_at=10)
     assert codes == [0, 3], outputs
-    # Replication broke, so rank 0 ends without waiting for the lost rank to release the store (commit_timeout_s 60):
-    # both processes start, train and end in 5-15 s, longer where other tests' jobs share the cores.
-    assert time.monotonic() - t0 < 40, outputs[0]
+    # Replication broke, so rank 0 ends without waiting for the lost rank to release the store (commit_timeout_s 240):
+    # both processes start, train and end in 5-15 s, 43 s seen at a load average of 15.
+    assert time.monotonic() - t0 < 100, outputs[0]
     # Rank 0's part of global_step10 reached no other node: committing it would promise what losing
     # node 0 could not keep.
     assert records.read_latest(dirs[0]) == "global_step5", outputs[0]

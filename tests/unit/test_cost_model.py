@@ -18,6 +18,8 @@ from cpsr_ds.planning.cost_model import (
 )
 from cpsr_ds.planning.fitter import FLAT, AccuracyFit, LossFit, NoFit, StageCurvature, fit_recent, loss_excess
 from cpsr_ds.planning.fault_tolerance_cost import PbrParams, prediction_deviation
+from cpsr_ds.planning.calibration import END_OF_TRAINING_COS_MIN_RATIO
+from cpsr_ds.planning.lr_schedule import shape, warmup_cosine
 
 P = PbrParams(alpha1=1e-3, alpha2=1.0, tau1=0.5, tau2=-20.0, xi=1e-6, N_p=1e6)
 
@@ -88,29 +90,55 @@ def test_empirical_model_is_one_minus_rho_times_d_per_predictor():
     assert not unknown and "'oracle'" in unknown.reason and "trend" in unknown.reason
 
 
-def test_empirical_model_takes_rho_by_the_failures_place_in_a_run_with_a_planned_end():
-    model = EmpiricalModel(planned_iterations=2000)
-    early, middle, late = (model.estimate(f, f - 100, "trend") for f in (500, 1000, 1500))
-    assert early.lag == pytest.approx(134.3) and early.inputs == {"d": 100, "rho": -0.343, "place": 0.25}
-    assert middle.lag == pytest.approx(38.5) and late.lag == pytest.approx(9.4)
-    # Linear between the measured places, constant beyond them.
-    assert model.estimate(750, 650, "trend").inputs["rho"] == pytest.approx((-0.343 + 0.615) / 2)
-    assert model.estimate(100, 50, "trend").inputs["rho"] == -0.343
-    assert model.estimate(2000, 1950, "trend").inputs["rho"] == 0.906
-    # A predictor with no profile, or a run with no planned end, keeps the rho over [2d, 4d].
-    assert model.estimate(500, 400, "linear").inputs == {"d": 100, "rho": 0.484}
-    assert EmpiricalModel().estimate(500, 400, "trend").inputs == {"d": 100, "rho": 0.69}
-    assert EmpiricalModel(planned_iterations=0).estimate(500, 400, "trend").inputs == {"d": 100, "rho": 0.69}
+def decaying(rates, place):
+    """The shape of the schedule ``rates`` at ``place`` of the run."""
+    f = int(place * len(rates))
+    return shape(rates[:f], rates[f:])
+
+
+COSINE = warmup_cosine(2000, END_OF_TRAINING_COS_MIN_RATIO)  # the schedule the profile was measured under
+
+
+def test_empirical_model_takes_rho_by_the_share_of_a_decaying_schedule_still_ahead():
+    early, middle, late = (EmpiricalModel(schedule=decaying(COSINE, place)).estimate(1000, 900, "trend")
+                           for place in (0.25, 0.5, 0.75))
+    assert early.lag == pytest.approx(134.3, rel=1e-3) and early.inputs["rho"] == pytest.approx(-0.343, abs=1e-3)
+    assert early.inputs["place"] == 0.25 and early.inputs["remaining"] == pytest.approx(0.566, abs=1e-3)
+    assert middle.lag == pytest.approx(38.5, rel=1e-3) and late.lag == pytest.approx(9.4)
+    # Linear between the measured points, constant beyond them.
+    assert EmpiricalModel(schedule=decaying(COSINE, 0.05)).estimate(1000, 900, "trend").inputs["rho"] == -0.343
+    assert EmpiricalModel(schedule=decaying(COSINE, 0.99)).estimate(1000, 900, "trend").inputs["rho"] == 0.906
+    between = EmpiricalModel(schedule=decaying(COSINE, 0.4)).estimate(1000, 900, "trend").inputs["rho"]
+    assert -0.343 < between < 0.615
+    # A linear decay has nearly the same share ahead at the same places; a warmup-stable-decay more of it.
+    linear = [1 - t / 2000 for t in range(2000)]
+    wsd = [1.0 if t < 1600 else 1 - (t - 1600) / 400 for t in range(2000)]
+    for place, rho in ((0.25, -0.343), (0.5, 0.615), (0.75, 0.906)):
+        assert EmpiricalModel(schedule=decaying(linear, place)).rho("trend")[0] == pytest.approx(rho, abs=0.06)
+    assert [EmpiricalModel(schedule=decaying(wsd, place)).rho("trend")[0] < rho
+            for place, rho in ((0.5, 0.615), (0.75, 0.906))] == [True, True]
+    # A predictor with no profile, a constant schedule, or one the caller does not know keeps the rho over [2d, 4d].
+    assert EmpiricalModel(schedule=decaying(COSINE, 0.25)).estimate(500, 400, "linear").inputs == {"d": 100, "rho": 0.484}
+    for schedule in (shape([1.0] * 10, [1.0] * 10), None):
+        assert EmpiricalModel(schedule=schedule).estimate(500, 400, "trend").inputs == {"d": 100, "rho": 0.69}
+
+
+def test_a_schedule_of_unknown_shape_gives_no_estimate_and_says_why():
+    rising = EmpiricalModel(schedule=shape([1.0] * 5, [1.0, 2.0, 1.0])).estimate(500, 400, "trend")
+    assert not rising and rising.reason.startswith("no end-of-training estimate: the rate rises ahead")
+    choice = recovery_choice(rising, 100, lambda lag: 0.0, 0.005, 1.6)
+    assert choice.method == RECOMPUTE and "the rate rises ahead" in choice.reason
 
 
 def test_early_in_a_decaying_run_the_empirical_model_recomputes_and_says_where():
-    model = EmpiricalModel(planned_iterations=2000)
-    early = recovery_choice(model.estimate(500, 450, "trend"), 50, lambda lag: 0.0, 0.005, 1.6)
+    early = recovery_choice(EmpiricalModel(schedule=decaying(COSINE, 0.25)).estimate(500, 450, "trend"), 50,
+                            lambda lag: 0.0, 0.005, 1.6)
     assert early.method == RECOMPUTE
-    assert early.reason == ("empirical estimates a lag of 67.2 iterations (rho -0.34 at 25% of the planned run), "
-                            "not below the 50 recomputing costs")
-    late = recovery_choice(model.estimate(1500, 1450, "trend"), 50, lambda lag: 0.0, 0.005, 1.6)
-    assert late.method == PREDICT and "(rho 0.91 at 75% of the planned run)" in late.reason
+    assert early.reason == ("empirical estimates a lag of 67.1 iterations (rho -0.34 at 25% of the planned run, 57% of "
+                            "its learning-rate area ahead), not below the 50 recomputing costs")
+    late = recovery_choice(EmpiricalModel(schedule=decaying(COSINE, 0.75)).estimate(1500, 1450, "trend"), 50,
+                           lambda lag: 0.0, 0.005, 1.6)
+    assert late.method == PREDICT and "(rho 0.91 at 75% of the planned run, 7% of" in late.reason
 
 
 def test_beyond_the_horizon_the_predictor_was_checked_at_the_empirical_lag_grows_as_the_paper_models():

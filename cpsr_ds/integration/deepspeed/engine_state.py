@@ -29,6 +29,7 @@ from deepspeed.utils import (
 )
 
 from cpsr_ds.planning.fitter import XiSums, xi_sums
+from cpsr_ds.planning.lr_schedule import CONSTANT, UNKNOWN, Shape, shape
 from cpsr_ds.integration.deepspeed.shard import assemble, pack, packed_length, share, unpack
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -353,3 +354,49 @@ def planned_iterations(engine) -> int | None:
     """The training length the LR schedule plans (DeepSpeed's decaying schedules); None: unknown."""
     total = getattr(engine.lr_scheduler, "total_num_steps", None)
     return total if isinstance(total, int) else None
+
+
+# Points at which schedule_shape reads a schedule: enough for its area to a part in a thousand.
+SCHEDULE_SAMPLES = 4096
+
+
+def schedule_shape(engine, f: int, train_iters: int | None) -> Shape:
+    """The learning-rate schedule's shape at iteration ``f`` (planning/lr_schedule.py), read without stepping it.
+
+    Its planned end: DeepSpeed's ``total_num_steps``, else ``train_iters`` (planner.train_iters); DeepSpeed's
+    WarmupLR without either is constant after its warm-up. A rate is read from DeepSpeed's schedules by their
+    batch index (``last_batch_iteration`` set and restored around ``get_lr()``) and from torch's LambdaLR by its
+    lambdas; any other scheduler is unknown.
+    """
+    scheduler = engine.lr_scheduler
+    if scheduler is None:
+        return Shape(CONSTANT)
+    rate = _rate_reader(scheduler)
+    if rate is None:
+        return Shape(UNKNOWN, reason=f"cpsr_ds cannot read the rates of a {type(scheduler).__name__}")
+    end = planned_iterations(engine) or train_iters
+    if end is None and type(scheduler) is WarmupLR:
+        end = max(scheduler.warmup_num_steps, f) + 1
+    if end is None:
+        return Shape(UNKNOWN, reason=f"the planned end of the {type(scheduler).__name__} schedule is not known: "
+                                     "set cpsr.planner.train_iters")
+    stride = max(1, end // SCHEDULE_SAMPLES)
+    rates = [rate(k) for k in range(0, end, stride)]
+    cut = -(-f // stride)
+    return shape(rates[:cut], rates[cut:])
+
+
+def _rate_reader(scheduler):
+    """k -> the first parameter group's rate at batch index k, or None for a scheduler of another kind."""
+    if isinstance(scheduler, INDEXED_SCHEDULERS) or hasattr(scheduler, "last_batch_iteration"):
+        def rate(k):
+            saved = scheduler.last_batch_iteration
+            try:
+                scheduler.last_batch_iteration = k
+                return float(scheduler.get_lr()[0])
+            finally:
+                scheduler.last_batch_iteration = saved
+        return rate
+    if isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+        return lambda k: float(scheduler.base_lrs[0] * scheduler.lr_lambdas[0](k))
+    return None
