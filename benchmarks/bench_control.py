@@ -14,7 +14,11 @@ Per failure: the default's lag and its loss excess at the end; the oracle's lag,
 every predictor's (chosen in hindsight); regret = the default's lag - the oracle's. Per workload and overall:
 ``mean_regret_over_d`` (mean and 95 % interval), ``guard_violations`` (failures whose final loss excess is above
 ``recovery.max_loss_excess``), ``default_reduction`` and ``oracle_reduction`` (1 - lag / d), and per failure the
-lag the default's decision estimated beside the lag its predictor measured. Each workload's cases are appended to
+lag the default's decision estimated beside the lag its predictor measured. The measurement's own noise beside them:
+``skip_lag_over_d``, skip's lag over d (c's state resumed at f: its lag is d up to the batches it skipped, so its
+spread is the protocol's noise), and ``noise_oracle_reduction``, what an oracle choosing in hindsight between
+recomputing and skip "saves" (1 - skip's lag / d where skip measured below d): the share of the oracle's
+reduction noise alone can give a choice between two methods of the same lag. Each workload's cases are appended to
 ``bench_control[_quick].cases.jsonl`` in ``--out-dir`` as it ends; ``--resume`` skips the workloads there.
 """
 
@@ -93,6 +97,7 @@ def failure_rows(cases: list[dict], max_loss_excess: float) -> list[dict]:
                                                          if default["lag_iters"] is not None else None),
                      "final_loss_excess": final, "violation": final is not None and final > max_loss_excess,
                      "estimated_lag": float(estimated.group(1)) if estimated else None,
+                     "skip_lag": candidates.get("skip"),
                      "measured_lag_of_estimate": candidates.get(predictor) if predictor else None})
     return rows
 
@@ -100,11 +105,14 @@ def failure_rows(cases: list[dict], max_loss_excess: float) -> list[dict]:
 def summarize(rows: list[dict]) -> dict:
     """The control's figures over ``rows`` (failure_rows)."""
     measured = [r for r in rows if r["regret"] is not None]
+    skipped = [r for r in rows if r.get("skip_lag") is not None]
     return {"failures": len(rows),
             "mean_regret_over_d": summarize_values([r["regret"] / r["d"] for r in measured], []),
             "guard_violations": sum(r["violation"] for r in rows),
             "default_reduction": summarize_values([1 - r["default_lag"] / r["d"] for r in measured], []),
-            "oracle_reduction": summarize_values([1 - r["oracle_lag"] / r["d"] for r in rows], [])}
+            "oracle_reduction": summarize_values([1 - r["oracle_lag"] / r["d"] for r in rows], []),
+            "skip_lag_over_d": summarize_values([r["skip_lag"] / r["d"] for r in skipped], []),
+            "noise_oracle_reduction": summarize_values([max(0.0, 1 - r["skip_lag"] / r["d"]) for r in skipped], [])}
 
 
 def acceptance(per_workload: dict, overall: dict) -> dict:
@@ -125,10 +133,15 @@ def print_table(per_workload: dict, overall: dict, checks: dict) -> None:
     def pct(s):
         return "      -" if s["mean"] is None else f"{s['mean']:+7.1%}"
 
-    print(f"\n{'workload':28s} {'failures':>8s} {'regret/d':>9s} {'default':>8s} {'oracle':>8s} {'violations':>10s}")
+    def spread(s):
+        return "          -" if s["sd"] is None else f"{s['mean']:4.2f} sd {s['sd']:4.2f}"
+
+    print(f"\n{'workload':30s} {'failures':>8s} {'regret/d':>9s} {'default':>8s} {'oracle':>8s} {'violations':>10s} "
+          f"{'skip lag/d':>12s} {'noise':>7s}")
     for name, s in [*per_workload.items(), ("all", overall)]:
-        print(f"{name:28s} {s['failures']:8d} {pct(s['mean_regret_over_d']):>9s} {pct(s['default_reduction']):>8s} "
-              f"{pct(s['oracle_reduction']):>8s} {s['guard_violations']:10d}")
+        print(f"{name:30s} {s['failures']:8d} {pct(s['mean_regret_over_d']):>9s} {pct(s['default_reduction']):>8s} "
+              f"{pct(s['oracle_reduction']):>8s} {s['guard_violations']:10d} {spread(s['skip_lag_over_d']):>12s} "
+              f"{pct(s['noise_oracle_reduction']):>7s}")
     print(f"\nacceptance: {checks}")
 
 

@@ -138,7 +138,8 @@ def mean_ci95(values) -> tuple[float, float, float]:
 
 
 def summarize(measured, unmeasurable) -> dict:
-    """Median, mean and its 95 % interval of the ``measured`` values; the ``unmeasurable`` cases counted by kind.
+    """Median, mean and its 95 % interval, and standard deviation of the ``measured`` values; the ``unmeasurable``
+    cases counted by kind.
 
     Both the median and the mean: a few extreme cases move the mean and its interval
     far, the median hardly; a reader sees how far they disagree. None where nothing
@@ -146,9 +147,9 @@ def summarize(measured, unmeasurable) -> dict:
     """
     x = [float(v) for v in measured]
     kinds = {kind: list(unmeasurable).count(kind) for kind in sorted(set(unmeasurable))}
-    out = {"median": None, "mean": None, "ci95": None, "measured": len(x),
+    out = {"median": None, "mean": None, "ci95": None, "sd": None, "measured": len(x),
            "unmeasurable": {"count": sum(kinds.values()), "by_reason": kinds}}
     if x:
         mean, lo, hi = mean_ci95(x)
-        out.update(median=float(np.median(x)), mean=mean, ci95=[lo, hi])
+        out.update(median=float(np.median(x)), mean=mean, ci95=[lo, hi], sd=float(np.std(x, ddof=1)) if len(x) > 1 else None)
     return out

@@ -34,6 +34,9 @@ def test_the_oracle_is_the_cheapest_method_in_hindsight_and_regret_the_defaults_
     summary = bc.summarize([first, second])
     assert summary["guard_violations"] == 1 and summary["mean_regret_over_d"]["mean"] == 0.0
     assert summary["oracle_reduction"]["mean"] == pytest.approx((0.6 + 0.0) / 2)
+    # Skip measured 15 of 20 in the first failure: 25 % that a hindsight choice between equal lags "saves".
+    assert first["skip_lag"] == 15.0 and second["skip_lag"] is None
+    assert summary["skip_lag_over_d"]["mean"] == 0.75 and summary["noise_oracle_reduction"]["mean"] == 0.25
 
 
 def test_acceptance_names_the_workloads_where_the_default_saves_less_than_half_the_oracle():
