@@ -3,6 +3,7 @@
 import logging
 import sys
 
+from cpsr_ds.runtime import restart_time  # noqa: F401  (first: a restart's time is counted from this import)
 from cpsr_ds.config import ConfigError, CPSRConfig
 
 # The package's log lines ("cpsr: ...") go to stdout beside DeepSpeed's, whatever the script's logging setup.

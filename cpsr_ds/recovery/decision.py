@@ -39,6 +39,7 @@ from cpsr_ds.recovery.sources.prediction import checkpoint_as_prediction, load_w
 from cpsr_ds.recovery.sources import Ahead, host_snapshot, in_flight, replica, summaries, survivor
 from cpsr_ds.recovery.sources.survivor import dump_at, restore_dump
 from cpsr_ds.recovery.validate import Spec, share_specs
+from cpsr_ds.runtime import restart_time
 from cpsr_ds.runlog import MEASUREMENTS_DIR, held_out_errors, read_measurements
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ def recover(engine, cfg: CPSRConfig, predictor, attempt: int = 0) -> RecoveryRep
     reached = progress.reached
     # Every rank gets the same checkpoints, verified on each node (checkpoint/storage/agreement.py).
     verified = agreed_checkpoints(cfg.checkpoint)
+    restart_time.mark("finding_state")
     full = [ck for ck in verified if ck.full]
     if not full:
         return RecoveryReport("fresh" if reached is None else "restart", reached, None, 0)
@@ -82,6 +84,7 @@ def recover(engine, cfg: CPSRConfig, predictor, attempt: int = 0) -> RecoveryRep
                       "of a rank no longer in the job, or one that lost lines; taking %d", reached, c, c)
             reached = c
         reason = "recovery.mode is recompute" if reached is not None and reached > c else ""
+        restart_time.mark("reading")
         return RecoveryReport("recompute", reached, c, c, reason=reason, sources=ahead_sources(ahead))
     if cfg.checkpoint.per_stage and engine.num_stages > 1:
         return _recover_stages(engine, cfg, predictor, progress, verified, full)
@@ -90,12 +93,14 @@ def recover(engine, cfg: CPSRConfig, predictor, attempt: int = 0) -> RecoveryRep
     # Not exact (Adam's moments are c's), so only here, past recovery.mode recompute.
     ahead = ahead or in_flight.ahead(cfg.checkpoint, engine, newest.iteration or 0, reached)
     survived = survivors(engine, cfg, attempt, reached)
+    restart_time.mark("finding_state")
     history, summary_bytes = _newest_with_summary(engine, cfg, predictor, full, survived.exact)
     if history is None:
         # The predictor learns from the retained checkpoints up to c.
         history, client_state = load_history(engine, directory, full, cfg.predictor.history, predictor.observe)
         load_weights(predictor, client_state)
     bytes_read = sum(gathered(bytes_loaded() - read_before + summary_bytes))
+    restart_time.mark("reading")
     # The newest of the history is c's state, the one the engine holds.
     report = _decide(engine, cfg, predictor, progress, engine.global_steps, history[-1].curvature, attempt=attempt,
                      ahead=ahead, survived=survived)
@@ -220,6 +225,7 @@ def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int, curv
 
     def recompute(reason: str, **numbers) -> RecoveryReport:
         restored = ahead.resume(engine, c) if ahead is not None else c if cut is None else cut.restore()
+        restart_time.mark("reading")
         return RecoveryReport("recompute", f, restored, restored, reason=reason, sources=ahead_sources(ahead),
                               **numbers)
 
@@ -272,6 +278,7 @@ def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int, curv
     # Readiness and the held-out error are each rank's own (its stage, its shard): one
     # rank's reason to recompute is every rank's.
     why = on_any_rank(why)
+    restart_time.mark("prediction")
     if why is not None:
         return recompute(why, **numbers)
     if exact and dump is not None:
@@ -285,6 +292,7 @@ def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int, curv
     elif predicted is not None:
         load_own_share(engine, predicted)
     advance_counters(engine, f - c)
+    restart_time.mark("writing")
     source = (survivor.SOURCE if dump is not None and (exact or weights_from is not None)
               else replica.SOURCE if from_replica else "checkpoint" if predicted is None
               else replica.partial_source(predictor.name) if weights_from is not None else predictor.name)

@@ -36,6 +36,8 @@ class RecoveryReport:
     # PB-R: what every rank read together (checkpoint files and predictor summaries), and c's checkpoint's size
     bytes_read: int | None = None
     checkpoint_bytes: int | None = None
+    # Where this start's time went, seconds by part in order (runtime/restart_time.py), on rank 0
+    seconds: dict[str, float] | None = None
 
     @property
     def lost_iterations(self) -> int:

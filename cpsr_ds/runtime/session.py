@@ -12,6 +12,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+from dataclasses import replace
 
 import deepspeed
 import torch
@@ -29,6 +30,7 @@ from cpsr_ds.runtime.faults import check_kill_rank
 from cpsr_ds.integration.deepspeed.install import ds_config, installed, pass_config, release_shm_allreduce_name
 from cpsr_ds.integration.deepspeed.topology import stages_of, tensor_parallel_size
 from cpsr_ds.recovery import RecoveryReport, append_report
+from cpsr_ds.runtime import restart_time
 from cpsr_ds.runtime.rundir import check_writable, claim
 from cpsr_ds.runtime.runtime import Runtime
 
@@ -43,7 +45,20 @@ def initialize(*args, **kwargs):
         return deepspeed.initialize(*args, **kwargs)
     if bound.arguments.get("model") is None:
         raise TypeError("cpsr_ds.initialize: no model (pass model=...)")
+    with restart_time.clock() as clock:
+        engine, optimizer, dataloader, scheduler = _start(bound, cfg, clock)
+    engine.cpsr.recovery = replace(engine.cpsr.recovery, seconds=clock.seconds)
+    if engine.global_rank == 0:
+        log.info(engine.cpsr.recovery.describe())
+        append_report(cfg.checkpoint.dir, engine.cpsr.recovery)
+        engine.cpsr.monitor.recovery(engine.cpsr.recovery)
+    return engine, optimizer, dataloader, scheduler
+
+
+def _start(bound: inspect.BoundArguments, cfg: CPSRConfig, clock: restart_time.RestartClock) -> tuple:
+    """``deepspeed.initialize``'s engine with CPSR's runtime, recovered; each part's time on ``clock``."""
     _init_distributed(bound)
+    clock.mark("distributed_init")
     check_writable(cfg.checkpoint)
     verify_storage(cfg.checkpoint)
     # Before any engine exists: an exception anywhere in the script bounds its exit (exiting.py).
@@ -52,18 +67,17 @@ def initialize(*args, **kwargs):
     lock = claim(cfg.checkpoint.dir, _collective_device())
     try:
         change = _fit_layout(bound, cfg, lock.attempt)
+        clock.mark("run_directory")
         with installed(cfg, lock.attempt):
             engine, optimizer, dataloader, scheduler = deepspeed.initialize(*bound.args, **bound.kwargs)
         release_shm_allreduce_name(engine.global_rank)
+        clock.mark("deepspeed_init")
         engine.cpsr = Runtime(engine, cfg, lock, world_change=change)
         _retire_departed(cfg.checkpoint.dir, lock.attempt)
+        clock.mark("rest")
     except BaseException:
         lock.release()
         raise
-    if engine.global_rank == 0:
-        log.info(engine.cpsr.recovery.describe())
-        append_report(cfg.checkpoint.dir, engine.cpsr.recovery)
-        engine.cpsr.monitor.recovery(engine.cpsr.recovery)
     return engine, optimizer, dataloader, scheduler
 
 

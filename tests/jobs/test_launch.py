@@ -50,7 +50,13 @@ def assert_recovered(run_dir, output: str) -> float:
     assert reports[1]["resume_iteration"] >= 4, reports[1]  # the checkpoint of iteration 4 was committed
     assert json.dumps({"final_iteration": TRAIN_ITERS, "recovery": reports[1]["method"]}) in output, output[-4000:]
     killed = os.path.getmtime(run_dir / "faults" / f"iteration-{KILL_AT}-rank-1")
-    return os.path.getmtime(run_dir / "recovery.jsonl") - killed
+    restart_s = os.path.getmtime(run_dir / "recovery.jsonl") - killed
+    # The restart's parts, in order, from the new process's creation (after the kill) to the report.
+    seconds = reports[1]["seconds"]
+    parts = ["process_start", "imports", "distributed_init", "run_directory", "deepspeed_init", "finding_state"]
+    assert list(seconds)[:6] == parts and list(seconds)[-1] == "rest" and "reading" in seconds, seconds
+    assert min(seconds.values()) >= 0 and sum(seconds.values()) <= restart_s + 0.05, (seconds, restart_s)
+    return restart_s
 
 
 def test_torchrun_elastic_agents_restart_every_node_and_the_job_recovers(tmp_path):

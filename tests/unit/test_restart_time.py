@@ -1,0 +1,25 @@
+"""runtime/restart_time.py: a start's seconds by part."""
+
+import time
+
+from cpsr_ds.runtime import restart_time
+
+
+def test_a_start_counts_each_part_from_the_end_of_the_last_and_marks_outside_one_do_nothing():
+    restart_time.mark("reading")  # no start in progress: nothing to mark, nothing raised
+    with restart_time.clock() as clock:
+        time.sleep(0.02)
+        restart_time.mark("reading")
+        restart_time.mark("prediction")
+        time.sleep(0.01)
+        restart_time.mark("reading")  # a part met again adds up
+    assert list(clock.seconds) == ["process_start", "imports", "reading", "prediction"]
+    assert clock.seconds["reading"] >= 0.03 and clock.seconds["prediction"] < 0.01
+    restart_time.mark("rest")
+    assert "rest" not in clock.seconds
+
+
+def test_the_process_age_is_the_time_since_this_process_was_created():
+    age = restart_time.process_age_s()
+    assert age is not None and 0 < age < time.time()
+    assert restart_time.RestartClock().seconds["process_start"] <= age
