@@ -36,8 +36,7 @@ class StateRow:
     n_p: the stage's parameters (elements); xi: Eq. 7, mean exp_avg_sq (None: no second
     moment yet); held_out_error: Eq. 9, mean squared error per parameter of the predictor
     ``predictor`` predicting this checkpoint from the older ones it holds (None: too
-    few yet); relative_error: the same as a ratio to not predicting (r of cpsr_ds.recovery); along: the share
-    of the step to this checkpoint that prediction covered (predictor.base.ValidationResult.along).
+    few yet); relative_error: the same as a ratio to not predicting (r of cpsr_ds.recovery).
     """
 
     iteration: int
@@ -49,7 +48,6 @@ class StateRow:
     xi: Optional[float] = None
     held_out_error: Optional[float] = None
     relative_error: Optional[float] = None
-    along: Optional[float] = None
     kind: str = "state"
 
 
@@ -179,11 +177,10 @@ def read_plans(directory: str) -> tuple[list[PlanRow], list[str]]:
     return [r for r in rows if isinstance(r, PlanRow)], problems
 
 
-def held_out_errors(rows, stage: int, predictor: str, upto: Optional[int] = None,
-                    field: str = "held_out_error") -> list[tuple[int, float]]:
-    """(iteration, Eq. 9 error, or the StateRow's ``field``) of ``predictor`` for ``stage`` at its checkpoints up
-    to ``upto``, newest measurement per iteration (a restarted job measures a checkpoint again)."""
-    found = {r.iteration: getattr(r, field) for r in rows
+def held_out_errors(rows, stage: int, predictor: str, upto: Optional[int] = None) -> list[tuple[int, float]]:
+    """(iteration, Eq. 9 error) of ``predictor`` for ``stage`` at its checkpoints up to ``upto``, newest
+    measurement per iteration (a restarted job measures a checkpoint again)."""
+    found = {r.iteration: r.held_out_error for r in rows
              if isinstance(r, StateRow) and r.stage == stage and r.predictor == predictor
-             and getattr(r, field) is not None and (upto is None or r.iteration <= upto)}
+             and r.held_out_error is not None and (upto is None or r.iteration <= upto)}
     return sorted(found.items())

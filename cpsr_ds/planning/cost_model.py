@@ -9,10 +9,9 @@ behind one interface, ``model.estimate(f, c, predictor) -> Estimate``:
   from the fitted PbrParams (alpha1, alpha2 from Eq. 11 over the journal; tau1, tau2 from
   Eq. 8 over the predictor's held-out errors, fitter.accuracy_fit; xi, N_p from Eq. 7) and
   T_c, the spacing the fit scaled the held-out errors to;
-- :class:`EmpiricalModel`: T_p = (1 - rho) d, rho from the run's own held-out checks (planning/evidence.py) or,
-  where the caller has none to give, per predictor as measured by the recovery benchmark
-  (calibration.MEASURED_REDUCTION), times the share of the job's parameters predicted; where the learning rate
-  decays to a planned end, scaled by how much of the schedule is still ahead.
+- :class:`EmpiricalModel`: T_p = (1 - rho) d, rho per predictor as measured by
+  the recovery benchmark (calibration.MEASURED_REDUCTION), times the share of the job's parameters predicted; where the
+  learning rate decays to a planned end, rho of the default by how much of the schedule is still ahead.
 
 How a failure maps onto the paper's t and T_c. Eq. 10's t is the time on the fits'
 axis (the phase's start as origin in the planner, iteration 0 where the fits are on
@@ -56,7 +55,6 @@ from typing import Callable, Mapping, Optional, Protocol, Sequence
 import numpy as np
 
 from cpsr_ds.planning.calibration import END_OF_TRAINING_COS_MIN_RATIO, END_OF_TRAINING_REDUCTION, MEASURED_REDUCTION
-from cpsr_ds.planning.evidence import Evidence
 from cpsr_ds.planning.fitter import DISTANCE_EXPONENT, AccuracyFit, LossFit, NoFit, StageCurvature
 from cpsr_ds.planning.fault_tolerance_cost import PbrParams
 from cpsr_ds.planning.lr_schedule import DECAY, UNKNOWN, Shape, remaining_at, warmup_cosine
@@ -186,12 +184,6 @@ class EmpiricalModel:
     is taken to grow as the paper model's does, as (d / T_c)^DISTANCE_EXPONENT: by
     (d / horizon)^(DISTANCE_EXPONENT - 1) over (1 - rho) d, continuous at d = horizon.
     None: no such bound (the planner's, where failures lie within an interval and a persist).
-
-    ``evidence``: the run's held-out checks of the predictor (planning/evidence.py), whose rho replaces
-    ``reduction``'s, measured on the project's own model, which then serves only where no evidence is given
-    (None). Thin evidence gives no estimate, so recovery recomputes. Under a decaying schedule the profile's
-    ratio of end-of-training lag to window lag, (1 - rho(q)) / (1 - reduction), scales the evidence's lag:
-    the run gives no evidence of how its lag at f carries to the end.
     """
 
     reduction: Mapping[str, float] = field(default_factory=lambda: dict(MEASURED_REDUCTION))
@@ -200,26 +192,14 @@ class EmpiricalModel:
     schedule: Optional[Shape] = None
     horizon: Optional[float] = None
     by_remaining: Mapping[str, tuple[tuple[float, float], ...]] = field(default_factory=end_of_training_profiles)
-    evidence: Optional[Evidence] = None
 
     def rho(self, predictor: str) -> tuple[Optional[float], Optional[float]]:
         """(rho, the failure's place in the planned run or None where rho does not depend on it)."""
-        prior = self.reduction.get(predictor)
-        window = self._evidence_rho(predictor) if self.evidence is not None else prior
         profile = self.by_remaining.get(predictor)
-        if window is None or prior is None or not (profile and self.schedule is not None and self.schedule.kind == DECAY):
-            return window, None
-        remaining, reductions = zip(*sorted(profile))
-        end = float(np.interp(self.schedule.remaining, remaining, reductions))
-        if self.evidence is None:
-            return end, self.schedule.place
-        return 1.0 - (1.0 - window) * (1.0 - end) / (1.0 - prior), self.schedule.place
-
-    def _evidence_rho(self, predictor: str) -> Optional[float]:
-        """rho by the run's evidence: skip's is 0 by construction (c's state covers none of the step)."""
-        if predictor == SKIP:
-            return 0.0
-        return self.evidence.rho if self.evidence.predictor == predictor else None
+        if profile and self.schedule is not None and self.schedule.kind == DECAY:
+            remaining, reductions = zip(*sorted(profile))
+            return float(np.interp(self.schedule.remaining, remaining, reductions)), self.schedule.place
+        return self.reduction.get(predictor), None
 
     def estimate(self, f: int, c: int, predictor: str) -> Estimate:
         d = _lost(self.name, f, c)
@@ -228,10 +208,6 @@ class EmpiricalModel:
         if self.schedule is not None and self.schedule.kind == UNKNOWN:
             return Estimate(self.name, None, {"d": d}, f"no end-of-training estimate: {self.schedule.reason}")
         rho, place = self.rho(predictor)
-        if rho is None and self.evidence is not None and predictor != SKIP:
-            why = (self.evidence.describe() if self.evidence.predictor == predictor
-                   else f"no held-out checks of {predictor} (the evidence is {self.evidence.predictor}'s)")
-            return Estimate(self.name, None, {"d": d}, why)
         if rho is None or not math.isfinite(rho):
             return Estimate(self.name, None, {"d": d},
                             f"no measured reduction for predictor {predictor!r} (known: {', '.join(sorted(self.reduction))})")
@@ -239,8 +215,6 @@ class EmpiricalModel:
             return Estimate(self.name, None, {"d": d, "rho": rho}, f"the share predicted, {self.share}, is not in [0, 1]")
         reach = d / self.horizon if self.horizon and self.horizon > 0 and d > self.horizon else None
         inputs = {"d": d, "rho": rho, **({} if place is None else {"place": place, "remaining": self.schedule.remaining}),
-                  **({} if self.evidence is None or self.evidence.thin else
-                     {"along": self.evidence.mean, "along_stderr": self.evidence.stderr, "checks": len(self.evidence.alongs)}),
                   **({} if self.share == 1.0 else {"share": self.share}),
                   **({} if reach is None else {"horizon": self.horizon})}
         beyond = 1.0 if reach is None else reach ** (DISTANCE_EXPONENT - 1)
@@ -262,10 +236,6 @@ def _where(estimate: Estimate) -> str:
     """Where rho depends on the failure's place in the planned run, that place and its rho; where d is beyond
     the predictor's checked horizon, both."""
     said = []
-    if estimate.inputs.get("along") is not None:
-        rho = "" if estimate.inputs.get("place") is not None else f", rho {estimate.inputs['rho']:.2f}"
-        said.append(f"its last {estimate.inputs['checks']} held-out checks covered {estimate.inputs['along']:.2f} "
-                    f"+- {estimate.inputs['along_stderr']:.2f} of the step{rho}")
     if estimate.inputs.get("place") is not None:
         said.append(f"rho {estimate.inputs['rho']:.2f} at {estimate.inputs['place']:.0%} of the planned run, "
                     f"{estimate.inputs['remaining']:.0%} of its learning-rate area ahead")

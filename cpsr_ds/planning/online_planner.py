@@ -33,7 +33,6 @@ from cpsr_ds.planning.cost_model import (
     paper_model,
     recovery_choice,
 )
-from cpsr_ds.planning.evidence import Evidence
 from cpsr_ds.planning.fault_tolerance_cost import PbrParams
 from cpsr_ds.planning.fitter import AccuracyFit, LossFit, NoFit, StageCurvature
 from cpsr_ds.planning.lr_schedule import UNKNOWN, Shape
@@ -63,7 +62,6 @@ class StageInputs:
     accuracy: AccuracyFit | NoFit | None = None
     relative_error: Optional[float] = None
     phase: int = 0
-    evidence: Optional[Evidence] = None  # the stage's held-out checks of its predictor (planning/evidence.py)
 
     @property
     def measured(self) -> bool:
@@ -105,14 +103,13 @@ def watched(lambda_per_hour: float, stages: Sequence[StageInputs], lag_per_lost_
     return values
 
 
-def place_lag(model: str, predictor: str, schedule: Optional[Shape],
-              run: Optional[Evidence] = None) -> Optional[float]:
+def place_lag(model: str, predictor: str, schedule: Optional[Shape]) -> Optional[float]:
     """1 - rho where the empirical model's rho depends on how much of the decaying ``schedule`` is ahead; None
-    elsewhere (and where the ``run``'s evidence gives no rho)."""
+    elsewhere."""
     if model != "empirical":
         return None
-    rho, place = EmpiricalModel(schedule=schedule, evidence=run).rho(predictor)
-    return None if place is None or rho is None else 1.0 - rho
+    rho, place = EmpiricalModel(schedule=schedule).rho(predictor)
+    return None if place is None else 1.0 - rho
 
 
 def replan_reason(planned: Optional[dict], phase: int, planned_phase: int, measured: bool, drifted: Sequence[str],
@@ -161,12 +158,10 @@ class JobInputs:
     hours: float = 0.0
     carried_lag: float = 0.0
     schedule: Optional[Shape] = None  # the learning-rate schedule's shape at ``iteration``
-    evidence: Optional[Evidence] = None  # the stages' least evidence of rho (evidence.worst); None: none given
 
     def empirical(self) -> EmpiricalModel:
-        """The empirical model of this run, as recovery's: rho from the run's evidence, by how much of its
-        schedule is ahead where the rate decays."""
-        return EmpiricalModel(schedule=self.schedule, evidence=self.evidence)
+        """The empirical model of this run: rho by how much of its schedule is ahead where the rate decays."""
+        return EmpiricalModel(schedule=self.schedule)
 
 
 @dataclass(frozen=True)
@@ -348,7 +343,7 @@ def _plan(job: JobInputs, stages: Sequence[StageInputs], excess_at, lam: float, 
         rho = [job.empirical().rho(p)[0] for p in predictors]
         unmeasured = sorted({p for p, r in zip(predictors, rho) if not _finite(r)})
         if unmeasured:
-            return recompute(job.empirical().estimate(job.iteration + 1, job.iteration, unmeasured[0]).reason)
+            return recompute(f"no measured reduction for predictor {unmeasured[0]!r}")
         skipping = [s.stage for s, p in zip(stages, predictors) if p != job.predictor]
         note = "" if not skipping else (
             f"stage{'s' * (len(skipping) > 1)} {', '.join(map(str, skipping))}: held-out error not below "

@@ -39,18 +39,13 @@ class ValidationResult:
     ``relative`` is ||x_hat - x|| / ||x_prev - x|| over the predicted kinds: the
     error relative to restarting from the previous checkpoint (< 1 beats it;
     exactly 1 when nothing is predicted). ``mse`` is Eq. 9 per predicted kind and for the
-    parameters (Eq. 9's own), predicted or not. ``along``: the share of the parameters' step from the
-    previous checkpoint to the held-out one that the prediction covers along that step (1: all of it, 0: none,
-    as restarting from the previous checkpoint); None where the parameters are not predicted. The error
-    across the step heals within a few iterations after a restart, the shortfall along it is progress lost:
-    ``along`` is the run's own evidence of rho (planning/evidence.py).
+    parameters (Eq. 9's own), predicted or not.
     """
 
     iteration: int
     horizon: int
     relative: float
     mse: dict[str, float]
-    along: float | None = None
 
 
 class Predictor(ABC):
@@ -185,13 +180,4 @@ def holdout_error(iteration: int, horizon: int, pred: dict[str, torch.Tensor], t
             err += e
             base += squared_distance(prev[kind], truth[kind])
     relative = 1.0 if not kinds else (math.sqrt(err / base) if base > 0 else (0.0 if err == 0 else math.inf))
-    along = along_step(pred["param"], truth["param"], prev["param"]) if "param" in kinds else None
-    return ValidationResult(iteration, horizon, relative, mse, along)
-
-
-def along_step(pred: torch.Tensor, truth: torch.Tensor, prev: torch.Tensor) -> float | None:
-    """<pred - prev, truth - prev> / ||truth - prev||^2: the share of the step prev -> truth that ``pred``
-    covers along it; None where the step is zero."""
-    step = truth - prev
-    norm = float(torch.dot(step, step))
-    return float(torch.dot(pred - prev, step)) / norm if norm > 0 else None
+    return ValidationResult(iteration, horizon, relative, mse)

@@ -27,7 +27,6 @@ from cpsr_ds.planning.cost_model import (
     paper_model,
     recovery_choice,
 )
-from cpsr_ds.planning.evidence import Evidence, evidence
 from cpsr_ds.planning.fitter import NoFit, StageCurvature, accuracy_fit, fit_loss_o, fit_recent, loss_excess, recent_losses
 from cpsr_ds.planning.lr_schedule import Shape
 from cpsr_ds.recovery.agree import gathered, on_any_rank
@@ -259,11 +258,9 @@ def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int, curv
             diverged = (f"{predictor.name}'s held-out error r = {r:.3f}, not below max_relative_error "
                         f"{cfg.recovery.max_relative_error}: {SKIP}, c's state at f")
             predictor = checkpoint_as_prediction(predictor)
-        along = worst_along(gathered(None if held_out is None else held_out.along, dp_group))
         model = recovery_model(cfg.planner.cost_model, cfg.checkpoint.dir, losses, engine.stage_id, predictor.name,
                                f, c, curvature, share, schedule_shape(engine, f, cfg.planner.train_iters),
-                               held_out.horizon if held_out is not None else None,
-                               run_evidence(cfg.checkpoint.dir, engine.stage_id, predictor.name, c, along))
+                               held_out.horizon if held_out is not None else None)
         carried = carried_lag(earlier_reports(cfg.checkpoint.dir), c)
         choice = recovery_choice(model.estimate(f, c, predictor.name), d, excess_at(losses, f),
                                  cfg.recovery.max_loss_excess, PESSIMISM, carried)
@@ -324,21 +321,6 @@ def worst_error(errors: list[float | None]) -> float | None:
     if any(e is None for e in errors):
         return None
     return max(errors, key=lambda e: math.inf if math.isnan(e) else e)
-
-
-def worst_along(alongs: list[float | None]) -> float | None:
-    """The stage's held-out ``along`` from its data-parallel ranks' own: the least; None where any has none."""
-    return None if any(a is None for a in alongs) else min(alongs)
-
-
-def run_evidence(directory: str, stage: int, predictor: str, c: int, along: float | None) -> Evidence:
-    """The evidence of rho the run holds for ``predictor`` at c: its held-out checks recorded with the checkpoints
-    up to c (measurements), and ``along``, the check the recovery made at c (None: none)."""
-    rows, _ = read_measurements(directory)
-    checks = dict(held_out_errors(rows, stage, predictor, upto=c, field="along"))
-    if along is not None:
-        checks[c] = along
-    return evidence(predictor, checks.items(), upto=c)
 
 
 def _prediction(rc: RecoveryConfig, predictor, f: int, r: float | None, choice: Choice,
@@ -411,8 +393,7 @@ def predicted_share_of_job(engine, predicting: bool) -> float:
 
 def recovery_model(name: str, directory: str, losses: dict[int, float], stage: int, predictor: str, f: int, c: int,
                    curvature: StageCurvature | NoFit, share: float = 1.0,
-                   schedule: Shape | None = None, horizon: int | None = None,
-                   run: Evidence | None = None) -> CostModel:
+                   schedule: Shape | None = None, horizon: int | None = None) -> CostModel:
     """The recovery cost model ``planner.cost_model`` names, for a failure at f restored from checkpoint c.
 
     The paper's (Eq. 13; Eq. 14 for ``paper-eq14``) is built from the run's own records:
@@ -425,11 +406,10 @@ def recovery_model(name: str, directory: str, losses: dict[int, float], stage: i
     the share of the job's parameters predicted (:func:`predicted_share_of_job`); the paper's
     N_p is the stage's already. ``schedule``: the learning-rate schedule's shape at f (engine_state.schedule_shape),
     which the empirical model's end-of-training rho depends on; ``horizon``: how far ahead
-    the predictor's held-out check predicted, beyond which the empirical lag grows faster; ``run``: the run's
-    evidence of rho (planning/evidence.py), which the empirical model takes over its measured constants.
+    the predictor's held-out check predicted, beyond which the empirical lag grows faster.
     """
     if name == "empirical":
-        return EmpiricalModel(share=share, schedule=schedule, horizon=horizon, evidence=run)
+        return EmpiricalModel(share=share, schedule=schedule, horizon=horizon)
     if name not in ("paper", "paper-eq14"):
         raise ValueError(f"planner.cost_model {name!r}: not a recovery cost model (empirical, paper, paper-eq14)")
     rows, problems = read_measurements(directory)

@@ -16,7 +16,6 @@ from cpsr_ds.config import CPSRConfig
 from cpsr_ds.integration.deepspeed.topology import Place
 from cpsr_ds.planning.fitter import XiSums, curvature_of, next_phase
 from cpsr_ds.planning.checkpoint_cost import Cost, CostMeter, smoothed_costs
-from cpsr_ds.planning.evidence import evidence
 from cpsr_ds.planning.fitter import accuracy_fit
 from cpsr_ds.planning.online_planner import StageInputs
 from cpsr_ds.runlog import CostRow, StateRow
@@ -91,8 +90,7 @@ class Measurements(Hook):
         row = StateRow(iteration, self.place.stage, self.place.rank, self.attempt, self.cfg.predictor.name, sums.n_p,
                        xi=curvature.xi if curvature else None,
                        held_out_error=None if held_out is None else held_out.mse.get("param"),
-                       relative_error=None if held_out is None else held_out.relative,
-                       along=None if held_out is None else held_out.along)
+                       relative_error=None if held_out is None else held_out.relative)
         self._add_state(row)
         runlog.append(self.path, row)
 
@@ -112,8 +110,6 @@ class Measurements(Hook):
         return StageInputs(self.place.stage, **costs, in_flight=in_flight, n_p=latest and latest.n_p,
                            xi=latest and latest.xi, accuracy=accuracy_fit(errors),
                            relative_error=latest and latest.relative_error,
-                           evidence=evidence(self.cfg.predictor.name, runlog.held_out_errors(
-                               self.states, self.place.stage, self.cfg.predictor.name, field="along")),
                            phase=self.phase.index if self.phase is not None else 0)
 
     def persist_s(self) -> Optional[float]:

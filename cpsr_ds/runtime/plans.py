@@ -19,7 +19,6 @@ from cpsr_ds.config import CPSRConfig
 from cpsr_ds.integration.deepspeed.engine_state import schedule_shape
 from cpsr_ds.planning.fitter import fit_loss_o, recent_losses
 from cpsr_ds.planning.failure_rate import failure_rate_per_hour, failures, running_hours
-from cpsr_ds.planning.evidence import worst
 from cpsr_ds.planning.online_planner import (JobInputs, Planned, StageInputs, describe, drift, place_lag, plan,
                                              replan_reason, watched)
 from cpsr_ds.recovery import RecoveryReport, carried_lag, earlier_reports, excess_at
@@ -83,9 +82,8 @@ class Planning(Hook):
         lambda_per_hour, n, hours = self._failure_rate()
         cfg = self.cfg
         schedule = schedule_shape(self.engine, iteration, cfg.planner.train_iters)
-        run = worst(s.evidence for s in stages)
         now = watched(lambda_per_hour, stages,
-                      place_lag(cfg.planner.cost_model, cfg.predictor.name, schedule, run))
+                      place_lag(cfg.planner.cost_model, cfg.predictor.name, schedule))
         phase = max((s.phase for s in stages), default=0)
         moved = drift(self.planned, now, cfg.planner.replan_drift) if self.planned is not None else []
         reason = replan_reason(self.planned, phase, self.planned_phase, measured, moved, start)
@@ -99,7 +97,7 @@ class Planning(Hook):
         job = JobInputs(iteration, lambda_per_hour, fit_loss_o(losses, iteration), cfg.planner.cost_model,
                         cfg.predictor.name, cfg.recovery.mode, cfg.recovery.max_relative_error,
                         cfg.recovery.max_loss_excess, cfg.planner.max_interval, interval, n, hours,
-                        self.history.carried_lag, schedule, run)
+                        self.history.carried_lag, schedule)
         # The guard's curve is fitted once: the plan asks it at many intervals.
         planned = plan(job, stages, excess_at(losses, iteration))
         if moved:
