@@ -92,8 +92,7 @@ import cpsr_ds  # noqa: E402
 from cpsr_ds.planning import cost_model# noqa: E402
 from cpsr_ds.checkpoint.capture.journal import ProgressJournal, journal_path, read_journal  # noqa: E402
 from cpsr_ds.checkpoint.storage.catalog import list_checkpoints  # noqa: E402
-from cpsr_ds import predictor, runlog  # noqa: E402
-from cpsr_ds.planning import evidence  # noqa: E402
+from cpsr_ds import predictor  # noqa: E402
 from cpsr_ds.predictor import NotReady  # noqa: E402
 from cpsr_ds.config import CPSRConfig, PredictorConfig  # noqa: E402
 from cpsr_ds.planning.fitter import fit_loss_o, fit_loss_p, held_out_error, stage_xi  # noqa: E402
@@ -215,23 +214,6 @@ class Seed:
         return next(ck.tag for ck in list_checkpoints(self.ref_dir, read_data=False)
                     if ck.valid and ck.iteration == iteration)
 
-    def record_held_out(self, run_dir: str, c: int) -> None:
-        """The held-out checks the default predictor makes at the checkpoints up to c in a run with the default
-        config (the measuring rank's StateRows: the evidence recovery's control reads), written into ``run_dir``.
-        The reference trains vitp for the forced vitp cases, so it records none of the default's."""
-        cfg = CPSRConfig.parse_block({"checkpoint": {"dir": run_dir}})
-        made = new_predictor(cfg)
-        path = runlog.measurements_path(run_dir, 0)
-        upto = [k for k in self.checkpoint_iterations() if k <= c]
-        for k in upto[-(evidence.CHECKS + made.history.capacity):]:
-            state = self.checkpoint_state(k)
-            made.observe(k, state)
-            held_out = made.validation_error()
-            if held_out is not None:
-                n_p = sum(v.numel() for key, v in state.items() if predictor.kind_of(key) == "param")
-                runlog.append(path, runlog.StateRow(k, 0, 0, 0, made.name, n_p, held_out_error=held_out.mse.get("param"),
-                                                    relative_error=held_out.relative, along=held_out.along))
-
     def checkpoint_iterations(self) -> list[int]:
         return sorted(ck.iteration for ck in list_checkpoints(self.ref_dir, read_data=False) if ck.valid)
 
@@ -312,8 +294,6 @@ def measure(seed: Seed, fit, method: str, cpsr: dict, c: int, d: int, margin: fl
     """Recover a failure at f = c + d as ``cpsr`` configures, train to f + 4d (``to_end``: to the end)."""
     f, Tc = c + d, seed.Tc
     run_dir = seed.failure_dir(c, f, f"{method}-c{c}-d{d}")
-    if method == "default":
-        seed.record_held_out(run_dir, c)
     report = seed.recover(run_dir, cpsr)
     if report.method != "predict":
         return recomputed(seed.seed, method, Tc, c, d, report.describe())
