@@ -20,3 +20,16 @@ def micro_batch(i: int, size: int) -> dict:
     """Micro-batch ``i``: ``size`` random token sequences, their own labels (the model shifts them)."""
     tokens = torch.randint(0, CONFIG.vocab_size, (size, SEQUENCE), generator=torch.Generator().manual_seed(i))
     return {"input_ids": tokens, "labels": tokens}
+
+
+class TokenSequences(torch.utils.data.Dataset):
+    """``length`` samples for the Hugging Face ``Trainer``: sample i as micro-batch i of one sequence."""
+
+    def __init__(self, length: int):
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int) -> dict:
+        return {name: tensor[0] for name, tensor in micro_batch(i, 1).items()}
