@@ -41,11 +41,9 @@ def deepspeed_initialize_through_cpsr():
 
 class CPSRTrainer(Trainer):
     """A ``Trainer`` whose DeepSpeed engine has cpsr_ds's runtime (the ``"cpsr"`` block of ``--deepspeed``'s
-    config); training ends with the engine's end, so that its pending checkpoints are committed."""
+    config). The script ends the engine once done with it (``trainer.model_wrapped.destroy()``, after its own
+    saves), as a DeepSpeed script does: its pending checkpoints are committed there."""
 
     def train(self, *args, **kwargs):
         with deepspeed_initialize_through_cpsr():
-            output = super().train(*args, **kwargs)
-        if self.is_deepspeed_enabled:
-            self.model_wrapped.destroy()
-        return output
+            return super().train(*args, **kwargs)

@@ -7,14 +7,16 @@ with cpsr_ds; train_trainer_deepspeed.py is the same script without it (docs/how
 
 from transformers import HfArgumentParser, TrainingArguments
 
-from cpsr_ds.integration.huggingface import CPSRTrainer
+from cpsr_ds.integration.huggingface import CPSRTrainer as Trainer
 from model import TokenSequences, gpt2
 
 
 def main() -> None:
     (args,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses()
-    trainer = CPSRTrainer(model=gpt2(), args=args, train_dataset=TokenSequences(1024))
+    trainer = Trainer(model=gpt2(), args=args, train_dataset=TokenSequences(1024))
     trainer.train()
+    trainer.save_model()
+    trainer.model_wrapped.destroy()  # the engine's end: cpsr_ds's pending checkpoints committed
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ def main() -> None:
     (args,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses()
     trainer = Trainer(model=gpt2(), args=args, train_dataset=TokenSequences(1024))
     trainer.train()
+    trainer.save_model()
 
 
 if __name__ == "__main__":

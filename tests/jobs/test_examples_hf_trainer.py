@@ -20,6 +20,8 @@ def logged_losses(stdout: str) -> list[float]:
 
 
 def test_trainer_checkpoints_through_cpsr_ds_and_journals_its_losses(tmp_path):
+    """The script saves the model after training (trainer.save_model, DeepSpeed's save_checkpoint under ZeRO-3)
+    and then ends the engine."""
     with open(os.path.join(EXAMPLE, "ds_config_trainer.json")) as f:
         config = json.load(f)
     run_dir = tmp_path / "run"
@@ -33,6 +35,8 @@ def test_trainer_checkpoints_through_cpsr_ds_and_journals_its_losses(tmp_path):
     checkpoints = loadable_checkpoints(str(run_dir))
     assert [(c.kind, c.iteration) for c in checkpoints] == [("cpsr", i) for i in range(INTERVAL, STEPS + 1, INTERVAL)]
     assert len(list((run_dir / f"global_step{STEPS}").glob("*zero_pp_rank_*optim_states.pt"))) == 2
+    # The script's own save after training, committed by the engine's end.
+    assert [(c.kind, c.iteration) for c in loadable_checkpoints(str(tmp_path / "out"))] == [("cpsr", STEPS)]
     # The journal holds the Trainer's steps and the losses it logged (the mean over both ranks).
     entries = read_journal(journal_path(str(run_dir), 0))
     logged = logged_losses(result.stdout)
