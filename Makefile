@@ -28,7 +28,7 @@ export NO_MKDOCS_2_WARNING := 1
 $(STAMP): setup.py
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e '.[test,bench,docs]' $(TORCH)
+	$(PY) -m pip install -q -e '.[test,bench,docs,hf]' $(TORCH)
 	touch $@
 
 demo: $(STAMP)

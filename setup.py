@@ -18,5 +18,7 @@ setup(
         "xxhash",
         "tqdm",
     ],
-    extras_require={"test": ["pytest", "pytest-xdist"], "bench": ["matplotlib"], "docs": ["mkdocs-material"]},
+    extras_require={"test": ["pytest", "pytest-xdist"], "bench": ["matplotlib"], "docs": ["mkdocs-material"],
+                    # The Hugging Face examples (examples/hf_gpt2) and cpsr_ds.integration.huggingface.
+                    "hf": ["transformers==4.57.6", "accelerate==1.15.0"]},
 )
