@@ -144,7 +144,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--valid-sequences", type=int, default=512,
                    help="validation set size: at 512 the reference's residual from its fit is about 0.2 %% of the loss")
     p.add_argument("--methods", nargs="+", default=list(PREDICTORS))
-    p.add_argument("--layouts", nargs="+", choices=["pp2", "dp2", "pp2dp2", "crash"],
+    p.add_argument("--layouts", nargs="+", choices=["pp2", "dp2", "pp2dp2", "crash", "zero3"],
                    help="instead of the single-process methods: real multi-process jobs killed and restarted "
                    "(benchmarks/common/recovery_jobs.py)")
     p.add_argument("--cost-model", action=argparse.BooleanOptionalAction, default=True,

@@ -1,9 +1,9 @@
 """bench_recovery's multi-process layouts: real jobs killed, restarted and measured by the protocol of docs/design/measurement-protocols.md.
 
-    python -m benchmarks.bench_recovery --layouts pp2 dp2 crash [pp2dp2] [--quick] [--json PATH]
+    python -m benchmarks.bench_recovery --layouts pp2 dp2 crash [pp2dp2] [zero3] [--quick] [--json PATH]
 
 Every job is ``examples/gpt/train_gpt.py`` under DeepSpeed's launcher (``deepspeed --num_gpus N``,
-one thread per process, gloo), with the product's defaults apart from what a layout
+one thread per process, gloo; ``zero3`` runs it with ``--plain``, the GPT as one module on DeepSpeed's plain engine), with the product's defaults apart from what a layout
 or method names. Per seed and T_c:
 
 1. The reference: the failure-free job, a checkpoint every T_c iterations (all kept),
@@ -76,6 +76,7 @@ class Layout:
     kill_rank: int
     methods: tuple[str, ...]
     memory_interval: int | None = None
+    plain: bool = False  # one plain module on DeepSpeed's plain engine (train_gpt.py --plain), no pipeline
 
 
 LAYOUTS = {
@@ -88,6 +89,9 @@ LAYOUTS = {
     "pp2dp2": Layout(stages=2, procs=4, zero_stage=1, kill_rank=3, methods=("predict_all", "sources")),
     # A process crash on a node that survived: the killed rank's host snapshot is still in shared memory.
     "crash": Layout(stages=2, procs=2, zero_stage=0, kill_rank=1, methods=("sources",), memory_interval=MEMORY_INTERVAL),
+    # ZeRO-3 on the plain engine: each rank owns half of every parameter and its moments; the survivor's own
+    # partition comes from its dump, the lost rank's is predicted from its own checkpointed partitions.
+    "zero3": Layout(stages=1, procs=2, zero_stage=3, kill_rank=1, methods=("predict_all", "sources"), plain=True),
 }
 
 METHODS = {"predict_all": {"checkpoint": {"survivor": False}}, "sources": {}}
@@ -154,7 +158,7 @@ class Layouts:
                    "--master_port", str(free_port()), os.path.join(ROOT, "examples", "gpt", "train_gpt.py"),
                    "--deepspeed_config", path, "--seed", str(self.seed), "--train-iters", str(train_iters),
                    "--valid-sequences", str(self.args.valid_sequences), "--log-interval", str(NEVER),
-                   *map(str, extra)]  # fmt: skip
+                   *(["--plain"] if self.layout.plain else []), *map(str, extra)]  # fmt: skip
         env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"),
                    PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1")
         launched = time.time()

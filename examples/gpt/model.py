@@ -1,4 +1,5 @@
-"""GPT built from megatron-core layers, as a DeepSpeed ``PipelineModule``.
+"""GPT built from megatron-core layers, as a DeepSpeed ``PipelineModule`` (:func:`gpt_pipeline`) or as one plain
+module for DeepSpeed's plain engine and ZeRO 0-3 (:func:`gpt_plain`).
 
 Layout, top to bottom: token + position embedding -> ``num_layers`` megatron-core
 ``TransformerLayer`` blocks (the local spec) -> final LayerNorm -> vocabulary head.
@@ -229,3 +230,28 @@ def gpt_pipeline(cfg: GPTConfig, num_stages: int, seed: int, params_dtype: torch
         seed_fn=_seed_layer,
         base_seed=seed,
     )
+
+
+class GPTPlain(nn.Module):
+    """The same layers as one plain module: ``model(tokens, labels)`` returns the loss, as DeepSpeed's plain engine
+    and a Hugging Face model take it."""
+
+    def __init__(self, layers: list[nn.Module]):
+        super().__init__()
+        self.layers = nn.Sequential(*layers)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return lm_loss(self.layers(tokens), labels)
+
+
+def gpt_plain(cfg: GPTConfig, seed: int, params_dtype: torch.dtype = torch.float32) -> GPTPlain:
+    """The GPT as one plain module, each layer seeded from ``seed`` and its index as :func:`gpt_pipeline` seeds it."""
+    ensure_model_parallel_state()
+    builders = [lambda: Embedding(cfg)]
+    builders += [lambda n=n: Block(cfg, n + 1, params_dtype) for n in range(cfg.num_layers)]
+    builders += [lambda: Head(cfg)]
+    layers = []
+    for index, build in enumerate(builders):
+        _seed_layer(seed + index)
+        layers.append(build())
+    return GPTPlain(layers)

@@ -8,7 +8,8 @@ node ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes N --max-restarts K
 --rdzv-backend c10d ... examples/gpt/train_gpt.py ...`` (see cpsr_ds/runtime/elastic.py for why).
 
 Pipeline degree: ``"pipeline": {"stages": S}`` in the DeepSpeed config; the
-data-parallel degree is the world size over S. Model shape: the ``"gpt"`` block;
+data-parallel degree is the world size over S. ``--plain``: the GPT as one plain module on DeepSpeed's plain
+engine (no pipeline; ZeRO 0-3), trained by ``engine(batch)``, ``engine.backward``, ``engine.step``. Model shape: the ``"gpt"`` block;
 ``--layers-per-stage 1 3`` puts 1 transformer block on stage 0 (say, on an A30) and
 3 on stage 1 (an H100).
 Failure recovery: the ``"cpsr"`` block (see the README); a restarted job resumes at
@@ -40,7 +41,7 @@ from cpsr_ds.checkpoint.capture.journal import append_validation, finished_run, 
 from examples.gpt.corpus import Batches, load_corpus  # noqa: E402
 from cpsr_ds.runtime.elastic import check_restartable  # noqa: E402
 from cpsr_ds.integration.deepspeed.install import release_shm_allreduce_name  # noqa: E402
-from examples.gpt.model import GPTConfig, gpt_pipeline  # noqa: E402
+from examples.gpt.model import GPTConfig, gpt_pipeline, gpt_plain  # noqa: E402
 
 
 def positive_int(text: str) -> int:
@@ -65,6 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--log-interval", type=positive_int, default=10, help="iterations between log lines")
     p.add_argument("--valid-sequences", type=int, default=64, help="size of the fixed validation set, in sequences")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--plain", action="store_true", help="one plain module on DeepSpeed's plain engine (ZeRO 0-3), "
+                   "no pipeline: the config's \"pipeline\" block is ignored")
     model = p.add_argument_group("model (overrides the config's \"gpt\" block)")
     model.add_argument("--num-layers", type=int)
     model.add_argument("--hidden-size", type=int)
@@ -120,7 +123,27 @@ def build_config(args: argparse.Namespace) -> dict:
 
 
 def evaluate(engine, validation) -> float:
-    return float(engine.eval_batch(iter(validation), num_micro_batches=len(validation)))
+    if hasattr(engine, "eval_batch"):
+        return float(engine.eval_batch(iter(validation), num_micro_batches=len(validation)))
+    engine.eval()
+    with torch.no_grad():
+        total = torch.stack([engine(tokens, labels).float() for tokens, labels in validation]).mean()
+    engine.train()
+    torch.distributed.all_reduce(total, group=engine.grid.get_data_parallel_group())
+    return float(total) / engine.grid.get_data_parallel_world_size()
+
+
+def train_step(engine, micro_batches) -> float:
+    """One iteration: the pipeline engine's ``train_batch``, or the plain engine's loop over the micro-batches."""
+    if hasattr(engine, "train_batch"):
+        return float(engine.train_batch(micro_batches))
+    losses = []
+    for tokens, labels in micro_batches:
+        loss = engine(tokens, labels)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+    return sum(losses) / len(losses)
 
 
 @dataclass
@@ -128,7 +151,7 @@ class Job:
     args: argparse.Namespace
     cpsr_cfg: cpsr_ds.CPSRConfig
     gpt_cfg: GPTConfig
-    engine: deepspeed.runtime.pipe.engine.PipelineEngine
+    engine: deepspeed.DeepSpeedEngine  # the pipeline engine, or with --plain the plain one
     batches: Batches
 
 
@@ -144,9 +167,13 @@ def setup(argv=None) -> Job:
     exit_if_finished(args, cpsr_cfg)
     torch.manual_seed(args.seed)
 
-    stages = int(config.get("pipeline", {}).get("stages", 1))
     dtype = torch.bfloat16 if config.get("bf16", {}).get("enabled") else torch.float32
-    model = gpt_pipeline(gpt_cfg, num_stages=stages, seed=args.seed, params_dtype=dtype)
+    if args.plain:
+        config.pop("pipeline", None)
+        model = gpt_plain(gpt_cfg, seed=args.seed, params_dtype=dtype)
+    else:
+        stages = int(config.get("pipeline", {}).get("stages", 1))
+        model = gpt_pipeline(gpt_cfg, num_stages=stages, seed=args.seed, params_dtype=dtype)
     engine, _, _, _ = cpsr_ds.initialize(model=model, model_parameters=model.parameters(), config=config)
 
     train, valid = load_corpus(args.data)
@@ -207,7 +234,7 @@ def train(job: Job) -> None:
         report_validation(start)
     tick, tick_iter = time.perf_counter(), start
     for iteration in range(start, args.train_iters):
-        loss = engine.train_batch(iter(job.batches.micro_batches(iteration)))
+        loss = train_step(engine, iter(job.batches.micro_batches(iteration)))
         done = iteration + 1
         if leader and (done % args.log_interval == 0 or done == args.train_iters):
             now = time.perf_counter()

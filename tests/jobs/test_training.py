@@ -70,6 +70,18 @@ def test_data_parallel_zero1_run(tmp_path):
     assert len(glob.glob(str(run_dir / "global_step20" / "*zero_pp_rank_*optim_states.pt"))) == 2
 
 
+def test_plain_zero3_run_of_the_example_learns_with_each_rank_saving_its_own_partition(tmp_path):
+    """train_gpt.py --plain: the GPT as one module on DeepSpeed's plain engine under ZeRO-3."""
+    run_dir = tmp_path / "run"
+    run_job(tmp_path, tiny_config(run_dir, stages=1, zero_stage=3), "--plain", "--train-iters", 20,
+            "--eval-interval", 20)
+    val = read_validation(str(run_dir))
+    assert val[20] < val[0] - 0.5
+    assert losses_by_iteration(run_dir, 0) == losses_by_iteration(run_dir, 1)
+    assert len(losses_by_iteration(run_dir, 0)) == 20
+    assert len(glob.glob(str(run_dir / "global_step20" / "*zero_pp_rank_*optim_states.pt"))) == 2
+
+
 def test_killed_rank_restarts_and_recomputes_the_failure_free_losses(reference, tmp_path):
     run_dir = tmp_path / "run"
     config = tiny_config(run_dir, stages=2, faults={"kill_rank": 1, "kill_at_iteration": 27})
