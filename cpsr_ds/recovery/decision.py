@@ -30,7 +30,7 @@ from cpsr_ds.planning.cost_model import (
 from cpsr_ds.planning.fitter import NoFit, StageCurvature, accuracy_fit, fit_loss_o, fit_recent, loss_excess, recent_losses
 from cpsr_ds.planning.lr_schedule import Shape
 from cpsr_ds.recovery.agree import gathered, on_any_rank
-from cpsr_ds.integration.deepspeed.engine_state import (advance_counters, data_parallel, load_own_share,
+from cpsr_ds.integration.deepspeed.engine_state import (advance_counters, data_parallel, load_own_share, partitioned,
                                                         planned_iterations, schedule_shape)
 from cpsr_ds.recovery.report import RecoveryReport, carried_lag, earlier_reports
 from cpsr_ds.recovery.sources.checkpoint import load_history, restore, stage_history
@@ -239,10 +239,11 @@ def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int, curv
     dp_group = data_parallel(engine).group
     # A stage is exact at f where every data-parallel rank of it has its dump, or, without ZeRO, some replica has.
     dump, holders, from_replica, exact, weights_from = survived or survivors(engine, cfg, attempt, f, cut)
-    # Under ZeRO with a replica's weights, a rank with its own dump predicts nothing of its own; the others
-    # predict their moments. Every rank of the stage still predicts its share, to assemble the stage's state.
-    share = predicted_share_of_job(engine, predicting=not exact and f != c
-                                   and (weights_from is None or dump is None))
+    # Under ZeRO each rank writes its own partition alone: a rank with its own dump at f restores it, exact, and
+    # predicts nothing of its own (with a replica's weights the others predict only their moments). Every rank of
+    # the stage still predicts its share, to assemble the stage's state.
+    own_dump = dump is not None and partitioned(engine)
+    share = predicted_share_of_job(engine, predicting=not exact and f != c and not own_dump)
     ready = not exact and f != c and predictor.ready()
     held_out = predictor.validation_error() if ready else None
     r = None if exact else worst_error(gathered(None if held_out is None else held_out.relative, dp_group))
@@ -286,11 +287,13 @@ def _decide(engine, cfg: CPSRConfig, predictor, progress: Progress, c: int, curv
         replica.copy_from_replica(engine, holders.index(True))
     elif predicted is not None and weights_from is not None:
         replica.fill_partition(engine, dump, weights_from, predicted)
+    elif predicted is not None and own_dump:
+        restore_dump(engine, dump)
     elif predicted is not None:
         load_own_share(engine, predicted)
     advance_counters(engine, f - c)
     restart_time.mark("writing")
-    source = (survivor.SOURCE if dump is not None and (exact or weights_from is not None)
+    source = (survivor.SOURCE if dump is not None and (exact or own_dump)
               else replica.SOURCE if from_replica else "checkpoint" if predicted is None
               else replica.partial_source(predictor.name) if weights_from is not None else predictor.name)
     reason = ("recovery.mode is predict" if cfg.recovery.mode == "predict"
@@ -385,7 +388,8 @@ def expected_loss_excess(directory: str, f: int, lag: float) -> float | None:
 def predicted_share_of_job(engine, predicting: bool) -> float:
     """N_p / N: the share of the job's parameters whose state is predicted, ``predicting`` being this rank's
     (a collective). Data-parallel replicas hold their stage's parameters each, so each counts its 1/dp."""
-    held = sum(p.numel() for p in engine.module.parameters()) / data_parallel(engine).size
+    # ZeRO-3's module tensors are empty: ds_numel is each parameter's size.
+    held = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters()) / data_parallel(engine).size
     counts = gathered((held if predicting else 0.0, held))
     total = sum(n for _, n in counts)
     return sum(p for p, _ in counts) / total if total else 1.0

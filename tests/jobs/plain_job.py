@@ -1,6 +1,8 @@
 """Run under DeepSpeed's launcher by test_plain_engine_jobs.py: train tests/support/plain.py's Regression, a plain
 module, with the user's loop of ``loss = engine(batch); engine.backward(loss); engine.step()`` until
-``--train-iters``; each rank's micro-batches a function of the iteration, so a restart at c redoes the same."""
+``--train-iters``; each rank's micro-batches a function of the iteration, so a restart at c redoes the same.
+``--dump-own DIR``: each rank saves its own share of the state (ZeRO-3: its partition) where a restart resumes and
+after each iteration of ``--dump-at``, for a test to compare."""
 
 import argparse
 import os
@@ -11,25 +13,39 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import cpsr_ds  # noqa: E402
+from cpsr_ds.integration.deepspeed.engine_state import own_share  # noqa: E402
 from support.plain import Regression, micro_batch  # noqa: E402
+
+
+def dump_own(engine, directory: str | None, name: str) -> None:
+    if directory:
+        torch.save(own_share(engine), os.path.join(directory, f"rank{engine.global_rank}-{name}.pt"))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--deepspeed_config", required=True)
     parser.add_argument("--train-iters", type=int, required=True)
+    parser.add_argument("--dump-own")
+    parser.add_argument("--dump-at", type=int, nargs="*", default=[])
     args, _ = parser.parse_known_args()
     torch.manual_seed(0)
     model = Regression()
     engine, *_ = cpsr_ds.initialize(args=args, model=model, model_parameters=model.parameters())
     accumulation, ranks = engine.gradient_accumulation_steps(), engine.world_size
+    if engine.global_steps:  # a restart (a fresh engine has no moments yet)
+        dump_own(engine, args.dump_own, f"start{engine.global_steps}")
     while engine.global_steps < args.train_iters:
         first = (engine.global_steps * ranks + engine.global_rank) * accumulation
         for micro in range(first, first + accumulation):
             loss = engine(*micro_batch(micro))
             engine.backward(loss)
             engine.step()
+        if engine.global_steps in args.dump_at:
+            dump_own(engine, args.dump_own, f"at{engine.global_steps}")
     engine.destroy()
+    # Gloo's threads left to the interpreter's teardown can abort a process that finished (train_gpt.py's finish).
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -5,9 +5,11 @@ import os
 import re
 
 import pytest
+import torch
 
 from conftest import ROOT, run_job
 from cpsr_ds.checkpoint.capture.journal import journal_path, read_journal
+from cpsr_ds.recovery import read_reports
 from support.plain import plain_config
 
 ITERS = 12
@@ -19,12 +21,46 @@ def losses_by_iteration(run_dir, rank=0):
     return {e.iteration: e.loss for e in read_journal(journal_path(str(run_dir), rank))}
 
 
+def reference(tmp_path_factory, zero_stage: int):
+    """A failure-free run of 2 data-parallel ranks; each rank's own share (under ZeRO its partition) saved after 6,
+    9 and 11 in states/."""
+    tmp = tmp_path_factory.mktemp(f"reference_zero{zero_stage}")
+    (tmp / "states").mkdir()
+    run_job(tmp, plain_config(tmp / "run", zero_stage=zero_stage), "--train-iters", ITERS, "--dump-own",
+            tmp / "states", "--dump-at", 6, 9, 11, script=SCRIPT)
+    return tmp / "run"
+
+
 @pytest.fixture(scope="module")
 def zero3_reference(tmp_path_factory):
-    """A failure-free ZeRO-3 run of 2 data-parallel ranks."""
-    tmp = tmp_path_factory.mktemp("reference")
-    run_job(tmp, plain_config(tmp / "run", zero_stage=3), "--train-iters", ITERS, script=SCRIPT)
-    return tmp / "run"
+    return reference(tmp_path_factory, 3)
+
+
+def predicted_restart(tmp_path, zero_stage: int, f: int = 11):
+    """A job whose rank 1 is SIGKILLed after f and restarted predicting with linear (parameters extrapolated from
+    the last two checkpoints, moments kept); (the report of the restart, each rank's share where it resumed)."""
+    run_dir, states = tmp_path / "run", tmp_path / "states"
+    states.mkdir()
+    config = plain_config(run_dir, zero_stage=zero_stage, cpsr={"faults": {"kill_rank": 1, "kill_at_iteration": f},
+                                                                "recovery": {"mode": "predict"},
+                                                                "predictor": {"name": "linear", "history": 2}})
+    run_job(tmp_path, config, "--train-iters", ITERS, "--dump-own", states, script=SCRIPT, supervised=True)
+    report = read_reports(str(run_dir))[-1]
+    assert (report.method, report.reached, report.checkpoint) == ("predict", f, 9), report
+    journal = [e.iteration for e in read_journal(journal_path(str(run_dir), 1))]
+    assert journal == list(range(1, ITERS + 1))  # resumed at f: nothing redone
+    return report, [torch.load(states / f"rank{r}-start{f}.pt") for r in (0, 1)]
+
+
+def assert_state(got: dict, expected: dict) -> None:
+    assert got.keys() == expected.keys() and any(k.startswith("param/") for k in got)
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], rtol=1e-5, atol=1e-6)
+
+
+def extrapolated(before: dict, at_c: dict, ahead: float) -> dict:
+    """linear's prediction: parameters extrapolated ``ahead`` intervals past c, moments kept."""
+    return {k: v + (v - before[k]) * ahead if k.startswith("param/") else v for k, v in at_c.items()}
 
 
 def test_zero3_killed_rank_restarts_and_recomputes_the_failure_free_losses(zero3_reference, tmp_path):
@@ -48,3 +84,24 @@ def test_zero3_killed_rank_restarts_and_recomputes_the_failure_free_losses(zero3
     assert sorted(got) == sorted(expected) == list(range(1, ITERS + 1))
     for iteration in range(c + 1, ITERS + 1):
         assert abs(got[iteration] - expected[iteration]) <= 1e-6 * abs(expected[iteration]), iteration
+
+
+def test_zero3_killed_rank_restarts_predicting_its_own_partition_and_resumes_at_f(zero3_reference, tmp_path):
+    """The survivor's partition from its dump, exact at f; the lost rank's predicted from its own partitions at the
+    last two checkpoints and written back into its partition, nothing gathered."""
+    report, (survivor, predicted) = predicted_restart(tmp_path, zero_stage=3)
+    assert report.sources == {"0": "survivor", "1": "linear"} and report.predicted_share == pytest.approx(0.5, abs=0.02)
+    states = zero3_reference.parent / "states"
+    assert_state(survivor, torch.load(states / "rank0-at11.pt"))
+    assert_state(predicted, extrapolated(*(torch.load(states / f"rank1-at{k}.pt") for k in (6, 9)), ahead=2 / 3))
+
+
+def test_zero2_killed_rank_takes_its_parameters_exact_from_the_survivors_dump(tmp_path_factory, tmp_path):
+    """ZeRO-2 replicates the parameters: the lost rank's partition of the fp32 masters comes exact from the
+    survivor's dumped weights, only its moments from the predictor (kept from c by linear)."""
+    report, (survivor, lost) = predicted_restart(tmp_path, zero_stage=2)
+    assert report.sources == {"0": "survivor", "1": "replica+linear"}
+    states = reference(tmp_path_factory, 2).parent / "states"
+    assert_state(survivor, torch.load(states / "rank0-at11.pt"))
+    exact, at_c = torch.load(states / "rank1-at11.pt"), torch.load(states / "rank1-at9.pt")
+    assert_state(lost, {k: exact[k] if k.startswith("param/") else at_c[k] for k in exact})
