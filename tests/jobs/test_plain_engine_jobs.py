@@ -105,3 +105,21 @@ def test_zero2_killed_rank_takes_its_parameters_exact_from_the_survivors_dump(tm
     assert_state(survivor, torch.load(states / "rank0-at11.pt"))
     exact, at_c = torch.load(states / "rank1-at11.pt"), torch.load(states / "rank1-at9.pt")
     assert_state(lost, {k: exact[k] if k.startswith("param/") else at_c[k] for k in exact})
+
+
+def test_zero3_job_restarted_at_world_size_1_reassembles_the_partitions_and_trains_the_same_batches(
+        zero3_reference, tmp_path):
+    """2 ranks under ZeRO-3, rank 1 killed; the job restarted alone: the checkpoint's two partitions reassembled
+    into the one rank's, the global batch kept by gradient accumulation 2, the losses from c on the
+    failure-free run's (to fp32 reduction order)."""
+    run_dir = tmp_path / "run"
+    failed = plain_config(run_dir, zero_stage=3, cpsr={"faults": {"kill_rank": 1, "kill_at_iteration": 8}})
+    assert run_job(tmp_path, failed, "--train-iters", ITERS, script=SCRIPT, check=False).returncode != 0
+    result = run_job(tmp_path, plain_config(run_dir, zero_stage=3, cpsr={"recovery": {"mode": "recompute"}}),
+                     "--train-iters", ITERS, script=SCRIPT, nprocs=1)
+    assert "reassembling its ZeRO partitions" in result.stdout, result.stdout[-3000:]
+    report = read_reports(str(run_dir))[-1]
+    assert report.method == "recompute" and report.world_change and report.checkpoint in (3, 6), report
+    expected, got = losses_by_iteration(zero3_reference), losses_by_iteration(run_dir)
+    for iteration in range(report.checkpoint + 1, ITERS + 1):
+        assert got[iteration] == pytest.approx(expected[iteration], rel=1e-5), iteration

@@ -41,6 +41,16 @@ def base_optimizer(engine):
     return getattr(engine.optimizer, "optimizer", engine.optimizer)
 
 
+def stepped_tensors(engine) -> list[tuple[int, torch.Tensor]]:
+    """(param group, tensor) for every tensor the base optimizer keeps Adam's state for. ZeRO-3 hands its torch
+    optimizer each sub-group's fp32 flat partition only while it steps that sub-group (DeepSpeed 0.19.8,
+    stage3.py ``_optimizer_step``), so its param groups are empty between steps."""
+    if zero3(engine):
+        zero = engine.optimizer
+        return [(zero.sub_group_to_group_id[i], flat) for i, flat in enumerate(zero.fp32_partitioned_groups_flat)]
+    return [(g, p) for g, group in enumerate(base_optimizer(engine).param_groups) for p in group["params"]]
+
+
 def partitioned(engine) -> bool:
     """ZeRO-1/2 and bf16 keep fp32 masters and moments in partitions behind ``_hp_mapping``; ZeRO-3 in its
     sub-groups' flat partitions (:func:`zero3`)."""

@@ -144,3 +144,24 @@ def _check_from_header(loader, check: Callable) -> None:
     if saved is not None and len(loader.ckpt_list) != saved:
         raise CheckpointError(f"{loader.ckpt_list[0]}: checkpoint count {len(loader.ckpt_list)} is different from "
                               f"saved mp_world_size {saved}")
+
+
+# What DeepSpeed's _load_checkpoint keeps of a model-states file for itself (DeepSpeed 0.19.8, runtime/engine.py);
+# the rest is the user's client state.
+DEEPSPEED_STATES = ("module", "skipped_steps", "global_steps", "dp_world_size", "mp_world_size", "data_sampler",
+                    "random_ltd", "lr_scheduler", "optimizer")
+
+
+def load_counters(engine, model_states: dict) -> dict:
+    """What ``load_checkpoint`` restores besides the module and the optimizer, from ``model_states`` (a
+    model-states file): the step and sample counters, skipped steps and the LR schedule; the client state.
+
+    For a ZeRO-3 checkpoint of another data-parallel degree, whose weights and moments recovery reassembles
+    itself: DeepSpeed 0.19.8 loads ZeRO-3 weights without the optimizer through zero_to_fp32.py, which reads the
+    files with torch.load directly, not through the checkpoint engine."""
+    if engine.lr_scheduler is not None and model_states.get("lr_scheduler") is not None:
+        engine.lr_scheduler.load_state_dict(model_states["lr_scheduler"])
+    engine.global_steps = model_states["global_steps"]
+    engine.global_samples = model_states.get("global_samples", engine.global_steps * engine.train_batch_size())
+    engine.skipped_steps = model_states["skipped_steps"]
+    return {key: value for key, value in model_states.items() if key not in DEEPSPEED_STATES}

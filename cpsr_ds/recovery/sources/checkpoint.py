@@ -10,10 +10,13 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from cpsr_ds.checkpoint.capture import rng
 from cpsr_ds.checkpoint.capture.exiting import RestartCannotHelp
 from cpsr_ds.planning.fitter import NoFit, StageCurvature, curvature_of
 from cpsr_ds.recovery.agree import gathered, on_any_rank
-from cpsr_ds.integration.deepspeed.engine_state import MOMENTS, base_optimizer, load_engine_state, own_share, stage_sums
+from cpsr_ds.integration.deepspeed.engine_state import (MOMENTS, base_optimizer, load_engine_state, own_share,
+                                                        stage_sums, stepped_tensors, zero3)
+from cpsr_ds.integration.deepspeed.load_hooks import load_counters
 from cpsr_ds.recovery.validate import problem
 
 log = logging.getLogger(__name__)
@@ -35,12 +38,18 @@ Keep = Callable[[int, dict[str, torch.Tensor]], None]
 def load(engine, directory: str, tag: str) -> dict:
     """Load ``tag`` into the engine, at whatever data-parallel degree it was written (:func:`zero_resharded`)."""
     resharded = zero_resharded(engine, directory, tag)
-    load_path, client_state = engine.load_checkpoint(directory, tag=tag, load_optimizer_states=resharded is None)
-    if load_path is None:
-        raise RuntimeError(f"cpsr recovery: DeepSpeed could not load checkpoint {tag} in {directory}")
+    if resharded is not None and zero3(engine):
+        # DeepSpeed cannot load ZeRO-3 weights of another degree from our files (load_counters says why).
+        client_state = load_counters(engine, engine.checkpoint_engine.load(
+            engine._get_ckpt_name(directory, tag), map_location="cpu"))
+        rng.load(engine, os.path.join(directory, tag))
+    else:
+        load_path, client_state = engine.load_checkpoint(directory, tag=tag, load_optimizer_states=resharded is None)
+        if load_path is None:
+            raise RuntimeError(f"cpsr recovery: DeepSpeed could not load checkpoint {tag} in {directory}")
     if resharded is not None:
         state, saved = resharded
-        _restore_groups(base_optimizer(engine), saved)
+        _restore_groups(engine, saved)
         load_engine_state(engine, state)
     return client_state or {}
 
@@ -68,6 +77,8 @@ def zero_resharded(engine, directory: str, tag: str) -> tuple[dict[str, torch.Te
     names = engine._get_mp_rank_zero_checkpoint_names(load_dir=directory, tag=tag, mp_rank=engine.checkpoint_mp_rank,
                                                       dp_world_size=old, bf16_mode=engine.bfloat16_enabled())
     parts = [engine.checkpoint_engine.load(name, map_location="cpu")["optimizer_state_dict"] for name in names]
+    if int(parts[0]["zero_stage"]) == 3:
+        return full_zero3_state(parts, model_states["param_shapes"]), parts[0]["optimizer_state_dict"]
     return full_zero_state(parts, model_states["param_shapes"]), parts[0]["base_optimizer_state"]
 
 
@@ -80,16 +91,17 @@ def _same_zero_degree(engine, directory: str, tag: str) -> bool:
     return all(os.path.exists(name) for name in names[:-1]) and not os.path.exists(names[-1])
 
 
-def _restore_groups(optimizer, saved: dict) -> None:
+def _restore_groups(engine, saved: dict) -> None:
     """A ZeRO checkpoint's per-group settings (the learning rate the schedule set) and step, from one rank's
     ``saved`` base optimizer state, and zero moments for load_engine_state to fill: loaded without its
     optimizer states, the engine's Adam has none yet."""
+    optimizer = base_optimizer(engine)
     for g, group in enumerate(optimizer.param_groups):
         group.update({k: v for k, v in saved["param_groups"][g].items() if k != "params"})
-        step = saved["state"][g]["step"]
-        for p in group["params"]:
-            optimizer.state[p].update(exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p),
-                                      step=step.clone() if torch.is_tensor(step) else step)
+    step = next(iter(saved["state"].values()))["step"]  # Adam steps every group together
+    for _, p in stepped_tensors(engine):
+        optimizer.state[p].update(exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p),
+                                  step=step.clone() if torch.is_tensor(step) else step)
 
 
 def full_zero_state(parts: list[dict], param_shapes: list[dict]) -> dict[str, torch.Tensor]:
@@ -110,6 +122,29 @@ def full_zero_state(parts: list[dict], param_shapes: list[dict]) -> dict[str, to
             for kind, t in flat.items():
                 state[f"{kind}/{name}"] = t[offset:offset + n].view(shape).float().clone()
             offset += n + padding
+    return state
+
+
+def full_zero3_state(parts: list[dict], param_shapes: list[dict]) -> dict[str, torch.Tensor]:
+    """engine_state's dict from ZeRO-3 optimizer state dicts of every data-parallel rank, in rank order.
+
+    ZeRO-3 cuts each parameter into ceil(numel / ranks)-element partitions, one per rank (the last padded), and a
+    rank's flat groups hold its partitions of the parameters consecutively, in ``param_shapes``' order (as
+    DeepSpeed's zero_to_fp32.py reads them; checked against DeepSpeed 0.19.8).
+    """
+    flats = [{"param": torch.cat(p["fp32_flat_groups"]),
+              **{kind: torch.cat([p["optimizer_state_dict"]["state"][g][kind]
+                                  for g in sorted(p["optimizer_state_dict"]["state"])]) for kind in MOMENTS}}
+             for p in parts]
+    state, offset = {}, 0
+    for shapes in param_shapes:
+        for name, shape in shapes.items():
+            n = math.prod(shape)
+            size = math.ceil(n / len(parts))
+            for kind in flats[0]:
+                whole = torch.cat([flat[kind][offset:offset + size] for flat in flats])
+                state[f"{kind}/{name}"] = whole[:n].view(shape).float().clone()
+            offset += size
     return state
 
 
