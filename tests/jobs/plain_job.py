@@ -28,6 +28,8 @@ def main() -> None:
     parser.add_argument("--train-iters", type=int, required=True)
     parser.add_argument("--dump-own")
     parser.add_argument("--dump-at", type=int, nargs="*", default=[])
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                        help="the inputs' type: the config's bf16 or fp16 block sets the model's")
     args, _ = parser.parse_known_args()
     torch.manual_seed(0)
     model = Regression()
@@ -38,7 +40,7 @@ def main() -> None:
     while engine.global_steps < args.train_iters:
         first = (engine.global_steps * ranks + engine.global_rank) * accumulation
         for micro in range(first, first + accumulation):
-            loss = engine(*micro_batch(micro))
+            loss = engine(*micro_batch(micro, getattr(torch, args.dtype)))
             engine.backward(loss)
             engine.step()
         if engine.global_steps in args.dump_at:

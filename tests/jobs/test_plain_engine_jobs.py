@@ -6,6 +6,7 @@ import re
 
 import pytest
 import torch
+from deepspeed.accelerator import get_accelerator
 
 from conftest import ROOT, run_job
 from cpsr_ds.checkpoint.capture.journal import journal_path, read_journal
@@ -21,13 +22,13 @@ def losses_by_iteration(run_dir, rank=0):
     return {e.iteration: e.loss for e in read_journal(journal_path(str(run_dir), rank))}
 
 
-def reference(tmp_path_factory, zero_stage: int):
+def reference(tmp_path_factory, zero_stage: int, dtype: str = "float32"):
     """A failure-free run of 2 data-parallel ranks; each rank's own share (under ZeRO its partition) saved after 6,
     9 and 11 in states/."""
-    tmp = tmp_path_factory.mktemp(f"reference_zero{zero_stage}")
+    tmp = tmp_path_factory.mktemp(f"reference_zero{zero_stage}_{dtype}")
     (tmp / "states").mkdir()
-    run_job(tmp, plain_config(tmp / "run", zero_stage=zero_stage), "--train-iters", ITERS, "--dump-own",
-            tmp / "states", "--dump-at", 6, 9, 11, script=SCRIPT)
+    run_job(tmp, plain_config(tmp / "run", zero_stage=zero_stage, **PRECISIONS[dtype]), "--train-iters", ITERS,
+            "--dtype", dtype, "--dump-own", tmp / "states", "--dump-at", 6, 9, 11, script=SCRIPT)
     return tmp / "run"
 
 
@@ -63,11 +64,22 @@ def extrapolated(before: dict, at_c: dict, ahead: float) -> dict:
     return {k: v + (v - before[k]) * ahead if k.startswith("param/") else v for k, v in at_c.items()}
 
 
-def test_zero3_killed_rank_restarts_and_recomputes_the_failure_free_losses(zero3_reference, tmp_path):
+# fp16 with dynamic loss scaling: a step skipped for an overflow is not an iteration, and the scaler's state goes
+# with each checkpoint.
+PRECISIONS = {"float32": {}, "bfloat16": {"bf16": {"enabled": True}},
+              "float16": {"fp16": {"enabled": True, "initial_scale_power": 8}}}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", pytest.param("float16", marks=pytest.mark.skipif(
+    not get_accelerator().is_fp16_supported(), reason="DeepSpeed refuses fp16 on this accelerator (its CPU one)"))])
+def test_zero3_killed_rank_restarts_and_recomputes_the_failure_free_losses(zero3_reference, tmp_path_factory,
+                                                                           tmp_path, dtype):
+    if dtype != "float32":
+        zero3_reference = reference(tmp_path_factory, 3, dtype)
     run_dir = tmp_path / "run"
     config = plain_config(run_dir, zero_stage=3, cpsr={"faults": {"kill_rank": 1, "kill_at_iteration": 8},
-                                                       "recovery": {"mode": "recompute"}})
-    result = run_job(tmp_path, config, "--train-iters", ITERS, script=SCRIPT, supervised=True)
+                                                       "recovery": {"mode": "recompute"}}, **PRECISIONS[dtype])
+    result = run_job(tmp_path, config, "--train-iters", ITERS, "--dtype", dtype, script=SCRIPT, supervised=True)
 
     assert "restart 1 of 2" in result.stdout and "restart 2 of 2" not in result.stdout
     found = re.search(r"job reached iteration 8, last checkpoint (\d+); recompute \(RB-R\): (\d+) iterations to redo",
