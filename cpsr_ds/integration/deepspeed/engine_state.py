@@ -14,6 +14,7 @@ the sub-group's flat partition) and ``_reassign_or_swap_out_partitioned_paramete
 
 from __future__ import annotations
 
+import inspect
 from typing import NamedTuple
 
 import torch
@@ -355,7 +356,24 @@ def advance_counters(engine, iterations: int) -> None:
     if isinstance(scheduler, INDEXED_SCHEDULERS):
         scheduler.step(scheduler.last_batch_iteration + iterations)
     elif scheduler is not None:
-        # A torch scheduler only steps one at a time; the journal's checks bound d.
+        _step_scheduler(scheduler, iterations, engine.train_batch_size())
+
+
+def _step_scheduler(scheduler, iterations: int, batch_samples: int) -> None:
+    """Step a scheduler that is not DeepSpeed's past ``iterations`` iterations of ``batch_samples`` samples each.
+
+    megatron-core's (and Megatron-DeepSpeed's) OptimizerParamScheduler counts samples, ``step(increment)``, checked
+    against megatron-core 0.16.1: one call for them all. A torch scheduler steps one iteration at a time; the
+    journal's checks bound d. One whose ``step`` needs other arguments is not guessed at."""
+    parameters = inspect.signature(scheduler.step).parameters
+    required = [name for name, p in parameters.items() if p.default is inspect.Parameter.empty
+                and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if required == ["increment"]:
+        scheduler.step(increment=iterations * batch_samples)
+    elif required:
+        raise TypeError(f"cpsr recovery: cannot advance the learning-rate scheduler {type(scheduler).__name__} "
+                        f"by {iterations} iterations: its step() requires {', '.join(required)}")
+    else:
         for _ in range(iterations):
             scheduler.step()
 
