@@ -127,11 +127,13 @@ class CheckpointConfig(_Strict):
         description="Seconds a survivor dump may take, waiting for a running optimizer step included; past it the "
         "dump is abandoned, never used. Keep it inside the launcher's grace period (DeepSpeed's and torch's: 30 s).",
     )
-    memory_interval: Optional[int] = Field(
-        None, gt=0,
+    memory_interval: Union[None, int, Literal["auto"]] = Field(
+        None,
         description="Iterations between host snapshots: each rank copies its state into shared memory beside its "
         "survivor dump (survivor_dir), no persist; a restart on the same node resumes from it when the training "
-        "process crashed and the node survived. null: none.",
+        "process crashed and the node survived. auto: planner.first_interval until the first snapshot, then "
+        "sqrt(2 stall / lambda_crash) iterations from its measured stall and the crashes' rate "
+        "(planner.failure_rate_per_hour times planner.failure_mix.process_crash; planning/levels.py). null: none.",
     )
 
     @field_validator("interval", mode="before")
@@ -139,6 +141,13 @@ class CheckpointConfig(_Strict):
     def _interval_or_auto(cls, value: Any) -> Any:
         if value != "auto" and not _whole_positive(value):
             raise ValueError(f'expected a whole number of iterations > 0 or "auto" (got {value!r})')
+        return value
+
+    @field_validator("memory_interval", mode="before")
+    @classmethod
+    def _memory_interval(cls, value: Any) -> Any:
+        if value is not None and value != "auto" and not _whole_positive(value):
+            raise ValueError(f'expected a whole number of iterations > 0, "auto" or null (got {value!r})')
         return value
 
     @model_validator(mode="after")

@@ -185,3 +185,13 @@ def plan_levels(rates: dict, c: LevelCosts, max_interval: float = MAX_INTERVAL) 
                      cost_rate=total(terms), cost_rate_closed=float(total(cost_rates(*closed, rates, c))),
                      cost_rate_numerical=float(total(cost_rates(*exact, rates, c))), terms=terms,
                      per_failure=per_failure, rates=dict(rates), violations=problems)
+
+
+def memory_interval(stall_s: float, iteration_s: float, crashes_per_hour: float,
+                    max_interval: float = MAX_INTERVAL) -> int:
+    """``checkpoint.memory_interval: auto``: the snapshot interval k = sqrt(2 c_m / lambda_c) in whole
+    iterations, from a snapshot's measured stall and the iteration's time (seconds) and the crashes' rate.
+    The memory level's closed form alone: F(k, n) is separable, so k does not depend on the storage interval."""
+    lam = non_negative("crashes_per_hour", crashes_per_hour) * positive("iteration_s", iteration_s) / 3600
+    stall = max(non_negative("stall_s", stall_s) / iteration_s, 1e-9)  # a free copy: the longest interval
+    return max(1, round(young(stall, lam, max_interval)))
