@@ -35,9 +35,10 @@ from cpsr_ds.planning.units import finite, non_negative, positive, whole
 class LevelCosts:
     """Each level's cost, iterations: ``snapshot`` a host snapshot's stall and ``snapshot_write`` its write
     into shared memory (a snapshot due while one is written is skipped); ``checkpoint`` a storage checkpoint's
-    T_s, ``persist`` its write, ``in_flight`` how many persist at once; ``restart_crash`` and ``restart_node``
-    a restart's time per class (the process start and the read from host memory, or from storage); ``rho``
-    the share of the iterations lost since the storage checkpoint that prediction saves."""
+    T_s, ``persist`` its write, ``in_flight`` how many persist at once; ``restart_crash``, ``restart_storage``
+    and ``restart_node`` a restart's time after a crash from a host snapshot, after a crash from storage (no
+    snapshots; None: restart_crash) and after a lost node; ``rho`` the share of the iterations lost since
+    the storage checkpoint that prediction saves."""
 
     snapshot: float
     checkpoint: float
@@ -47,12 +48,15 @@ class LevelCosts:
     restart_crash: float = 0.0
     restart_node: float = 0.0
     rho: float = 0.0
+    restart_storage: Optional[float] = None
 
     def __post_init__(self):
         positive("snapshot", self.snapshot)
         positive("checkpoint", self.checkpoint)
         for name in ("snapshot_write", "persist", "restart_crash", "restart_node"):
             non_negative(name, getattr(self, name))
+        if self.restart_storage is not None:
+            non_negative("restart_storage", self.restart_storage)
         whole("in_flight", self.in_flight)
         if not 0 <= finite("rho", self.rho) < 1:
             raise ValueError(f"rho must be in [0, 1), got {self.rho!r}")
@@ -100,14 +104,16 @@ def cost_rates(k, n, rates: dict, c: LevelCosts, exact: bool = True) -> dict:
     else:
         checkpoints, lost = c.checkpoint / np.asarray(n, float), storage_lam * np.asarray(n, float) / 2
     lost_per_failure = (1 - c.rho) * lost / storage_lam if storage_lam else 0 * lost
+    restart = c.restart_crash
     if k is None:
         snapshots, crash_lost = 0.0, lam_c * lost_per_failure
+        restart = c.restart_crash if c.restart_storage is None else c.restart_storage
     elif exact:
         snapshots, crash_lost = level_terms(k, lam_c, c.snapshot, c.snapshot_write)
     else:
         snapshots, crash_lost = c.snapshot / np.asarray(k, float), lam_c * np.asarray(k, float) / 2
     return {"snapshots": snapshots, "checkpoints": checkpoints,
-            PROCESS_CRASH: crash_lost + lam_c * c.restart_crash,
+            PROCESS_CRASH: crash_lost + lam_c * restart,
             NODE_LOST: lam_n * lost_per_failure + lam_n * c.restart_node}
 
 

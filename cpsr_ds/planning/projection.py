@@ -61,12 +61,13 @@ def rates(c: Cluster) -> dict:
     return failure_mix.class_rates(c.failures_per_hour * c.iteration_s / 3600, c.shares)
 
 
-def _costs(c: Cluster, snapshots: bool, rho: float, in_flight: int) -> levels.LevelCosts:
+def _costs(c: Cluster, rho: float, in_flight: int) -> levels.LevelCosts:
     s = seconds(c)
-    crash = s["restart_from_memory"] if snapshots else s["restart_from_storage"]
     return levels.LevelCosts(snapshot=_it(c, s["stall"]), checkpoint=_it(c, s["stall"]),
                              snapshot_write=_it(c, s["stall"]), persist=_it(c, s["persist"]), in_flight=in_flight,
-                             restart_crash=_it(c, crash), restart_node=_it(c, s["restart_node"]), rho=rho)
+                             restart_crash=_it(c, s["restart_from_memory"]),
+                             restart_storage=_it(c, s["restart_from_storage"]),
+                             restart_node=_it(c, s["restart_node"]), rho=rho)
 
 
 def strategies(c: Cluster) -> dict:
@@ -76,11 +77,11 @@ def strategies(c: Cluster) -> dict:
     pccheck = planner.pccheck_interval(c.iteration_s, s["stall"], s["persist"], c.in_flight, c.budget,
                                        storage_s=s["persist"] / c.iteration_s)
     memory = max(1.0, _it(c, s["stall"]))
-    cpsr_costs = _costs(c, True, c.rho, 1)
+    cpsr_costs = _costs(c, c.rho, 1)
     plan = levels.plan_levels(rates(c), cpsr_costs)
-    return {"checkfreq": (None, checkfreq, _costs(c, False, 0.0, 1)),
-            "pccheck": (None, pccheck, _costs(c, False, 0.0, c.in_flight)),
-            "in-memory": (memory, checkfreq, _costs(c, True, 0.0, 1)),
+    return {"checkfreq": (None, checkfreq, _costs(c, 0.0, 1)),
+            "pccheck": (None, pccheck, _costs(c, 0.0, c.in_flight)),
+            "in-memory": (memory, checkfreq, _costs(c, 0.0, 1)),
             "cpsr": (plan.memory_interval, plan.storage_interval, cpsr_costs)}
 
 

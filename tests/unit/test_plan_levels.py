@@ -57,8 +57,13 @@ def test_first_order_terms_per_failure_class():
     assert terms["checkpoints"] == pytest.approx(2.0 / 200)
     assert terms[PROCESS_CRASH] == pytest.approx(1e-4 * (20 / 2 + 10))  # k / 2 lost, and the restart
     assert terms[NODE_LOST] == pytest.approx(1e-4 * (0.5 * 200 / 2 + 100))  # (1 - rho) n / 2, and the restart
-    # Without snapshots a crash resumes from storage as a lost node does.
+    # Without snapshots a crash resumes from storage as a lost node does, and restarts from storage.
     assert levels.cost_rates(None, 200.0, RATES, COSTS, exact=False)[PROCESS_CRASH] == pytest.approx(1e-4 * (50 + 10))
+    from_storage = levels.LevelCosts(snapshot=0.02, checkpoint=2.0, rho=0.5, restart_crash=10.0, restart_storage=30.0)
+    assert levels.cost_rates(None, 200.0, RATES, from_storage, exact=False)[PROCESS_CRASH] == \
+        pytest.approx(1e-4 * (50 + 30))
+    assert levels.cost_rates(20.0, 200.0, RATES, from_storage, exact=False)[PROCESS_CRASH] == \
+        pytest.approx(1e-4 * (10 + 10))
 
 
 def test_closed_form_and_numerical_plans_agree():
