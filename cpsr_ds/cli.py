@@ -17,7 +17,7 @@ import sys
 from typing import Optional
 
 from cpsr_ds import node_view
-from cpsr_ds.planning import fault_tolerance_cost, plan_report, planner
+from cpsr_ds.planning import failure_mix, fault_tolerance_cost, levels, plan_report, planner, projection
 from cpsr_ds.checkpoint.storage import catalog, records
 from cpsr_ds.checkpoint.capture.journal import reached_iteration
 from cpsr_ds.recovery import earlier_reports
@@ -169,6 +169,52 @@ def _what_if(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return _emit(report, args.json, _print_plan, args.out)
 
 
+# The projection's cluster: (flag, dest, type, default, help); defaults: the Llama 3 job (docs/concepts/cost-model.md).
+SIMULATE_OPTIONS = (("--gpus", "gpus", int, 16_384, "GPUs of the job"),
+                    ("--state-gb", "state_gb", float, 6480.0, "the whole training state, GB"),
+                    ("--storage-gbps", "storage_gbps", float, 1000.0, "the job's storage bandwidth, GB/s"),
+                    ("--host-copy-gbps", "host_copy_gbps", float, 25.0, "one GPU's device-to-host copy, GB/s"),
+                    ("--iteration-s", "iteration_s", float, 6.0, "seconds per iteration"),
+                    ("--failures-per-hour", "failures_per_hour", float, failure_mix.LLAMA3_RATE_PER_HOUR,
+                     "the job's failures per hour"),
+                    ("--crash-share", "crash_share", float, failure_mix.LLAMA3_SHARES[failure_mix.PROCESS_CRASH],
+                     "share of failures that are process crashes (the rest lose their node)"),
+                    ("--run-hours", "run_hours", float, 54 * 24.0, "hours of training"),
+                    ("--process-start-s", "process_start_s", float, 60.0, "seconds to start the job's processes"),
+                    ("--node-replace-s", "node_replace_s", float, 300.0, "seconds to replace a lost node"),
+                    ("--rho", "rho", float, 0.5, "share of a lost node's lost iterations cpsr's prediction saves"))
+
+
+def _print_projection(report: dict) -> None:
+    print(f"{'strategy':<10} {'k it':>6} {'n it':>6} {'T_l h':>8}  " + " ".join(f"{t:>13}" for t in report["terms"]))
+    for row in report["strategies"]:
+        k = "-" if row["memory_interval"] is None else f"{row['memory_interval']:.0f}"
+        print(f"{row['strategy']:<10} {k:>6} {row['storage_interval']:>6.0f} {row['T_l_hours']:>8.2f}  "
+              + " ".join(f"{row['hours'][t]:>13.3f}" for t in report["terms"]))
+    plan = report["cpsr_plan"]
+    memory = plan["memory_interval"] or "none (snapshots cost more than the crashes they save)"
+    print(f"cpsr plan ({plan['method']}): host snapshots every {memory}, storage every {plan['storage_interval']} "
+          f"iterations")
+    for cls, cost in plan["per_failure"].items():
+        print(f"  {cls}: {plan['rates'][cls]:.3g} per iteration, {cost:.1f} iterations per failure")
+
+
+def _simulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    values = {dest: default if getattr(args, dest) is None else getattr(args, dest)
+              for _, dest, _, default, _ in SIMULATE_OPTIONS}
+    crash = values.pop("crash_share")
+    try:
+        cluster = projection.Cluster(**values, shares={failure_mix.PROCESS_CRASH: crash,
+                                                       failure_mix.NODE_LOST: 1 - crash})
+        rows = projection.project(cluster)
+        plan = levels.plan_levels(projection.rates(cluster), projection.strategies(cluster)["cpsr"][2])
+    except ValueError as e:
+        parser.error(str(e))
+    report = {"cluster": values | {"crash_share": crash}, "seconds": projection.seconds(cluster),
+              "terms": list(rows[0]["hours"]), "strategies": rows, "cpsr_plan": plan.to_dict()}
+    return _emit(report, args.json, _print_projection, args.out)
+
+
 def _run_plans(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if not os.path.isdir(args.run_dir):
         parser.error(f"{args.run_dir}: not a directory")
@@ -184,6 +230,10 @@ def _run_plans(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
 
 def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     given = [flag for flag, dest, *_ in WHAT_IF_INPUTS + WHAT_IF_OPTIONS if getattr(args, dest) is not None]
+    if args.simulate:
+        if args.run_dir is not None or given:
+            parser.error("--simulate takes the cluster's options only, not RUN_DIR or the what-if inputs")
+        return _simulate(parser, args)
     if args.run_dir is None:
         if args.plot:
             parser.error("--plot needs RUN_DIR")
@@ -221,6 +271,10 @@ def build_parser() -> argparse.ArgumentParser:
         plan.add_argument(flag, dest=dest, type=float, help=text)
     for flag, dest, kind, default, text in WHAT_IF_OPTIONS:
         plan.add_argument(flag, dest=dest, type=kind, help=text if default is None else f"{text} (default {default:g})")
+    plan.add_argument("--simulate", action="store_true", help="project T_l per strategy for the cluster the options "
+                                                               "below describe (docs/concepts/cost-model.md)")
+    for flag, dest, kind, default, text in SIMULATE_OPTIONS:
+        plan.add_argument(flag, dest=dest, type=kind, help=f"--simulate: {text} (default {default:g})")
     plan.add_argument("--json", action="store_true", help="print the report as JSON")
     insp.set_defaults(run=_inspect, parser=insp)
     plan.set_defaults(run=_plan, parser=plan)

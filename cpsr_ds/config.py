@@ -14,6 +14,7 @@ import logging
 import os
 from typing import Any, Literal, Optional, Union
 
+from cpsr_ds.planning.failure_mix import LLAMA3_SHARES as FAILURE_SHARES, NODE_LOST, PROCESS_CRASH, check_shares
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 BLOCK = "cpsr"
@@ -126,11 +127,13 @@ class CheckpointConfig(_Strict):
         description="Seconds a survivor dump may take, waiting for a running optimizer step included; past it the "
         "dump is abandoned, never used. Keep it inside the launcher's grace period (DeepSpeed's and torch's: 30 s).",
     )
-    memory_interval: Optional[int] = Field(
-        None, gt=0,
+    memory_interval: Union[None, int, Literal["auto"]] = Field(
+        None,
         description="Iterations between host snapshots: each rank copies its state into shared memory beside its "
         "survivor dump (survivor_dir), no persist; a restart on the same node resumes from it when the training "
-        "process crashed and the node survived. null: none.",
+        "process crashed and the node survived. auto: planner.first_interval until the first snapshot, then "
+        "sqrt(2 stall / lambda_crash) iterations from its measured stall and the crashes' rate "
+        "(planner.failure_rate_per_hour times planner.failure_mix.process_crash; planning/levels.py). null: none.",
     )
 
     @field_validator("interval", mode="before")
@@ -138,6 +141,13 @@ class CheckpointConfig(_Strict):
     def _interval_or_auto(cls, value: Any) -> Any:
         if value != "auto" and not _whole_positive(value):
             raise ValueError(f'expected a whole number of iterations > 0 or "auto" (got {value!r})')
+        return value
+
+    @field_validator("memory_interval", mode="before")
+    @classmethod
+    def _memory_interval(cls, value: Any) -> Any:
+        if value is not None and value != "auto" and not _whole_positive(value):
+            raise ValueError(f'expected a whole number of iterations > 0, "auto" or null (got {value!r})')
         return value
 
     @model_validator(mode="after")
@@ -247,12 +257,35 @@ class RecoveryConfig(_Strict):
     )
 
 
+class FailureMixConfig(_Strict):
+    process_crash: float = Field(
+        FAILURE_SHARES[PROCESS_CRASH], ge=0.0, le=1.0,
+        description="Share of failures that kill the training process on a node that lives (host memory and "
+        "node-local disk survive: host snapshots serve them). Default: the Llama 3 report's 419 unexpected "
+        "interruptions by root cause (cpsr_ds/planning/failure_mix.py, docs/concepts/cost-model.md).",
+    )
+    node_lost: float = Field(
+        FAILURE_SHARES[NODE_LOST], ge=0.0, le=1.0,
+        description="Share of failures that take the rank's node (its memory and node-local disk gone, the other "
+        "nodes live: storage or a replica serves its ranks). The two shares sum to 1.",
+    )
+
+    @model_validator(mode="after")
+    def _shares_sum_to_one(self) -> "FailureMixConfig":
+        check_shares(self.model_dump())
+        return self
+
+
 class PlannerConfig(_Strict):
     failure_rate_per_hour: float = Field(
         0.08, gt=0.0,
         description="lambda before the job has failed: failures per hour of the whole job (all its ranks), the "
         "paper's 0.08 by default (one in 12.5 h, from production traces). Take your cluster's record for jobs of "
         "this many servers: failures per hour of running. The job's own restarts in recovery.jsonl update it.",
+    )
+    failure_mix: FailureMixConfig = Field(
+        default_factory=FailureMixConfig,
+        description="How failure_rate_per_hour splits by failure class, as shares: process_crash and node_lost.",
     )
     cost_model: Literal["empirical", "paper", "paper-eq14"] = Field(
         "empirical",

@@ -150,7 +150,7 @@ def pbr_cost_rate(T_c, lam: float, T_s: float, p: PbrParams, persist: float = 0.
     return checkpoints + lam * expected_pbr_cost(T_c, lam, p, exact)
 
 
-def _checkpoint_and_lost(T_c, lam, T_s, persist, in_flight):
+def checkpoint_and_lost(T_c, lam, T_s, persist, in_flight):
     """Eq. 15's two terms under recomputing: lambda T_s' / (exp(lambda P) - 1), the checkpoints, and
     1 - lambda P / (exp(lambda P) - 1), the work lost since the last one (P = T_c + T_s')."""
     lam, T_s_eff, period = _period_costs(T_c, lam, T_s, persist, in_flight)
@@ -176,7 +176,7 @@ def empirical_cost_rate(T_c, lam: float, T_s: float, rho: float, persist: float 
     """
     if not 0 <= finite("rho", rho) < 1:
         raise ValueError(f"rho must be in [0, 1), got {rho!r}")
-    checkpoints, lost = _checkpoint_and_lost(T_c, lam, T_s, persist, in_flight)
+    checkpoints, lost = checkpoint_and_lost(T_c, lam, T_s, persist, in_flight)
     return checkpoints + (1.0 - rho) * lost
 
 
@@ -198,6 +198,6 @@ def guarded_cost_rate(T_c, lam: float, T_s: float, rho: float, d_max: float, per
     lo = non_negative("persist", persist)
     hi = lo + T
     bound = np.clip(non_negative("d_max", d_max), lo, hi)
-    checkpoints, _ = _checkpoint_and_lost(T_c, lam, T_s, persist, in_flight)
+    checkpoints, _ = checkpoint_and_lost(T_c, lam, T_s, persist, in_flight)
     failure = ((1.0 - rho) * (bound ** 2 - lo ** 2) + hi ** 2 - bound ** 2) / (2 * T)
     return checkpoints + lam * failure

@@ -54,5 +54,4 @@ class Snapshots(Hook):
         self.snapshots = snapshots
 
     def after_iteration(self, step: Step) -> None:
-        if step.finite:
-            self.snapshots.after_iteration(step.iteration)
+        self.snapshots.after_iteration(step.iteration, step.finite, step.seconds)

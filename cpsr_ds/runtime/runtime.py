@@ -77,7 +77,7 @@ class Runtime:
         checkpoints = Checkpoints(held, directory, place, self.scheduler, self.work, self.measurements)
         # After recovery, which reads the earlier dumps and snapshots these remove.
         self.survivor = survivor.install(engine, cfg.checkpoint, self.attempt)
-        self.host_snapshots = host_snapshot.install(engine, cfg.checkpoint, self.attempt)
+        self.host_snapshots = host_snapshot.install(engine, cfg.checkpoint, self.attempt, cfg.planner)
         self.hooks: list[Hook] = [
             self.measurements, Journal(self.journal), *([self.planning] if self.planning is not None else []),
             checkpoints, self.work, *([Snapshots(self.host_snapshots)] if self.host_snapshots is not None else []),

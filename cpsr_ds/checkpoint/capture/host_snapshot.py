@@ -24,12 +24,17 @@ import logging
 import os
 import threading
 import time
-from typing import Optional
+from functools import partial
+from statistics import median
+from typing import Callable, Optional
+
+import torch.distributed as dist
 
 from cpsr_ds.checkpoint.storage import private_dir
 from cpsr_ds.checkpoint.capture import dumps, run_id
-from cpsr_ds.config import CheckpointConfig
+from cpsr_ds.config import CheckpointConfig, PlannerConfig
 from cpsr_ds.integration.deepspeed.engine_state import local_state
+from cpsr_ds.planning import levels
 
 log = logging.getLogger(__name__)
 
@@ -51,34 +56,75 @@ def read_snapshots(cfg: CheckpointConfig, rank: int, attempt: int) -> list[dumps
 
 
 class HostSnapshots:
-    """Writes this rank's host snapshot every ``interval`` iterations (:meth:`after_iteration`)."""
+    """Writes this rank's host snapshot every ``interval`` iterations (:meth:`after_iteration`).
 
-    def __init__(self, engine, root: str, run: str, attempt: int, interval: int, checksum: str):
+    ``plan`` (memory_interval auto): the interval from a snapshot's stall and the iteration's time, seconds;
+    rank 0 applies it to its first snapshot's and sends the result to every rank, so that all snapshot the
+    same iterations (recovery needs one they all hold). Until then the interval is the one given.
+    """
+
+    def __init__(self, engine, root: str, run: str, attempt: int, interval: int, checksum: str,
+                 plan: Optional[Callable[[float, float], int]] = None):
         self.engine = engine
         self.directories = [snapshot_dir(root, run, engine.global_rank, slot) for slot in range(SLOTS)]
         self.manifest = dumps.identity(engine, run, attempt)
         self.interval = interval
         self.checksum = checksum
+        self.plan = plan
+        self.iteration_times: list[float] = []
+        self.planned: Optional[dict] = None  # the plan's inputs and interval, once made
         self.written = self.skipped = 0
+        self.last_slot: Optional[int] = None
         self._writer: Optional[threading.Thread] = None
 
-    def after_iteration(self, iteration: int) -> None:
+    def after_iteration(self, iteration: int, finite: bool = True, seconds: Optional[float] = None) -> None:
+        """Snapshot ``iteration`` where due and its loss ``finite``; with a plan still to make, make it there."""
+        if self.plan is not None and seconds is not None:
+            self.iteration_times.append(seconds)
         if iteration % self.interval:
             return
+        stall_s = self._snapshot(iteration) if finite else None
+        if self.plan is not None:
+            self._replan(iteration, stall_s)
+
+    def _snapshot(self, iteration: int) -> Optional[float]:
+        """Copy the state to the host and start writing it; the copy's seconds (None: skipped)."""
         if self._writer is not None and self._writer.is_alive():
             self.skipped += 1
             log.warning("cpsr: host snapshot of iteration %d skipped: the one before is still being written",
                         iteration)
-            return
+            return None
+        began = time.perf_counter()
         state, fragments = local_state(self.engine)
         # The copy is what the training loop waits for; the next optimizer step may then change the state.
         contents = {"state": {k: t.detach().to("cpu", copy=True) for k, t in state.items()},
                     "fragments": fragments, "counters": dumps.counters(self.engine)}
+        stall_s = time.perf_counter() - began
         manifest = {**self.manifest, "iteration": iteration, "reason": WHAT, "written_ns": time.time_ns()}
-        directory = self.directories[iteration // self.interval % SLOTS]
+        # The slot not written last (the first by the iteration's place): the interval may change, and the
+        # snapshot written last must stay while this one is written.
+        slot = iteration // self.interval % SLOTS if self.last_slot is None else (self.last_slot + 1) % SLOTS
+        directory, self.last_slot = self.directories[slot], slot
         self._writer = threading.Thread(target=self._write, args=(directory, contents, manifest),
                                         name="cpsr-host-snapshot", daemon=True)
         self._writer.start()
+        return stall_s
+
+    def _replan(self, iteration: int, stall_s: Optional[float]) -> None:
+        """Rank 0's planned interval, on every rank; none yet where rank 0 measured no snapshot or iteration."""
+        planned = None
+        if self.engine.global_rank == 0 and stall_s is not None and self.iteration_times:
+            iteration_s = median(self.iteration_times)
+            planned = {"stall_s": stall_s, "iteration_s": iteration_s, "interval": self.plan(stall_s, iteration_s)}
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            box = [planned]
+            dist.broadcast_object_list(box, src=0)
+            planned = box[0]
+        if planned is None:
+            return
+        self.planned, self.interval, self.plan = planned, planned["interval"], None
+        log.info("cpsr: host snapshots every %d iterations from iteration %d (memory_interval auto: stall %.3g s, "
+                 "iteration %.3g s)", self.interval, iteration, planned["stall_s"], planned["iteration_s"])
 
     def _write(self, directory: str, contents: dict, manifest: dict) -> None:
         try:
@@ -96,9 +142,11 @@ class HostSnapshots:
             self._writer.join(timeout_s)
 
 
-def install(engine, cfg: CheckpointConfig, attempt: int) -> Optional[HostSnapshots]:
+def install(engine, cfg: CheckpointConfig, attempt: int,
+            planner: Optional[PlannerConfig] = None) -> Optional[HostSnapshots]:
     """Remove the rank's snapshots of an earlier attempt (recovery has read them) and, with ``cfg.memory_interval``,
     return the engine's :class:`HostSnapshots`, which the runtime calls after each iteration; None without it.
+    memory_interval auto plans the interval from ``planner`` (its rate, failure mix, first and longest interval).
 
     Raises :class:`private_dir.PrivateDirError` where memory_interval is set and the survivor root or the run's
     directory under it is not this user's alone; without memory_interval such a directory is left alone.
@@ -109,7 +157,12 @@ def install(engine, cfg: CheckpointConfig, attempt: int) -> Optional[HostSnapsho
     root, run = dumps.prepare(cfg)
     for slot in range(SLOTS):
         dumps.remove_dump(snapshot_dir(root, run, engine.global_rank, slot))
-    return HostSnapshots(engine, root, run, attempt, cfg.memory_interval, cfg.checksum)
+    if cfg.memory_interval != "auto":
+        return HostSnapshots(engine, root, run, attempt, cfg.memory_interval, cfg.checksum)
+    planner = planner or PlannerConfig()
+    crashes = planner.failure_rate_per_hour * planner.failure_mix.process_crash
+    plan = partial(levels.memory_interval, crashes_per_hour=crashes, max_interval=planner.max_interval)
+    return HostSnapshots(engine, root, run, attempt, planner.first_interval, cfg.checksum, plan)
 
 
 def _remove_earlier(cfg: CheckpointConfig, rank: int) -> None:
