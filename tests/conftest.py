@@ -18,6 +18,7 @@ import tempfile
 import pytest
 
 from benchmarks.common.processes import TEST_MODEL, free_port
+from cpsr_ds.checkpoint.capture.journal import journal_path, read_journal
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -95,6 +96,21 @@ def run_job(tmp_path, config: dict, *args, supervised: bool = False, nprocs: int
     # Every rank, killed ones included, released DeepSpeed's shared-memory buffer at start.
     assert result.returncode != 0 or not glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"), "a job left its /dev/shm buffers behind"
     return result
+
+
+def recomputed_from(stdout: str, run_dir, killed_at: int, iters: int, ranks=(0, 1)) -> int:
+    """The checkpoint c a job killed after ``killed_at`` recomputed from, checked: each rank journaled 1..killed_at,
+    then c + 1..iters, and the recomputed iterations' losses equal the failure-free ones bit for bit."""
+    found = re.search(rf"job reached iteration {killed_at}, last checkpoint (\d+); recompute", stdout)
+    assert found, stdout[-3000:]
+    c = int(found.group(1))
+    for rank in ranks:
+        entries = read_journal(journal_path(str(run_dir), rank))
+        assert [e.iteration for e in entries] == list(range(1, killed_at + 1)) + list(range(c + 1, iters + 1))
+        before = {e.iteration: e.loss for e in entries[:killed_at]}
+        recomputed = {e.iteration: e.loss for e in entries[killed_at:] if e.iteration <= killed_at}
+        assert recomputed == {i: before[i] for i in range(c + 1, killed_at + 1)}
+    return c
 
 
 def probe_rows(stdout: str) -> list[dict]:

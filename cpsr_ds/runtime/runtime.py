@@ -9,7 +9,6 @@ the survivor dump writes the state of the last one that completed.
 
 from __future__ import annotations
 
-import logging
 import time
 import weakref
 from dataclasses import replace
@@ -20,7 +19,6 @@ from cpsr_ds.checkpoint.capture.journal import ProgressJournal
 from cpsr_ds.config import CPSRConfig
 from cpsr_ds.coordinator import DROP_WAIT_S
 from cpsr_ds.runtime.faults import FaultInjector
-from cpsr_ds.integration.deepspeed.data import fast_forward
 from cpsr_ds.integration.deepspeed.engine_state import data_parallel
 from cpsr_ds.integration.deepspeed.topology import place_of
 from cpsr_ds.recovery import new_predictor, recover
@@ -32,8 +30,6 @@ from cpsr_ds.runtime.monitor import Monitor
 from cpsr_ds.runtime.plans import Planning
 from cpsr_ds.runtime.predictor_work import PredictorWork
 from cpsr_ds.runtime.schedule import Scheduler, per_stage
-
-log = logging.getLogger(__name__)
 
 
 class Runtime:
@@ -53,10 +49,6 @@ class Runtime:
         self.faults = FaultInjector(cfg.faults, directory, place.rank, place.world)
         predictor = new_predictor(cfg, data_parallel(engine).size)
         self.recovery = replace(recover(engine, cfg, predictor, attempt=self.attempt), world_change=world_change)
-        skipped = fast_forward(engine, engine.global_steps)
-        if skipped:
-            log.info("cpsr: the engine's training data moved past %d micro-batches, to iteration %d's",
-                     skipped, engine.global_steps)
         # Where the job resumed ahead of its newest state on storage, two origins differ from the resume point: the
         # predictor's records count to the checkpoint it was restored from (Measurements.load), and the schedule
         # counts from c after a predicting-based recovery, as a failure before the next checkpoint goes back there.

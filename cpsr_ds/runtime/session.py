@@ -27,6 +27,7 @@ from cpsr_ds.checkpoint.storage.topology import verify_storage
 from cpsr_ds.config import CPSRConfig
 from cpsr_ds.runtime.elastic import check_restartable
 from cpsr_ds.runtime.faults import check_kill_rank
+from cpsr_ds.integration.deepspeed.data_iterator import resume_data
 from cpsr_ds.integration.deepspeed.install import ds_config, installed, pass_config, release_shm_allreduce_name
 from cpsr_ds.integration.deepspeed.topology import stages_of, tensor_parallel_size
 from cpsr_ds.recovery import RecoveryReport, append_report
@@ -73,6 +74,8 @@ def _start(bound: inspect.BoundArguments, cfg: CPSRConfig, clock: restart_time.R
         release_shm_allreduce_name(engine.global_rank)
         clock.mark("deepspeed_init")
         engine.cpsr = Runtime(engine, cfg, lock, world_change=change)
+        if skipped := resume_data(engine):
+            log.info("cpsr: the engine's training data resumes %d batches into its pass", skipped)
         _retire_departed(cfg.checkpoint.dir, lock.attempt)
         clock.mark("rest")
     except BaseException:

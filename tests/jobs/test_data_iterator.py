@@ -1,37 +1,25 @@
-"""The data the engine feeds itself (training_data=, train_batch() with no argument): a restarted job resumes the
-engine's iterator at the resumed iteration's batch."""
+"""The data DeepSpeed owns resumes where the failure left it: a job fed by ``training_data=`` (DeepSpeedExamples'
+pipeline pattern, and the plain engine's loader), with a rank killed and the job restarted, recomputes from c the
+losses the failure-free run journaled: the batches after the restart are the ones it saw at those iterations."""
 
 import os
 
-from conftest import ROOT, run_job
-from cpsr_ds.checkpoint.capture.journal import journal_path, read_journal
+import pytest
 
-ITERS = 12
-SCRIPT = os.path.join(ROOT, "tests", "jobs", "pipeline_data_job.py")
+from conftest import ROOT, recomputed_from, run_job
+from support.plain import plain_config
 
-
-def config(run_dir, **cpsr) -> dict:
-    """PP = 2, 4 micro-batches of 4 samples per iteration: 96 samples last 6 iterations, so the loader wraps."""
-    return {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4, "steps_per_print": 10 ** 9,
-            "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "torch_adam": True}},
-            "cpsr": {"checkpoint": {"dir": str(run_dir), "interval": 3}, **cpsr}}
+SCRIPT = os.path.join(ROOT, "tests", "jobs", "data_iterator_job.py")
+KILLED_AT, ITERS = 8, 9
+# 72 samples in micro-batches of 4, 2 per step: a checkpoint at 3 or 6 is 6 or 12 micro-batches in, into a pass of 18
+# (pipeline) or 9 (two data-parallel ranks): never at its start.
 
 
-def losses(run_dir) -> dict[int, float]:
-    """The last loss journaled for each iteration (a recomputed iteration overwrites the failed run's)."""
-    return {e.iteration: e.loss for e in read_journal(journal_path(str(run_dir), 0))}
-
-
-def test_a_restart_feeds_the_batches_the_failure_free_run_fed_from_the_resumed_iteration(tmp_path):
-    reference = tmp_path / "reference"
-    run_job(tmp_path, config(reference), "--train-iters", ITERS, script=SCRIPT)
+@pytest.mark.parametrize("pipeline", [True, False], ids=["pipeline_train_batch", "plain_loader"])
+def test_a_restart_resumes_the_engines_loader_at_the_resumed_iterations_batch(tmp_path, pipeline):
     run_dir = tmp_path / "run"
-    result = run_job(tmp_path, config(run_dir, faults={"kill_rank": 1, "kill_at_iteration": 8},
-                                      recovery={"mode": "recompute"}),
-                     "--train-iters", ITERS, script=SCRIPT, supervised=True)
-    assert "restart 1 of 2" in result.stdout
-    assert "the engine's training data moved past" in result.stdout, result.stdout[-3000:]
-    expected, got = losses(reference), losses(run_dir)
-    assert sorted(got) == sorted(expected) == list(range(1, ITERS + 1))
-    for iteration in range(1, ITERS + 1):  # before the failure and after the restart alike
-        assert abs(got[iteration] - expected[iteration]) <= 1e-6 * abs(expected[iteration]), iteration
+    config = plain_config(run_dir, accumulation=2, cpsr={"faults": {"kill_rank": 1, "kill_at_iteration": KILLED_AT},
+                                                         "recovery": {"mode": "recompute"}})
+    flags = ["--pipeline"] if pipeline else []
+    result = run_job(tmp_path, config, "--train-iters", ITERS, *flags, script=SCRIPT, supervised=True)
+    assert recomputed_from(result.stdout, run_dir, KILLED_AT, ITERS) in (3, 6)

@@ -1,13 +1,10 @@
 """RB-R is exact with dropout on: a PP = 2 job killed after a checkpoint recomputes, from it, the losses it
 journaled before the kill, bit for bit, with DeepSpeed's default (fused) Adam and with torch's."""
 
-import re
-
 import pytest
 
 from benchmarks.common.processes import tiny_config
-from conftest import run_job
-from cpsr_ds.checkpoint.capture.journal import journal_path, read_journal
+from conftest import recomputed_from, run_job
 
 KILLED_AT = 14  # rank 1 is killed right after this iteration
 ITERS = 15
@@ -32,14 +29,5 @@ def test_recomputed_losses_with_dropout_equal_the_failure_free_ones_bit_for_bit(
     run_dir = tmp_path / "run"
     result = run_job(tmp_path, dropout_config(run_dir, torch_adam), "--train-iters", ITERS,
                      "--eval-interval", 5, supervised=True)
-    found = re.search(rf"job reached iteration {KILLED_AT}, last checkpoint (\d+); recompute", result.stdout)
-    assert found, result.stdout[-3000:]
-    c = int(found.group(1))
+    c = recomputed_from(result.stdout, run_dir, KILLED_AT, ITERS)
     assert c in (5, 10)
-    for rank in (0, 1):
-        entries = read_journal(journal_path(str(run_dir), rank))
-        # Before the kill: 1..KILLED_AT, failure-free; then the restart's c + 1..ITERS.
-        assert [e.iteration for e in entries] == list(range(1, KILLED_AT + 1)) + list(range(c + 1, ITERS + 1))
-        before = {e.iteration: e.loss for e in entries[:KILLED_AT]}
-        recomputed = {e.iteration: e.loss for e in entries[KILLED_AT:] if e.iteration <= KILLED_AT}
-        assert recomputed == {i: before[i] for i in range(c + 1, KILLED_AT + 1)}
