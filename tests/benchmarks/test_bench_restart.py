@@ -1,0 +1,65 @@
+"""bench_restart's own parts: the GPT sized to a state, the floor's read and the ratio, and resuming from the runs
+a killed benchmark left in runs.jsonl."""
+
+import json
+
+import pytest
+
+from benchmarks import bench_restart
+
+
+@pytest.mark.parametrize("gib", [0.25, 1, 4])
+def test_the_gpt_of_a_size_holds_about_that_much_state(gib):
+    model = bench_restart.model_for(str(gib))
+    assert model["hidden_size"] % 64 == 0 and model["hidden_size"] % model["num_attention_heads"] == 0
+    assert abs(bench_restart.state_gib(model) - gib) / gib < 0.1
+
+
+def test_the_floor_s_read_reads_every_byte_of_the_files_once(tmp_path):
+    sizes = [0, 1, bench_restart.BLOCK + 3]
+    files = []
+    for k, n in enumerate(sizes):
+        files.append(tmp_path / f"f{k}")
+        files[-1].write_bytes(b"x" * n)
+    seconds, nbytes = bench_restart.timed_read([str(f) for f in files])
+    assert nbytes == sum(sizes) and seconds >= 0
+
+
+def test_the_ratio_is_the_restart_over_the_floor_of_the_same_run():
+    floor = bench_restart.floor_s(2.0, 0.5)
+    assert floor == 2.5
+    assert bench_restart.ratio(5.0, floor) == 2.0
+    assert bench_restart.ratio(None, floor) is None
+
+
+def finished(case: str, repeat: int, restart_s: float) -> dict:
+    size, source = case.split("-", 1)
+    return {"case": case, "size": size, "source": source, "repeat": repeat, "state_gib": 0.0, "exit": 0,
+            "method": "recompute", "sources": {"0": "host snapshot"}, "restart_s": restart_s, "imports_s": 2.0,
+            "read_s": 0.5, "floor_s": 2.5, "bytes_read": 10, "ratio": restart_s / 2.5,
+            "seconds": {"process_start": 1.0, "reading": 0.1}}
+
+
+def test_resume_skips_the_runs_already_done_and_summarises_them(tmp_path, monkeypatch, capsys):
+    runs = [finished("tiny-host_snapshot", k, 5.0 + k) for k in range(2)]
+    (tmp_path / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in runs))
+    monkeypatch.setattr(bench_restart, "run_case", lambda *a: pytest.fail(f"ran {a} although it was done"))
+    out = tmp_path / "out.json"
+    bench_restart.main(["--sizes", "tiny", "--sources", "host_snapshot", "--repeats", "2", "--resume",
+                        "--out-dir", str(tmp_path), "--json", str(out)])
+    (case,) = json.loads(out.read_text())["cases"]
+    assert (case["repeats"], case["restart_s"]["median"], case["ratio"]["median"]) == (2, 5.5, 2.2)
+    assert case["seconds"]["process_start"]["median"] == 1.0
+    assert "tiny  " in capsys.readouterr().out
+
+
+def test_without_resume_earlier_runs_are_dropped_and_a_bad_size_is_refused(tmp_path, monkeypatch):
+    (tmp_path / "runs.jsonl").write_text(json.dumps(finished("tiny-storage", 0, 4.0)) + "\n")
+    ran = []
+    monkeypatch.setattr(bench_restart, "run_case", lambda *a: ran.append(a) or finished("tiny-storage", 0, 3.0))
+    bench_restart.main(["--sizes", "tiny", "--sources", "storage", "--repeats", "1", "--out-dir", str(tmp_path),
+                        "--json", str(tmp_path / "out.json")])
+    assert len(ran) == 1
+    assert [r["restart_s"] for r in bench_restart.done_runs(str(tmp_path / "runs.jsonl"))["tiny-storage"]] == [3.0]
+    with pytest.raises(SystemExit):
+        bench_restart.parse_args(["--sizes", "big"])
