@@ -40,31 +40,37 @@ def load(engine, directory: str, tag: str) -> dict:
     resharded = zero_resharded(engine, directory, tag)
     if resharded is not None and zero3(engine):
         # DeepSpeed cannot load ZeRO-3 weights of another degree from our files (load_counters says why).
-        client_state = load_counters(engine, engine.checkpoint_engine.load(
-            engine._get_ckpt_name(directory, tag), map_location="cpu"))
+        client_state = load_counters(engine, resharded.model_states)
         rng.load(engine, os.path.join(directory, tag))
     else:
         load_path, client_state = engine.load_checkpoint(directory, tag=tag, load_optimizer_states=resharded is None)
         if load_path is None:
             raise RuntimeError(f"cpsr recovery: DeepSpeed could not load checkpoint {tag} in {directory}")
     if resharded is not None:
-        state, saved = resharded
-        _restore_groups(engine, saved)
-        load_engine_state(engine, state)
+        _restore_groups(engine, resharded.saved)
+        load_engine_state(engine, resharded.state)
     return client_state or {}
 
 
-def zero_resharded(engine, directory: str, tag: str) -> tuple[dict[str, torch.Tensor], dict] | None:
-    """Under ZeRO, a checkpoint written at another data-parallel degree: (its engine_state, its first rank's
-    base optimizer state: the groups' settings and step); else None.
+class Resharded(NamedTuple):
+    """A ZeRO checkpoint of another data-parallel degree: its engine_state, its first rank's base optimizer state
+    (the groups' settings and step), and its model-states file."""
+
+    state: dict[str, torch.Tensor]
+    saved: dict
+    model_states: dict
+
+
+def zero_resharded(engine, directory: str, tag: str) -> Resharded | None:
+    """Under ZeRO, a checkpoint written at another data-parallel degree (:class:`Resharded`); else None.
 
     DeepSpeed refuses to load ZeRO partitions into another degree. Its universal
     checkpoint would convert every checkpoint to a new folder first (ds_to_universal, a
     separate pass writing as much again); instead this reads the old ranks' partitions
     (every rank reads them all: the stage's full state in host memory, for the one load of
     a changed degree) and reassembles the full fp32 parameters and moments, which
-    load_engine_state writes into the new partitions. Model weights, counters and the LR
-    schedule load through DeepSpeed as usual.
+    load_engine_state writes into the new partitions. Under ZeRO-1/2 model weights, counters
+    and the LR schedule load through DeepSpeed as usual; under ZeRO-3 from the model-states file (:func:`load`).
     """
     if not engine.zero_optimization() or _same_zero_degree(engine, directory, tag):
         return None
@@ -78,8 +84,10 @@ def zero_resharded(engine, directory: str, tag: str) -> tuple[dict[str, torch.Te
                                                       dp_world_size=old, bf16_mode=engine.bfloat16_enabled())
     parts = [engine.checkpoint_engine.load(name, map_location="cpu")["optimizer_state_dict"] for name in names]
     if int(parts[0]["zero_stage"]) == 3:
-        return full_zero3_state(parts, model_states["param_shapes"]), parts[0]["optimizer_state_dict"]
-    return full_zero_state(parts, model_states["param_shapes"]), parts[0]["base_optimizer_state"]
+        return Resharded(full_zero3_state(parts, model_states["param_shapes"]), parts[0]["optimizer_state_dict"],
+                         model_states)
+    return Resharded(full_zero_state(parts, model_states["param_shapes"]), parts[0]["base_optimizer_state"],
+                     model_states)
 
 
 def _same_zero_degree(engine, directory: str, tag: str) -> bool:
