@@ -81,7 +81,7 @@ from benchmarks.common.processes import (JOB_ENV, NoLoopbackSsh, finish, free_po
 from cpsr_ds.checkpoint.capture.journal import journal_path, read_journal  # noqa: E402
 from cpsr_ds.runtime.elastic import STORE_SETTING  # noqa: E402
 from cpsr_ds.runtime.faults import FAULTS_DIR  # noqa: E402
-from benchmarks.common.lag import summarize  # noqa: E402
+from benchmarks.common.lag import median_ci, summarize  # noqa: E402
 from cpsr_ds.recovery import read_reports  # noqa: E402
 
 LAYOUTS = ("shared", "node_local")
@@ -336,9 +336,7 @@ def print_table(records: list[dict]) -> None:
         if not r["repeats"]:
             print(f"{r['layout']:<10} {r['launch']:<8} {r['failure']:<8} {r['outcome']:<20} {r['reason']}")
             continue
-        s = r["restart_s"]
-        ci = "" if s["ci95"] is None else f" [{s['ci95'][0]:.1f}, {s['ci95'][1]:.1f}]"
-        restart = "-" if s["median"] is None else f"{s['median']:.1f}{ci}"
+        restart = median_ci(r["restart_s"], digits=1)
         print(f"{r['layout']:<10} {r['launch']:<8} {r['failure']:<8} {r['outcome']:<20} {_values(r['method']):<9} "
               f"{_values(r['c']):>5} {_values(r['f']):>5} {_values(r['resume']):>6} "
               f"{_values(r['committed_before_failure']):>11} {'yes' if r['progress_lost'] else 'no':>5} "

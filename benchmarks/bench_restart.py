@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 from benchmarks.common.jobs import tail  # noqa: E402  (first: it sets the jobs' environment)
 
-from benchmarks.common.lag import summarize  # noqa: E402
+from benchmarks.common.lag import median_ci, summarize  # noqa: E402
 from benchmarks.common.paths import ROOT, with_default_outputs  # noqa: E402
 from benchmarks.common.processes import JOB_ENV, TEST_MODEL, finish, free_port, start, tiny_config  # noqa: E402
 from cpsr_ds.checkpoint.capture.journal import journal_path, read_journal  # noqa: E402
@@ -251,13 +251,6 @@ def run_case(size: str, source: str, repeat: int, out_dir: str) -> dict:
 # ---------------------------------------------------------------- the table
 
 
-def _ci(s: dict) -> str:
-    if s["median"] is None:
-        return "-"
-    ci = "" if s["ci95"] is None else f" [{s['ci95'][0]:.2f}, {s['ci95'][1]:.2f}]"
-    return f"{s['median']:.2f}{ci}"
-
-
 def print_table(records: list[dict]) -> None:
     head = (f"{'size':<5} {'GiB':>5} {'source':<13} {'method':<9} {'restart s':>22} {'floor s':>8} {'import':>6} "
             f"{'read':>6} {'ratio':>18} {'n':>2}  breakdown (median s)")
@@ -267,8 +260,8 @@ def print_table(records: list[dict]) -> None:
         parts = " ".join(f"{p}={s['median']:.2f}" for p, s in r["seconds"].items() if s["median"] is not None)
         med = lambda key: "-" if r[key]["median"] is None else f"{r[key]['median']:.2f}"  # noqa: E731
         print(f"{r['size']:<5} {r['state_gib'] or 0:>5.2f} {r['source']:<13} {'/'.join(r['methods']):<9} "
-              f"{_ci(r['restart_s']):>22} {med('floor_s'):>8} {med('imports_s'):>6} {med('read_s'):>6} "
-              f"{_ci(r['ratio']):>18} {r['repeats']:>2}  {parts}")
+              f"{median_ci(r['restart_s']):>22} {med('floor_s'):>8} {med('imports_s'):>6} {med('read_s'):>6} "
+              f"{median_ci(r['ratio']):>18} {r['repeats']:>2}  {parts}")
 
 
 # ---------------------------------------------------------------- main

@@ -153,3 +153,11 @@ def summarize(measured, unmeasurable) -> dict:
         mean, lo, hi = mean_ci95(x)
         out.update(median=float(np.median(x)), mean=mean, ci95=[lo, hi], sd=float(np.std(x, ddof=1)) if len(x) > 1 else None)
     return out
+
+
+def median_ci(summary: dict, digits: int = 2) -> str:
+    """A :func:`summarize` result as "median [lo, hi]" (the mean's 95 % interval); "-" where nothing was measured."""
+    if summary["median"] is None:
+        return "-"
+    ci = "" if summary["ci95"] is None else f" [{summary['ci95'][0]:.{digits}f}, {summary['ci95'][1]:.{digits}f}]"
+    return f"{summary['median']:.{digits}f}{ci}"

@@ -27,7 +27,7 @@ import numpy as np
 
 from cpsr_ds.planning.failure_mix import NODE_LOST, PROCESS_CRASH
 from cpsr_ds.planning.fault_tolerance_cost import checkpoint_and_lost
-from cpsr_ds.planning.planner import MAX_INTERVAL, SMALL, clamp_interval, minimize_interval
+from cpsr_ds.planning.planner import MAX_INTERVAL, SMALL, clamp_interval, minimize_interval, young_interval
 from cpsr_ds.planning.units import finite, non_negative, positive, whole
 
 
@@ -63,9 +63,10 @@ class LevelCosts:
 
 
 def young(cost: float, lam: float, max_interval: float = MAX_INTERVAL) -> float:
-    """sqrt(2 cost / lambda), the interval minimising cost / T + lambda T / 2; max_interval where lambda is 0."""
-    lam = non_negative("lambda", lam)
-    return clamp_interval(math.sqrt(2 * positive("cost", cost) / lam) if lam else math.inf, max_interval)
+    """planner.young_interval, sqrt(2 cost / lambda); max_interval for a level whose failures never come."""
+    if not non_negative("lambda", lam):
+        return clamp_interval(math.inf, max_interval)
+    return young_interval(lam, cost, max_interval)
 
 
 def closed_form(rates: dict, c: LevelCosts, max_interval: float = MAX_INTERVAL) -> tuple[Optional[float], float]:
