@@ -218,12 +218,17 @@ class Layouts:
                                f"{self.layout.kill_rank} at {reached}: {output[-3000:]}")
         return run_dir
 
-    def restart(self, failed: str, method: str, c: int, d: int, to_end: bool) -> Case:
+    def restart(self, failed: str, method: str, c: int, d: int, to_end: bool, in_place: bool) -> Case:
+        """Restart the failed job with ``method``. A copy of its directory is a run of its own, whose survivors'
+        dumps recovery (rightly) refuses; so the last method of a failure restarts ``failed`` itself."""
         f, name = c + d, f"{method}-c{c}-d{d}"
-        run_dir = os.path.join(self.dir, name)
-        shutil.copytree(failed, run_dir, copy_function=link_or_copy)
-        survivor_dir = os.path.join(self.shm, name)
-        shutil.copytree(os.path.join(self.shm, os.path.basename(failed)), survivor_dir)
+        survivors = os.path.join(self.shm, os.path.basename(failed))
+        if in_place:
+            run_dir, survivor_dir = failed, survivors
+        else:
+            run_dir, survivor_dir = os.path.join(self.dir, name), os.path.join(self.shm, name)
+            shutil.copytree(failed, run_dir, copy_function=link_or_copy)
+            shutil.copytree(survivors, survivor_dir)
         config = self.config(run_dir, survivor_dir, METHODS[method])
         end = self.train_iters if to_end else f + 4 * d
         code, launched, output = self.launch(name, config, end, "--eval-interval", NEVER,
@@ -286,8 +291,9 @@ def run(args) -> dict:
                     for c, d in failures(args, Tc):
                         failed = jobs.fail(c, d)
                         here = [recomputed(seed, "recompute", Tc, c, d, "RB-R")]
-                        here += [jobs.restart(failed, method, c, d, to_end=not args.quick and method == "sources")
-                                 for method in jobs.layout.methods]
+                        methods = jobs.layout.methods
+                        here += [jobs.restart(failed, method, c, d, to_end=not args.quick and method == "sources",
+                                              in_place=method == methods[-1]) for method in methods]
                         print_cases(here)
                         for case in here[1:]:
                             print(f"    {case.method}: restart {case.restart_s:.1f} s, read {read_ratio(case)} one checkpoint, "
