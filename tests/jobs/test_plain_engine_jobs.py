@@ -6,7 +6,6 @@ import re
 
 import pytest
 import torch
-from deepspeed.accelerator import get_accelerator
 
 from conftest import ROOT, run_job
 from cpsr_ds.checkpoint.capture.journal import journal_path, read_journal
@@ -69,11 +68,10 @@ def extrapolated(before: dict, at_c: dict, ahead: float) -> dict:
 # fp16 with dynamic loss scaling: a step skipped for an overflow is not an iteration, and the scaler's state goes
 # with each checkpoint.
 PRECISIONS = {"float32": {}, "bfloat16": {"bf16": {"enabled": True}},
-              "float16": {"fp16": {"enabled": True, "initial_scale_power": 8}}}
+              "float16": {"fp16": {"enabled": True, "initial_scale_power": 16}}}
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", pytest.param("float16", marks=pytest.mark.skipif(
-    not get_accelerator().is_fp16_supported(), reason="DeepSpeed refuses fp16 on this accelerator (its CPU one)"))])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_zero3_killed_rank_restarts_and_recomputes_the_failure_free_losses(zero3_reference, tmp_path_factory,
                                                                            tmp_path, dtype):
     if dtype != "float32":
@@ -91,11 +89,14 @@ def test_zero3_killed_rank_restarts_and_recomputes_the_failure_free_losses(zero3
     assert c in (3, 6) and int(found.group(2)) == 8 - c
     # Each rank saved its own ZeRO-3 partition: nothing gathered onto one rank.
     assert len(list((run_dir / f"global_step{c}").glob("*zero_pp_rank_*optim_states.pt"))) == 2
-    journal = [e.iteration for e in read_journal(journal_path(str(run_dir), 1))]
-    assert journal == list(range(1, 9)) + list(range(c + 1, ITERS + 1))
-
     expected, got = losses_by_iteration(zero3_reference), losses_by_iteration(run_dir)
-    assert sorted(got) == sorted(expected) == list(range(1, ITERS + 1))
+    # fp16's first steps overflow at the initial scale 2^16 and are skipped: they are not iterations, and
+    # nothing is journaled for them.
+    applied = sorted(expected)
+    assert applied == list(range(applied[0], ITERS + 1)) and (applied[0] > 1) == (dtype == "float16"), applied
+    journal = [e.iteration for e in read_journal(journal_path(str(run_dir), 1))]
+    assert journal == [i for i in applied if i <= 8] + [i for i in applied if i > c]
+    assert sorted(got) == applied
     for iteration in range(c + 1, ITERS + 1):
         assert abs(got[iteration] - expected[iteration]) <= 1e-6 * abs(expected[iteration]), iteration
 
