@@ -7,11 +7,12 @@ import torch
 
 from benchmarks.common.processes import tiny_config
 from conftest import run_job
-from cpsr_ds.checkpoint.capture import dumps, host_snapshot, run_id
+from cpsr_ds.checkpoint.capture import host_snapshot
 from cpsr_ds.checkpoint.capture.journal import journal_path, read_journal
 from cpsr_ds.config import ConfigError, CPSRConfig
 from cpsr_ds.recovery import engine_state, read_reports
 from cpsr_ds.recovery.sources import host_snapshot as snapshot_source
+from support.checkpoints import landed_snapshots
 from support.training import process_group, trained  # noqa: F401 (a fixture; process_group is autouse)
 
 
@@ -46,15 +47,6 @@ def test_ranks_whose_newest_snapshots_differ_resume_from_the_newest_they_all_hol
 def test_memory_interval_is_checked():
     with pytest.raises(ConfigError, match="checkpoint.memory_interval"):
         CPSRConfig.parse_block({"checkpoint": {"memory_interval": 0}})
-
-
-def landed_snapshots(config: dict, rank: int) -> set[int]:
-    """The iterations of ``rank``'s host snapshots in place (verified) in the run of ``config``."""
-    cfg = CPSRConfig.parse_block(config["cpsr"]).checkpoint
-    root, run = dumps.survivor_root(cfg), run_id.run_identity(cfg.dir)
-    found = [dumps.read_dump(host_snapshot.snapshot_dir(root, run, rank, slot), rank, run, None, host_snapshot.WHAT)
-             for slot in range(host_snapshot.SLOTS)]
-    return {snap.iteration for snap in found if snap is not None}
 
 
 @pytest.mark.serial  # under load the checkpoint of 8 may not commit by the kill at 13, and no snapshot is used then

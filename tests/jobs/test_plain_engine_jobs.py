@@ -10,6 +10,7 @@ import torch
 from conftest import ROOT, run_job
 from cpsr_ds.checkpoint.capture.journal import journal_path, read_journal
 from cpsr_ds.recovery import read_reports
+from support.checkpoints import landed_snapshots
 from support.plain import plain_config
 
 ITERS = 12
@@ -138,3 +139,32 @@ def test_zero3_job_restarted_at_world_size_1_reassembles_the_partitions_and_trai
     expected, got = losses_by_iteration(zero3_reference), losses_by_iteration(run_dir)
     for iteration in range(report.checkpoint + 1, ITERS + 1):
         assert got[iteration] == pytest.approx(expected[iteration], rel=1e-5), iteration
+
+
+def test_zero3_crashed_rank_recomputes_from_the_newest_host_snapshot_of_each_partition(tmp_path, shm_path):
+    """Host snapshots every 2 iterations, each rank's own ZeRO-3 partition; checkpoints every 6; rank 1 SIGKILLed
+    after 11. The restart recomputes from the newest snapshot both ranks hold (10, or 8 where the kill cut the
+    one of 10 off), not from the checkpoint of 6, and redoes the failed job's iterations exactly: the forward after
+    the restore runs on the restored partitions, the persistent (small, whole on every rank) parameters included."""
+    kill_at, memory_interval = 11, 2
+    run_dir = tmp_path / "run"
+    config = plain_config(run_dir, zero_stage=3, cpsr={"recovery": {"mode": "recompute"}})
+    # Synchronous saves: the checkpoint of 6 is committed before the kill, however loaded the machine.
+    config["cpsr"]["checkpoint"].update(survivor_dir=str(shm_path), interval=6, memory_interval=memory_interval,
+                                        strategy="torch")
+    failed = dict(config, cpsr=dict(config["cpsr"], faults={"kill_rank": 1, "kill_at_iteration": kill_at}))
+    assert run_job(tmp_path, failed, "--train-iters", ITERS, script=SCRIPT, check=False).returncode != 0
+    newest = kill_at - kill_at % memory_interval
+    common = max(landed_snapshots(config, 0) & landed_snapshots(config, 1))
+    assert common in (newest, newest - memory_interval), common
+
+    run_job(tmp_path, config, "--train-iters", ITERS, script=SCRIPT)
+    report = read_reports(str(run_dir))[-1]
+    assert (report.method, report.reached, report.resume_iteration) == ("recompute", kill_at, common), report
+    assert report.sources == {"0": "host snapshot", "1": "host snapshot"}, report
+    for rank in (0, 1):
+        entries = read_journal(journal_path(str(run_dir), rank))
+        first = {e.iteration: e.loss for e in entries[:kill_at]}
+        redone = [e for e in entries[kill_at:] if e.iteration <= kill_at]
+        assert [e.iteration for e in redone] == list(range(common + 1, kill_at + 1))
+        assert all(e.loss == first[e.iteration] for e in redone), [(e.iteration, e.loss, first[e.iteration]) for e in redone]

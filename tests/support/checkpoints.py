@@ -16,12 +16,13 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 
 from benchmarks.common.processes import free_port
 from cpsr_ds.cli import main
+from cpsr_ds.checkpoint.capture import dumps, host_snapshot, run_id
 from cpsr_ds.checkpoint.capture.journal import ProgressJournal
 from cpsr_ds.checkpoint.engines.factory import create_engine
 from cpsr_ds.checkpoint.engines.snapshot import HostBuffers, snapshot_file
 from cpsr_ds.checkpoint.storage import committing, layout, ondisk, records, topology
 from cpsr_ds.checkpoint.storage.filesystem import fs
-from cpsr_ds.config import CheckpointConfig
+from cpsr_ds.config import CheckpointConfig, CPSRConfig
 
 
 # ---------------------------------------------------------------- files in a checkpoint directory
@@ -275,3 +276,12 @@ def process_group():
     deepspeed.init_distributed(dist_backend="gloo")
     yield
     deepspeed.comm.destroy_process_group()  # torch's, and the groups DeepSpeed cached from it
+
+
+def landed_snapshots(config: dict, rank: int) -> set[int]:
+    """The iterations of ``rank``'s host snapshots in place (verified) in the run of ``config``."""
+    cfg = CPSRConfig.parse_block(config["cpsr"]).checkpoint
+    root, run = dumps.survivor_root(cfg), run_id.run_identity(cfg.dir)
+    found = [dumps.read_dump(host_snapshot.snapshot_dir(root, run, rank, slot), rank, run, None, host_snapshot.WHAT)
+             for slot in range(host_snapshot.SLOTS)]
+    return {snap.iteration for snap in found if snap is not None}

@@ -216,8 +216,14 @@ def update_weights(engine) -> None:
     """
     optimizer = engine.optimizer
     if zero3(engine):
+        # As DeepSpeed wraps a checkpoint load (0.19.8, stage3.py ``checkpoint_event_prologue``/``_epilogue``):
+        # every parameter released to its partition first, and after the partitions are written the persistent
+        # ones (small parameters kept whole on every rank) gathered again. Without it the forward after a restore
+        # runs on the persistent parameters as they were before it.
+        optimizer.checkpoint_event_prologue()
         for sub_group in range(len(optimizer.fp32_partitioned_groups_flat)):
             optimizer._reassign_or_swap_out_partitioned_parameters(sub_group)
+        optimizer.checkpoint_event_epilogue()
         return
     if not isinstance(optimizer, DeepSpeedZeroOptimizer) or engine.device.type != "cpu":
         optimizer.update_lp_params()
