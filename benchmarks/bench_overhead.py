@@ -26,7 +26,9 @@ the base config's 8 sequences per micro-batch the bubbles are a few ms long.
 - PP = 1 with DP = 1 and DP = 2 (no pipeline: the work runs on a nice-19 background thread of
   each rank, what is left at the next checkpoint inline there): the throughput ratio on/off by
   DP degree (``throughput_ratio_pp1``) and the predictor seconds per iteration in the background
-  and inline.
+  and inline. With ``--plain`` only these layouts run, on DeepSpeed's plain engine: the GPT as one
+  module (``train_gpt.py --plain``) under ZeRO-3, each rank's predictor learning its own partition;
+  written as ``bench_overhead_plain``.
 - Throughput: iterations per second from rank 0's progress journal (its wall times) over
   the iterations after the warm-up (``--warm-up``, default: until vitp has the window of
   checkpoints it learns from, so that every measured iteration has predictor work to
@@ -247,9 +249,10 @@ def recovery_over_share(rows: list[dict]) -> dict:
 # ---------------------------------------------------------------- running jobs
 
 
-def ds_config(run_dir: str, stages: int, cpsr: dict, batch: tuple[int, int] | None = None) -> dict:
+def ds_config(run_dir: str, stages: int, cpsr: dict, batch: tuple[int, int] | None = None,
+              plain: bool = False) -> dict:
     """The base config with ``stages`` pipeline stages, ZeRO stage 1 and ``batch`` (sequences per micro-batch,
-    micro-batches; None: the base config's)."""
+    micro-batches; None: the base config's); ``plain``: for the plain engine, ZeRO-3."""
     with open(BASE_CONFIG) as f:
         config = json.load(f)
     if batch is not None:
@@ -257,14 +260,15 @@ def ds_config(run_dir: str, stages: int, cpsr: dict, batch: tuple[int, int] | No
     config["pipeline"] = {"stages": stages}
     # Each data-parallel rank writes its partition. Without ZeRO, PP = 4 with DP = 2 fails: the ranks of
     # data-parallel rank 1 settle a checkpoint cost with no persist time (checkpoint_cost.CostMeter.settle).
-    config["zero_optimization"] = {"stage": 1}
+    config["zero_optimization"] = {"stage": 3 if plain else 1}
     config["cpsr"] = {**cpsr, "checkpoint": {"dir": run_dir, **cpsr.get("checkpoint", {})}}
     return config
 
 
-def launch(base: str, name: str, config: dict, nprocs: int, iters: int, script: tuple = TRAIN) -> int:
+def launch(base: str, name: str, config: dict, nprocs: int, iters: int, script: tuple = TRAIN,
+           plain: bool = False) -> int:
     """``script`` (a path, or --module and a module) under ``deepspeed --num_gpus nprocs`` with ``config``, to
-    ``iters``; the launcher's exit code."""
+    ``iters`` (``plain``: on DeepSpeed's plain engine); the launcher's exit code."""
     path = os.path.join(base, f"{name}.json")
     with open(path, "w") as f:
         json.dump(config, f)
@@ -272,7 +276,8 @@ def launch(base: str, name: str, config: dict, nprocs: int, iters: int, script: 
                "--deepspeed_config", path, "--train-iters", str(iters), "--eval-interval", str(iters),
                "--log-interval", str(iters),
                # The fewest validation sequences train_gpt takes: it evaluates only at the start and the end.
-               "--valid-sequences", str(config["train_micro_batch_size_per_gpu"] * nprocs)]
+               "--valid-sequences", str(config["train_micro_batch_size_per_gpu"] * nprocs),
+               *(["--plain"] if plain else [])]
     return finish([start(command, os.path.join(base, f"{name}.log"), dict(os.environ, **JOB_ENV))], JOB_TIMEOUT_S)[0]
 
 
@@ -290,12 +295,12 @@ def overhead_block(args, enabled: bool) -> dict:
 
 def overhead_run(args, stages: int, dp: int, pair: int, enabled: bool) -> dict:
     """One job of a pair; its throughput, coordinator lines and measurements."""
-    name = f"pp{stages}-dp{dp}-{pair}-{'on' if enabled else 'off'}"
+    name = f"{'plain' if args.plain else f'pp{stages}'}-dp{dp}-{pair}-{'on' if enabled else 'off'}"
     run_dir = os.path.join(args.out_dir, name)
     t0 = time.monotonic()
     check(launch(args.out_dir, name, ds_config(run_dir, stages, overhead_block(args, enabled),
-                                                (args.micro_batch, args.micro_batches)), stages * dp,
-                 args.iters), args.out_dir, name)
+                                                (args.micro_batch, args.micro_batches), args.plain), stages * dp,
+                 args.iters, plain=args.plain), args.out_dir, name)
     rows, problems = read_measurements(run_dir)
     run = {"dir": run_dir, "wall_s": time.monotonic() - t0,
            "throughput": throughput(read_journal(journal_path(run_dir, 0)), args.warm_up),
@@ -361,16 +366,18 @@ def recovery_memory(args, dp: int) -> list[dict]:
 
 
 def summarize_all(args, layouts: dict, footprints: dict, memory: list[dict]) -> dict:
-    head = layouts[LAYOUTS[0]]
+    """The figures of every layout that ran; the headline layout's are None where it did not (``--plain``)."""
+    head = layouts.get(LAYOUTS[0])
     peaks = recovery_peaks(memory)
     pp4, pp1 = at_pp(layouts, 4), at_pp(layouts, 1)
+    per_stage_of_head = lambda key: None if head is None else {s: f[key] for s, f in head["stages"].items()}  # noqa: E731
     return {
-        "throughput_ratio": head["throughput_ratio"]["median"],
-        "throughput_ratio_summary": head["throughput_ratio"],
-        "predictor_s_per_iter": {s: f["predictor_s_per_iter"] for s, f in head["stages"].items()},
-        "bubble_s_per_iter": {s: f["bubble_s_per_iter"] for s, f in head["stages"].items()},
-        "inline_s_per_iter": {s: f["inline_s_per_iter"] for s, f in head["stages"].items()},
-        "bubble_filled_fraction": head["bubble_filled_fraction"],
+        "throughput_ratio": None if head is None else head["throughput_ratio"]["median"],
+        "throughput_ratio_summary": None if head is None else head["throughput_ratio"],
+        "predictor_s_per_iter": per_stage_of_head("predictor_s_per_iter"),
+        "bubble_s_per_iter": per_stage_of_head("bubble_s_per_iter"),
+        "inline_s_per_iter": per_stage_of_head("inline_s_per_iter"),
+        "bubble_filled_fraction": None if head is None else head["bubble_filled_fraction"],
         "predictor_peak_mb": max(f["peak_mib"] for f in footprints.values()) if footprints else None,
         "predictor_footprint": footprints,
         "recovery_peak_host_mb": peaks,
@@ -394,7 +401,7 @@ def summarize_all(args, layouts: dict, footprints: dict, memory: list[dict]) -> 
         # The same in CPU time: 8 processes on 2 cores wait for a core, which the wall seconds above hold.
         "predictor_cpu_dp2_over_dp1": (dp_ratio(cpu_per_iter(pp4[1]["stages"]), cpu_per_iter(pp4[2]["stages"]))
                                        if {1, 2} <= set(pp4) else None),
-        "layouts": {f"pp{pp}_dp{dp}": r for (pp, dp), r in layouts.items()},
+        "layouts": {f"{'plain' if args.plain else f'pp{pp}'}_dp{dp}": r for (pp, dp), r in layouts.items()},
         "settings": {k: v for k, v in vars(args).items() if k not in ("json", "plot")},
     }
 
@@ -502,6 +509,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fill", action="store_true",
                    help="coordinator.fill in the on runs: vitp keeps training in the bubbles until the next checkpoint")
     p.add_argument("--no-recovery", action="store_true", help="leave out the recovery memory jobs")
+    p.add_argument("--plain", action="store_true", help="only the PP = 1 layouts, on DeepSpeed's plain engine (the GPT "
+                   "as one module, ZeRO-3); no recovery memory jobs")
     p.add_argument("--note", default="", help="what else ran on the machine meanwhile, for the record")
     args = p.parse_args(argv)
     args.pairs = args.pairs or (2 if args.quick else 5)
@@ -516,20 +525,21 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> None:
-    args = with_default_outputs(parse_args(argv), "bench_overhead", plot=True)
+    args = parse_args(argv)
+    args = with_default_outputs(args, "bench_overhead", "plain" if args.plain else "", plot=not args.plain)
     shutil.rmtree(args.out_dir, ignore_errors=True)
     os.makedirs(args.out_dir)
     started = time.monotonic()
     layouts = {}
-    for stages, dp in LAYOUTS + PP1_LAYOUTS:
+    for stages, dp in PP1_LAYOUTS if args.plain else LAYOUTS + PP1_LAYOUTS:
         pairs = args.pairs if (stages, dp) == LAYOUTS[0] else args.pairs_pp1 if stages == 1 else args.pairs_pp4
         if pairs:
             print(f"PP = {stages}, DP = {dp}: {pairs} pair(s)", flush=True)
             layouts[(stages, dp)] = overhead(args, stages, dp, pairs)
-    stage_params = max(layouts[LAYOUTS[0]]["n_p"].values())
+    stage_params = max(n for layout in layouts.values() for n in layout["n_p"].values())
     shards = [math.ceil(stage_params / 1024)] + ([] if args.quick else [PAPER_CHUNKS])
     footprints = {chunks: footprint(chunks, 20) for chunks in shards}
-    memory = [] if args.no_recovery else [r for dp in RECOVERY_DP for r in recovery_memory(args, dp)]
+    memory = [] if args.no_recovery or args.plain else [r for dp in RECOVERY_DP for r in recovery_memory(args, dp)]
     result = summarize_all(args, layouts, footprints, memory)
     result["seconds"] = time.monotonic() - started
     print_result(result)

@@ -181,3 +181,19 @@ def test_pp1_figures_are_by_dp_degree_with_the_background_time_per_iteration(ben
     assert bench.median_ratios(by_dp) == {1: 0.99, 2: 0.97}
     assert bench.median_ratios(bench.at_pp(layouts, 4)) == {1: 0.9}
     assert bench.at_pp(layouts, 8) == {}
+
+
+def test_plain_runs_summarise_only_their_pp1_layouts(bench):
+    """--plain runs only the PP = 1 layouts on the plain engine: the headline layout's figures are None, the layouts
+    are named after the engine."""
+    stage = {"background_s_per_iter": 0.25, "inline_s_per_iter": 0.01, "predictor_s_per_iter": 0.0,
+             "bubble_s_per_iter": 0.0}
+    layouts = {(1, dp): {"throughput_ratio": {"median": ratio}, "stages": {0: stage}, "bubble_filled_fraction": None}
+               for dp, ratio in ((1, 1.08), (2, 0.9))}
+    args = bench.parse_args(["--plain", "--quick"])
+    result = bench.summarize_all(args, layouts, {}, [])
+    assert result["throughput_ratio"] is None and result["predictor_s_per_iter"] is None
+    assert result["throughput_ratio_pp1"] == {1: 1.08, 2: 0.9}
+    assert result["background_s_per_iter_pp1"] == {1: 0.25, 2: 0.25}
+    assert list(result["layouts"]) == ["plain_dp1", "plain_dp2"]
+    assert result["recovery_peak_host_mb"] == {}
