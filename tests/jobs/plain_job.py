@@ -1,5 +1,5 @@
-"""Run under DeepSpeed's launcher by test_plain_engine_jobs.py: train tests/support/plain.py's Regression, a plain
-module, with the user's loop of ``loss = engine(batch); engine.backward(loss); engine.step()`` until
+"""Run under DeepSpeed's launcher by test_plain_engine_jobs.py and test_plain_engine_sources.py: train
+tests/support/plain.py's Regression, a plain module, with the user's loop of ``loss = engine(batch); engine.backward(loss); engine.step()`` until
 ``--train-iters``; each rank's micro-batches a function of the iteration, so a restart at c redoes the same.
 ``--dump-own DIR``: each rank saves its own share of the state (ZeRO-3: its partition) where a restart resumes and
 after each iteration of ``--dump-at``, for a test to compare."""

@@ -1,69 +1,24 @@
-"""The plain engine (a module that is not a PipelineModule) under ZeRO-3 in jobs of 2 processes: a rank killed,
-the job restarted by the supervisor, recovered from each rank's own partitions."""
+"""The plain engine (a module that is not a PipelineModule) under ZeRO-3 in jobs of 2 processes: a rank killed and
+the job restarted, recomputing in fp32, bf16 and fp16, or at world size 1 (tests/jobs/test_plain_engine_sources.py:
+the other recovery sources)."""
 
 import os
 import re
 
 import pytest
-import torch
 
 from conftest import ROOT, run_job
 from cpsr_ds.checkpoint.capture.journal import journal_path, read_journal
 from cpsr_ds.recovery import read_reports
-from support.checkpoints import landed_snapshots
 from support.plain import plain_config
+from support.plain_jobs import ITERS, losses_by_iteration, reference
 
-ITERS = 12
 SCRIPT = os.path.join(ROOT, "tests", "jobs", "plain_job.py")
-
-
-def losses_by_iteration(run_dir, rank=0):
-    """The last loss journaled for each iteration (a recomputed iteration overwrites the failed run's)."""
-    return {e.iteration: e.loss for e in read_journal(journal_path(str(run_dir), rank))}
-
-
-def reference(tmp_path_factory, zero_stage: int, dtype: str = "float32"):
-    """A failure-free run of 2 data-parallel ranks; each rank's own share (under ZeRO its partition) saved after 6,
-    9 and 11 in states/."""
-    tmp = tmp_path_factory.mktemp(f"reference_zero{zero_stage}_{dtype}")
-    (tmp / "states").mkdir()
-    run_job(tmp, plain_config(tmp / "run", zero_stage=zero_stage, **PRECISIONS[dtype]), "--train-iters", ITERS,
-            "--dtype", dtype, "--dump-own", tmp / "states", "--dump-at", 6, 9, 11, script=SCRIPT)
-    return tmp / "run"
 
 
 @pytest.fixture(scope="module")
 def zero3_reference(tmp_path_factory):
-    return reference(tmp_path_factory, 3)
-
-
-def predicted_restart(tmp_path, zero_stage: int, f: int = 11):
-    """A job whose rank 1 is SIGKILLed after f and restarted predicting with linear (parameters extrapolated from
-    the last two checkpoints, moments kept); (the report of the restart, each rank's share where it resumed)."""
-    run_dir, states = tmp_path / "run", tmp_path / "states"
-    states.mkdir()
-    config = plain_config(run_dir, zero_stage=zero_stage, cpsr={"faults": {"kill_rank": 1, "kill_at_iteration": f},
-                                                                "recovery": {"mode": "predict"},
-                                                                "predictor": {"name": "linear", "history": 2}})
-    # Synchronous saves: the checkpoint of 9 is committed before the kill at 11, however loaded the machine.
-    config["cpsr"]["checkpoint"]["strategy"] = "torch"
-    run_job(tmp_path, config, "--train-iters", ITERS, "--dump-own", states, script=SCRIPT, supervised=True)
-    report = read_reports(str(run_dir))[-1]
-    assert (report.method, report.reached, report.checkpoint) == ("predict", f, 9), report
-    journal = [e.iteration for e in read_journal(journal_path(str(run_dir), 1))]
-    assert journal == list(range(1, ITERS + 1))  # resumed at f: nothing redone
-    return report, [torch.load(states / f"rank{r}-start{f}.pt") for r in (0, 1)]
-
-
-def assert_state(got: dict, expected: dict) -> None:
-    assert got.keys() == expected.keys() and any(k.startswith("param/") for k in got)
-    for key in expected:
-        torch.testing.assert_close(got[key], expected[key], rtol=1e-5, atol=1e-6)
-
-
-def extrapolated(before: dict, at_c: dict, ahead: float) -> dict:
-    """linear's prediction: parameters extrapolated ``ahead`` intervals past c, moments kept."""
-    return {k: v + (v - before[k]) * ahead if k.startswith("param/") else v for k, v in at_c.items()}
+    return reference(tmp_path_factory, SCRIPT, 3)
 
 
 # fp16 with dynamic loss scaling: a step skipped for an overflow is not an iteration, and the scaler's state goes
@@ -73,10 +28,9 @@ PRECISIONS = {"float32": {}, "bfloat16": {"bf16": {"enabled": True}},
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-def test_zero3_killed_rank_restarts_and_recomputes_the_failure_free_losses(zero3_reference, tmp_path_factory,
-                                                                           tmp_path, dtype):
-    if dtype != "float32":
-        zero3_reference = reference(tmp_path_factory, 3, dtype)
+def test_zero3_killed_rank_restarts_and_recomputes_the_failure_free_losses(zero3_reference, tmp_path, dtype):
+    """Rank 1 SIGKILLed after 8, the job restarted by the supervisor: it recomputes from the last checkpoint c
+    the failed run's iterations, bit for bit, and in fp32 every loss from c on is the failure-free run's."""
     run_dir = tmp_path / "run"
     config = plain_config(run_dir, zero_stage=3, cpsr={"faults": {"kill_rank": 1, "kill_at_iteration": 8},
                                                        "recovery": {"mode": "recompute"}}, **PRECISIONS[dtype])
@@ -90,37 +44,21 @@ def test_zero3_killed_rank_restarts_and_recomputes_the_failure_free_losses(zero3
     assert c in (3, 6) and int(found.group(2)) == 8 - c
     # Each rank saved its own ZeRO-3 partition: nothing gathered onto one rank.
     assert len(list((run_dir / f"global_step{c}").glob("*zero_pp_rank_*optim_states.pt"))) == 2
-    expected, got = losses_by_iteration(zero3_reference), losses_by_iteration(run_dir)
+    entries = read_journal(journal_path(str(run_dir), 1))
+    killed = [e.iteration for e in entries].index(8) + 1
+    first, after = entries[:killed], entries[killed:]
     # fp16's first steps overflow at the initial scale 2^16 and are skipped: they are not iterations, and
     # nothing is journaled for them.
-    applied = sorted(expected)
-    assert applied == list(range(applied[0], ITERS + 1)) and (applied[0] > 1) == (dtype == "float16"), applied
-    journal = [e.iteration for e in read_journal(journal_path(str(run_dir), 1))]
-    assert journal == [i for i in applied if i <= 8] + [i for i in applied if i > c]
-    assert sorted(got) == applied
-    for iteration in range(c + 1, ITERS + 1):
-        assert abs(got[iteration] - expected[iteration]) <= 1e-6 * abs(expected[iteration]), iteration
-
-
-def test_zero3_killed_rank_restarts_predicting_its_own_partition_and_resumes_at_f(zero3_reference, tmp_path):
-    """The survivor's partition from its dump, exact at f; the lost rank's predicted from its own partitions at the
-    last two checkpoints and written back into its partition, nothing gathered."""
-    report, (survivor, predicted) = predicted_restart(tmp_path, zero_stage=3)
-    assert report.sources == {"0": "survivor", "1": "linear"} and report.predicted_share == pytest.approx(0.5, abs=0.02)
-    states = zero3_reference.parent / "states"
-    assert_state(survivor, torch.load(states / "rank0-at11.pt"))
-    assert_state(predicted, extrapolated(*(torch.load(states / f"rank1-at{k}.pt") for k in (6, 9)), ahead=2 / 3))
-
-
-def test_zero2_killed_rank_takes_its_parameters_exact_from_the_survivors_dump(tmp_path_factory, tmp_path):
-    """ZeRO-2 replicates the parameters: the lost rank's partition of the fp32 masters comes exact from the
-    survivor's dumped weights, only its moments from the predictor (kept from c by linear)."""
-    report, (survivor, lost) = predicted_restart(tmp_path, zero_stage=2)
-    assert report.sources == {"0": "survivor", "1": "replica+linear"}
-    states = reference(tmp_path_factory, 2).parent / "states"
-    assert_state(survivor, torch.load(states / "rank0-at11.pt"))
-    exact, at_c = torch.load(states / "rank1-at11.pt"), torch.load(states / "rank1-at9.pt")
-    assert_state(lost, {k: exact[k] if k.startswith("param/") else at_c[k] for k in exact})
+    applied = [e.iteration for e in first]
+    assert applied == list(range(applied[0], 9)) and (applied[0] > 1) == (dtype == "float16"), applied
+    assert [e.iteration for e in after] == [i for i in applied if i > c] + list(range(9, ITERS + 1))
+    before = {e.iteration: e.loss for e in first}
+    assert all(e.loss == before[e.iteration] for e in after if e.iteration <= 8)
+    if dtype == "float32":
+        expected, got = losses_by_iteration(zero3_reference), losses_by_iteration(run_dir)
+        assert sorted(got) == sorted(expected) == list(range(1, ITERS + 1))
+        for iteration in range(c + 1, ITERS + 1):
+            assert abs(got[iteration] - expected[iteration]) <= 1e-6 * abs(expected[iteration]), iteration
 
 
 def test_zero3_job_restarted_at_world_size_1_reassembles_the_partitions_and_trains_the_same_batches(
@@ -139,32 +77,3 @@ def test_zero3_job_restarted_at_world_size_1_reassembles_the_partitions_and_trai
     expected, got = losses_by_iteration(zero3_reference), losses_by_iteration(run_dir)
     for iteration in range(report.checkpoint + 1, ITERS + 1):
         assert got[iteration] == pytest.approx(expected[iteration], rel=1e-5), iteration
-
-
-def test_zero3_crashed_rank_recomputes_from_the_newest_host_snapshot_of_each_partition(tmp_path, shm_path):
-    """Host snapshots every 2 iterations, each rank's own ZeRO-3 partition; checkpoints every 6; rank 1 SIGKILLed
-    after 11. The restart recomputes from the newest snapshot both ranks hold (10, or 8 where the kill cut the
-    one of 10 off), not from the checkpoint of 6, and redoes the failed job's iterations exactly: the forward after
-    the restore runs on the restored partitions, the persistent (small, whole on every rank) parameters included."""
-    kill_at, memory_interval = 11, 2
-    run_dir = tmp_path / "run"
-    config = plain_config(run_dir, zero_stage=3, cpsr={"recovery": {"mode": "recompute"}})
-    # Synchronous saves: the checkpoint of 6 is committed before the kill, however loaded the machine.
-    config["cpsr"]["checkpoint"].update(survivor_dir=str(shm_path), interval=6, memory_interval=memory_interval,
-                                        strategy="torch")
-    failed = dict(config, cpsr=dict(config["cpsr"], faults={"kill_rank": 1, "kill_at_iteration": kill_at}))
-    assert run_job(tmp_path, failed, "--train-iters", ITERS, script=SCRIPT, check=False).returncode != 0
-    newest = kill_at - kill_at % memory_interval
-    common = max(landed_snapshots(config, 0) & landed_snapshots(config, 1))
-    assert common in (newest, newest - memory_interval), common
-
-    run_job(tmp_path, config, "--train-iters", ITERS, script=SCRIPT)
-    report = read_reports(str(run_dir))[-1]
-    assert (report.method, report.reached, report.resume_iteration) == ("recompute", kill_at, common), report
-    assert report.sources == {"0": "host snapshot", "1": "host snapshot"}, report
-    for rank in (0, 1):
-        entries = read_journal(journal_path(str(run_dir), rank))
-        first = {e.iteration: e.loss for e in entries[:kill_at]}
-        redone = [e for e in entries[kill_at:] if e.iteration <= kill_at]
-        assert [e.iteration for e in redone] == list(range(common + 1, kill_at + 1))
-        assert all(e.loss == first[e.iteration] for e in redone), [(e.iteration, e.loss, first[e.iteration]) for e in redone]
