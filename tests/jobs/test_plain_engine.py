@@ -9,6 +9,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 import cpsr_ds
 from cpsr_ds.integration.deepspeed.plain_engine import CPSRPlainEngine
 from cpsr_ds.recovery import journal_losses
+from cpsr_ds.runlog import CostRow, StateRow, read_measurements, read_plans
 from support.plain import Regression, micro_batch, plain_config
 from support.training import process_group  # noqa: F401 (autouse: one process group for the module)
 
@@ -75,6 +76,22 @@ def test_the_users_own_save_and_load_restore_the_plain_engine(tmp_path, zero_sta
     assert engine.global_steps == 2
     assert train(engine, 3) == expected
     engine.destroy()
+
+
+def test_the_planner_plans_the_interval_of_a_plain_engine_from_its_measured_checkpoints(tmp_path):
+    """interval auto under ZeRO-3: planner.first_interval until checkpoints have been measured, each measured one
+    a cost record; then a plan from those costs."""
+    config = plain_config(tmp_path / "run", 3, cpsr={"planner": {"first_interval": 2, "train_iters": 40}})
+    config["cpsr"]["checkpoint"]["interval"] = "auto"
+    engine = built(config)
+    train(engine, 24)
+    engine.destroy()
+    rows, _ = read_measurements(str(tmp_path / "run"))
+    assert [r.iteration for r in rows if isinstance(r, StateRow)][:3] == [2, 4, 6]
+    assert any(isinstance(r, CostRow) for r in rows)
+    plans, _ = read_plans(str(tmp_path / "run"))
+    assert [p.reason for p in plans][:2] == ["warm-up", "first"] and plans[0].T_c == 2, plans
+    assert plans[1].T_c != 2 and plans[1].inputs["iteration_time_s"] > 0
 
 
 def test_step_without_engine_backward_is_refused_with_a_clear_error(tmp_path):
