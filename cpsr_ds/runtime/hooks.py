@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple, Optional, Protocol
 
+from cpsr_ds.checkpoint.capture import exiting
 from cpsr_ds.checkpoint.capture.host_snapshot import HostSnapshots
 from cpsr_ds.checkpoint.capture.journal import ProgressJournal
 
@@ -50,8 +51,13 @@ class Snapshots(Hook):
     """Host snapshots (host_snapshot.py, with ``checkpoint.memory_interval``): never of a state whose loss is not
     finite."""
 
-    def __init__(self, snapshots: HostSnapshots):
+    def __init__(self, snapshots: HostSnapshots, bound_s: float):
         self.snapshots = snapshots
+        self.bound_s = bound_s  # how long a clean end waits for the snapshot being written
 
     def after_iteration(self, step: Step) -> None:
         self.snapshots.after_iteration(step.iteration, step.finite, step.seconds)
+
+    def close(self) -> None:
+        # A snapshot's writer still holding its tensors while the interpreter exits aborts the process.
+        self.snapshots.wait(self.bound_s if exiting.reason() is None else exiting.EXIT_GRACE_S)

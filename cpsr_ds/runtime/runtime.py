@@ -70,10 +70,11 @@ class Runtime:
         # After recovery, which reads the earlier dumps and snapshots these remove.
         self.survivor = survivor.install(engine, cfg.checkpoint, self.attempt)
         self.host_snapshots = host_snapshot.install(engine, cfg.checkpoint, self.attempt, cfg.planner)
+        snapshots = ([] if self.host_snapshots is None
+                     else [Snapshots(self.host_snapshots, cfg.checkpoint.commit_timeout_s)])
         self.hooks: list[Hook] = [
             self.measurements, Journal(self.journal), *([self.planning] if self.planning is not None else []),
-            checkpoints, self.work, *([Snapshots(self.host_snapshots)] if self.host_snapshots is not None else []),
-            self.faults]
+            checkpoints, self.work, *snapshots, self.faults]
         self._started = None  # when the running iteration's train_batch began
 
     def before_iteration(self) -> None:

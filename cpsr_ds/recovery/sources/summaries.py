@@ -193,10 +193,14 @@ class Writer:
             return self._idle.wait_for(lambda: self._pending == 0, timeout=timeout_s)
 
     def close(self, timeout_s: Optional[float] = None) -> bool:
-        """:meth:`flush`, then stop the thread (what is left unwritten after ``timeout_s`` is abandoned)."""
+        """:meth:`flush`, then stop the thread (what is left unwritten after ``timeout_s`` is abandoned) and, once
+        flushed, wait for it to end: a thread that lets go of a summary's tensors while the interpreter exits
+        aborts the process (torch's deallocator takes the GIL, and the thread is ended inside it)."""
         done = self.flush(timeout_s)
         if self._thread is not None:
             self._jobs.put(None)
+            if done:
+                self._thread.join()
         return done
 
 
