@@ -106,6 +106,8 @@ class Runtime:
             self.lock.release()
 
     def end_bound_s(self) -> float:
-        """How long the engine's end may take: its checkpoints' commit, then its summaries', each bounded by
-        ``checkpoint.commit_timeout_s``, and the predictor's running piece on the background thread."""
-        return 2 * self.cfg.checkpoint.commit_timeout_s + DROP_WAIT_S
+        """How long the engine's end may take: its checkpoints' commit, then its summaries', then the host snapshot
+        being written, each bounded by ``checkpoint.commit_timeout_s``, and the predictor's running piece on the
+        background thread."""
+        waits = 2 + (self.host_snapshots is not None)
+        return waits * self.cfg.checkpoint.commit_timeout_s + DROP_WAIT_S
