@@ -133,7 +133,8 @@ class CheckpointConfig(_Strict):
         "survivor dump (survivor_dir), no persist; a restart on the same node resumes from it when the training "
         "process crashed and the node survived. auto: planner.first_interval until the first snapshot, then "
         "sqrt(2 stall / lambda_crash) iterations from its measured stall and the crashes' rate "
-        "(planner.failure_rate_per_hour times planner.failure_mix.process_crash; planning/levels.py). null: none.",
+        "(planner.failure_rate_per_hour times planner.failure_mix.process_crash; planning/levels.py). With snapshots "
+        "the storage interval is planned against the lost nodes' rate alone. null: none.",
     )
 
     @field_validator("interval", mode="before")

@@ -18,6 +18,7 @@ from cpsr_ds.checkpoint.capture.journal import finished_iterations, journal_path
 from cpsr_ds.config import CPSRConfig
 from cpsr_ds.integration.deepspeed.engine_state import schedule_shape
 from cpsr_ds.planning.fitter import fit_loss_o, recent_losses
+from cpsr_ds.planning.failure_mix import storage_rate
 from cpsr_ds.planning.failure_rate import failure_rate_per_hour, failures, running_hours
 from cpsr_ds.planning.online_planner import (JobInputs, Planned, StageInputs, describe, drift, place_lag, plan,
                                              replan_reason, watched)
@@ -120,7 +121,10 @@ class Planning(Hook):
         self.monitor.write([("cpsr/plan/T_c", planned.T_c), *numbers.items()], iteration)
 
     def _failure_rate(self) -> tuple[float, int, float]:
-        """lambda per hour now, the failures and the hours it is based on."""
-        h = self.history
+        """lambda per hour now, of the failures storage serves (with host snapshots only the lost nodes'), the
+        job's failures and the hours it is based on."""
+        h, planner = self.history, self.cfg.planner
         hours = h.hours + (time.time() - h.began) / 3600
-        return failure_rate_per_hour(self.cfg.planner.failure_rate_per_hour, h.failures, hours), h.failures, hours
+        rate = failure_rate_per_hour(planner.failure_rate_per_hour, h.failures, hours)
+        snapshots = self.cfg.checkpoint.memory_interval is not None
+        return storage_rate(rate, planner.failure_mix.model_dump(), snapshots), h.failures, hours

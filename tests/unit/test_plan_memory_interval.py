@@ -5,7 +5,8 @@ import pytest
 from benchmarks.common.processes import tiny_config
 from cpsr_ds.checkpoint.capture import host_snapshot
 from cpsr_ds.config import ConfigError, CPSRConfig
-from cpsr_ds.planning import levels
+from cpsr_ds import runlog
+from cpsr_ds.planning import failure_mix, levels
 from support.training import build, process_group, random_batches  # noqa: F401 (process_group is autouse)
 
 
@@ -47,3 +48,29 @@ def test_a_run_with_auto_snapshots_at_the_planned_interval(tmp_path):
     found = host_snapshot.read_snapshots(engine.cpsr.cfg.checkpoint, 0, attempt=1)
     newest = engine.global_steps - engine.global_steps % k
     assert sorted(s.iteration for s in found) == ([2, newest] if newest - k <= 2 else [newest - k, newest])
+
+
+def test_the_storage_level_plans_against_the_lost_nodes_alone():
+    assert failure_mix.storage_rate(0.5, {"process_crash": 0.2, "node_lost": 0.8}, snapshots=False) == 0.5
+    assert failure_mix.storage_rate(0.5, {"process_crash": 0.2, "node_lost": 0.8}, snapshots=True) == 0.4
+    with pytest.raises(ValueError, match="sum to 1"):
+        failure_mix.storage_rate(0.5, {"process_crash": 0.5, "node_lost": 0.8}, snapshots=True)
+
+
+@pytest.mark.parametrize("memory_interval", [None, 3])
+def test_a_runs_storage_plan_takes_the_crashes_out_where_snapshots_serve_them(tmp_path, memory_interval):
+    """The planner's lambda is the configured rate (its posterior after seconds of running, within 1e-4) times
+    the lost nodes' share with host snapshots, the whole rate without them."""
+    config = tiny_config(tmp_path / "run", stages=1)
+    config["cpsr"]["checkpoint"].update(interval="auto", survivor_dir=str(tmp_path / "survivors"),
+                                        memory_interval=memory_interval)
+    config["cpsr"]["planner"] = {"first_interval": 2, "failure_rate_per_hour": 0.08}
+    engine, *_ = build(config)
+    batches = random_batches(engine)
+    planned = []
+    while not planned and engine.global_steps < 40:
+        engine.train_batch(iter(batches))
+        planned = [p for p in runlog.read_plans(str(tmp_path / "run"))[0] if p.reason != "warm-up"]
+    assert planned, "no plan from measured costs in 40 iterations"
+    share = engine.cpsr.cfg.planner.failure_mix.node_lost if memory_interval else 1.0
+    assert planned[0].inputs["lambda_per_hour"] == pytest.approx(0.08 * share, rel=1e-4)
