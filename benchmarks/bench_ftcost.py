@@ -10,14 +10,23 @@ stage, the product's checkpoint engines) trains to the same end under every stra
 
 - ``torch``, ``checkfreq``, ``pccheck``: ``interval: auto`` (their own overhead-budget rule,
   ``checkpoint.overhead_budget`` 2 %, the paper's setting), ``recovery.mode: recompute``;
-- ``cpsr``: ``interval: auto`` (the planner), ``recovery.mode: auto``;
+- ``in_memory`` (what Gemini and DLRover's flash checkpoint do): a host snapshot every iteration
+  (``memory_interval: 1``; one due while the one before is still being written is skipped, so the
+  interval stretches to the write time, as Gemini interleaves its traffic) and storage by
+  ``checkfreq``'s rule, ``recovery.mode: recompute``;
+- ``cpsr``: every source on and both intervals planned: ``interval: auto`` (the planner, against the
+  lost nodes' rate), ``memory_interval: auto`` (against the crashes'), ``recovery.mode: auto``;
 - ``cpsr_fix`` (the paper's CPSR_FIX): ``cpsr`` at the interval the ``checkfreq`` run on the
   same trace used: the median gap between consecutive checkpoints within one attempt of
   that run, read from its CostRows (so ``checkfreq`` runs before ``cpsr_fix`` on each trace).
 
 Failures: each trace is a Poisson process over iterations, seeded (``failure_trace``),
 given to every strategy as ``faults.kill_at_iteration`` (each fires once per run
-directory), so all strategies fail after the same iterations. lambda makes the expected
+directory), so all strategies fail after the same iterations. Each failure has a class, drawn by its share
+(``--crash-share``, by default the Llama 3 report's, ``cpsr_ds.planning.failure_mix``): a
+``process_crash`` restarts the job on its live node; a ``node_lost`` also removes the node's
+memory first (the run's ``checkpoint.survivor_dir``, where host snapshots and survivor dumps lie),
+so only storage serves it. lambda makes the expected
 number of failures ``--failures-per-run`` (4) over the part of training where a failure
 can be measured, and a trace with fewer than 3 is drawn again from the next seed. That
 part ends ``TAIL`` of the run before its end, so that the transient after the last
@@ -51,8 +60,16 @@ T_l per run = checkpoint cost + recovery cost, in seconds and as % of the failur
   is 0 by construction (its final loss shows it). An unmeasurable lag (the reference's
   fit flat or rising over the window, a loss beyond its range) leaves the run's T_l
   unmeasurable, with the reason, and out of every mean, median and ratio;
+- snapshot cost (strategies with host snapshots): the training they slowed, (the run's clean
+  iteration time - the trace's without snapshots) x the iterations it trained, plus a sparse
+  snapshot's own stall (``snapshot_cost``); for the strategies without snapshots the same difference
+  is shown as the measurement's noise;
 - iterations become seconds at the reference's iteration time (the median of its
   journal's iteration-to-iteration wall times).
+
+Per failure class: the failures, the iterations each recovery recomputed and its share of the lag
+(a run's end lag split over its predicting recoveries by their d), against the two-level model's
+expectation at the intervals the run used (``expected_per_failure``).
 
 Beside T_l: the restart downtime (from the last iteration a killed job journaled to the
 first one its restart journaled), the number of checkpoints (commits, as the job's log has them), the final
@@ -80,6 +97,7 @@ import shutil
 import signal
 import statistics
 import time
+from typing import Optional
 
 import numpy as np
 
@@ -89,19 +107,24 @@ from benchmarks.common.paths import ROOT, with_default_outputs  # noqa: E402
 from examples.gpt import train_gpt  # noqa: E402
 
 from cpsr_ds.planning import fault_tolerance_cost, planner, units  # noqa: E402
+from cpsr_ds.planning.failure_mix import CLASSES, LLAMA3_SHARES, NODE_LOST, PROCESS_CRASH  # noqa: E402
 from cpsr_ds.checkpoint.capture.journal import journal_path, read_journal, read_validation  # noqa: E402
 from cpsr_ds.checkpoint.storage.catalog import list_checkpoints  # noqa: E402
-from cpsr_ds.config import CheckpointConfig, PredictorConfig  # noqa: E402
+from cpsr_ds.config import CheckpointConfig, PlannerConfig, PredictorConfig  # noqa: E402
 from cpsr_ds.planning.calibration import MEASURED_REDUCTION  # noqa: E402
 from benchmarks.common.lag import Unmeasurable, late_lag  # noqa: E402
 from benchmarks.common.lag import summarize as summarize_values  # noqa: E402
 from cpsr_ds.planning.fitter import fit_curve  # noqa: E402
 from cpsr_ds.recovery import read_reports  # noqa: E402
+from cpsr_ds.recovery.sources.host_snapshot import SOURCE as HOST_SNAPSHOT  # noqa: E402
 from cpsr_ds.recovery.sources.in_flight import SOURCE as IN_FLIGHT  # noqa: E402
 from cpsr_ds.runlog import CostRow, measurements_path, read_measurements  # noqa: E402
 
-STRATEGIES = ("torch", "checkfreq", "pccheck", "cpsr", "cpsr_fix")
-BASELINES = ("checkfreq", "pccheck")  # what cpsr is compared with
+STRATEGIES = ("torch", "checkfreq", "pccheck", "in_memory", "cpsr", "cpsr_fix")
+BASELINES = ("checkfreq", "pccheck")  # what cpsr is compared with, the better of the two per trace ...
+IN_MEMORY = "in_memory"  # ... and this one
+MEMORY_INTERVAL = {IN_MEMORY: 1, "cpsr": "auto"}  # the strategies with host snapshots
+CLASS_STREAM = 7919  # the random stream of a trace's failure classes, apart from its failure times
 MIN_FAILURES = 3
 NEVER = 10**9  # the reference's checkpoint interval: it takes none
 TAIL = 0.3  # no failure in the last 30 % of training: the lag window and the transient before it
@@ -131,6 +154,9 @@ PAPER_JOBS_S = {"VGG16": 61 * 3600 + 10 * 60, "GPT2-0.35B": 7 * 3600 + 41 * 60, 
 
 # The checkpoint engines' log line for each commit (cpsr_ds.checkpoint.engines.persist, torch_engine).
 COMMITTED = re.compile(r"checkpoint global_step\d+ committed")
+# memory_interval auto's plan (cpsr_ds.checkpoint.capture.host_snapshot).
+SNAPSHOT_PLAN = re.compile(r"host snapshots every (\d+) iterations from iteration \d+ \(memory_interval auto: "
+                           r"stall ([0-9.e+-]+) s")
 
 
 class NoCostRows(RuntimeError):
@@ -179,6 +205,15 @@ def failure_trace(seed: int, stop: int, expected: float, min_failures: int = MIN
         if len(trace) >= min_failures:
             return trace
     raise ValueError(f"no trace with {min_failures} failures in 10000 draws at {expected} expected")
+
+
+def failure_classes(seed: int, count: int, crash_share: float) -> list[str]:
+    """Each of a trace's ``count`` failures' class: a process crash with probability ``crash_share``, else a lost
+    node; seeded by the trace's seed on a stream of its own."""
+    if not 0 <= crash_share <= 1:
+        raise ValueError(f"the crashes' share must be in [0, 1], got {crash_share!r}")
+    crash = np.random.default_rng([seed, CLASS_STREAM]).random(count) < crash_share
+    return [PROCESS_CRASH if c else NODE_LOST for c in crash]
 
 
 def cost_rows(run_dir: str) -> list[CostRow]:
@@ -298,6 +333,69 @@ def iteration_seconds(entries, trace: list[int]) -> list[float]:
             if i not in restarts and entries[i].iteration == entries[i - 1].iteration + 1]
 
 
+def clean_iteration_s(rows: list[CostRow]) -> float:
+    """A run's iteration time with no checkpoint in flight: the mean of its checkpoints' baselines (each the median
+    of the clean iterations around one, host snapshots in them where they are on)."""
+    return statistics.mean(r.iteration_time_s for r in rows)
+
+
+def snapshot_plan(log_path: str) -> Optional[tuple[int, float]]:
+    """memory_interval auto's last plan in a run's log: (k, a snapshot's stall in seconds); None where none is."""
+    with open(log_path, errors="replace") as f:
+        plans = [SNAPSHOT_PLAN.search(line) for line in f]
+    found = [m for m in plans if m]
+    return (int(found[-1].group(1)), float(found[-1].group(2))) if found else None
+
+
+def snapshot_cost(clean_s: float, base_s: float, trained: int, k: int, stall_s: float) -> float:
+    """Seconds host snapshots cost a run that trained ``trained`` iterations every ``k`` (one each, stall
+    ``stall_s``): the excess of its clean iteration time over the same trace's runs without snapshots
+    (``base_s``), plus, with k > 1, each snapshot's stall, which the clean iterations' medians leave out."""
+    return (clean_s - base_s) * trained + (stall_s * trained / k if k > 1 else 0.0)
+
+
+def inexact(report) -> bool:
+    """A recovery that leaves a lag: predicted, or from the parameters of the checkpoint in flight."""
+    return report.method == "predict" or IN_FLIGHT in (report.sources or {}).values()
+
+
+def per_class(reports, classes: list[str], downtime_s: list[float], lag_iters: Optional[float]) -> dict:
+    """Per failure class, summed over its failures: failures, iterations lost (d) and recomputed, recoveries that
+    left a lag (``inexact``) or read a host snapshot, the share of the end lag (split over the inexact
+    recoveries by their d), recovery iterations (recomputed + that share; None where the lag is
+    unmeasurable and the class has a share of it) and restart downtime.
+
+    ``reports``: recovery.jsonl's (the first is the fresh start), one per failure after it, in the order of
+    ``classes`` and ``downtime_s``.
+    """
+    after = reports[1:]
+    lagging_d = sum(r.lost_iterations for r in after if inexact(r))
+    out = {c: {"failures": 0, "lost_iters": 0, "recomputed_iters": 0, "inexact": 0, "host_snapshot": 0,
+               "lag_iters": 0.0, "downtime_s": 0.0} for c in CLASSES}
+    for report, cls, down in zip(after, classes, downtime_s, strict=True):
+        row, d = out[cls], report.lost_iterations
+        row["failures"] += 1
+        row["lost_iters"] += d
+        row["downtime_s"] += down
+        row["recomputed_iters"] += d if report.method in ("recompute", "restart") else 0
+        row["host_snapshot"] += HOST_SNAPSHOT in (report.sources or {}).values()
+        if inexact(report):
+            row["inexact"] += 1
+            row["lag_iters"] = None if lag_iters is None or row["lag_iters"] is None else \
+                row["lag_iters"] + (lag_iters * d / lagging_d if lagging_d else 0.0)
+    for row in out.values():
+        row["recovery_iters"] = None if row["lag_iters"] is None else row["recomputed_iters"] + row["lag_iters"]
+    return out
+
+
+def expected_per_failure(k: Optional[float], n: float, rho: float) -> dict:
+    """The two-level model's iterations lost per failure of each class (planning/levels.py's F(k, n), first order)
+    at snapshot interval ``k`` (None: no snapshots) and storage interval ``n``: a crash k / 2 since its newest
+    snapshot, a lost node (and a crash without snapshots) (1 - rho) n / 2 since its newest checkpoint."""
+    storage = (1 - rho) * n / 2
+    return {PROCESS_CRASH: storage if k is None else k / 2, NODE_LOST: storage}
+
+
 def window(iters: int) -> tuple[int, int]:
     """(first iteration of the lag window, evaluation interval); the window ends at ``iters``."""
     every = max(1, int(round(WINDOW * iters / EVALS_PER_WINDOW)))
@@ -324,13 +422,14 @@ def end_lag(reference: dict[int, float], run: dict[int, float], iters: int) -> d
 
 
 def ft_cost(checkpoint_s: float | None, recomputed_iters: float, lag_iters: float | None, iteration_time_s: float,
-            failure_free_s: float) -> dict:
-    """T_l (Eq. 1): checkpoint cost + recovery cost (recomputed iterations and the lag at the iteration time),
-    seconds and % of the failure-free time; None where the lag or the checkpoint cost (None) is unmeasurable."""
+            failure_free_s: float, snapshot_s: float = 0.0) -> dict:
+    """T_l (Eq. 1): checkpoint cost (host snapshots' included) + recovery cost (recomputed iterations and the
+    lag at the iteration time), seconds and % of the failure-free time; None where the lag or the checkpoint
+    cost (None) is unmeasurable."""
     recovery_s = None if lag_iters is None else (recomputed_iters + lag_iters) * iteration_time_s
-    total = None if recovery_s is None or checkpoint_s is None else checkpoint_s + recovery_s
-    return {"checkpoint_cost_s": checkpoint_s, "recovery_cost_s": recovery_s, "ft_cost_s": total,
-            "ft_cost_pct": None if total is None else 100 * total / failure_free_s}
+    total = None if recovery_s is None or checkpoint_s is None else checkpoint_s + snapshot_s + recovery_s
+    return {"checkpoint_cost_s": checkpoint_s, "snapshot_cost_s": snapshot_s, "recovery_cost_s": recovery_s,
+            "ft_cost_s": total, "ft_cost_pct": None if total is None else 100 * total / failure_free_s}
 
 
 def over_traces(values) -> dict:
@@ -427,30 +526,49 @@ def ds_config(iters: int, run_dir: str, cpsr: dict) -> dict:
     return config
 
 
+def node_dir(run_dir: str) -> str:
+    """The run's node memory: its ``checkpoint.survivor_dir``, which a lost node takes with it."""
+    return f"{run_dir}.node"
+
+
 def strategy_block(strategy: str, interval, write_mbps: float | None, trace: list[int],
-                   failures_per_hour: float | None = None) -> dict:
+                   failures_per_hour: float | None = None, crash_share: float | None = None,
+                   run_dir: str | None = None) -> dict:
     """The ``cpsr`` block of one strategy's run.
 
-    ``failures_per_hour``: the trace's rate, as ``planner.failure_rate_per_hour``: a user sets their
-    cluster's rate there, and the planner (cpsr's interval; the baselines' rules ignore it) starts from it.
+    ``failures_per_hour``: the trace's rate, as ``planner.failure_rate_per_hour``, and ``crash_share`` its mix,
+    as ``planner.failure_mix``: a user sets their cluster's there, and the planner (cpsr's intervals; the
+    baselines' rules ignore them) starts from them. ``run_dir``: host snapshots and dumps go to its node_dir.
     """
-    engine = "cpsr" if strategy == "cpsr_fix" else strategy
+    engine = {"cpsr_fix": "cpsr", IN_MEMORY: "checkfreq"}.get(strategy, strategy)
     mode = "auto" if engine == "cpsr" else "recompute"
     checkpoint = {"strategy": engine, "interval": interval}
     if write_mbps is not None:
         checkpoint["write_mbps"] = write_mbps
+    if strategy in MEMORY_INTERVAL:
+        checkpoint["memory_interval"] = MEMORY_INTERVAL[strategy]
+    if run_dir is not None:
+        checkpoint["survivor_dir"] = node_dir(run_dir)
     block = {"checkpoint": checkpoint, "recovery": {"mode": mode}, "faults": {"kill_at_iteration": trace or None}}
+    planning = {}
     if failures_per_hour is not None:
-        block["planner"] = {"failure_rate_per_hour": failures_per_hour}
+        planning["failure_rate_per_hour"] = failures_per_hour
+    if crash_share is not None:
+        planning["failure_mix"] = {PROCESS_CRASH: crash_share, NODE_LOST: 1 - crash_share}
+    if planning:
+        block["planner"] = planning
     return block
 
 
-def run_job(run_dir: str, cpsr: dict, iters: int, evaluations: tuple[int, int, int], failures: int) -> float:
-    """Train in ``run_dir`` to ``iters``, restarting the job after each of its ``failures`` kills; wall seconds.
+def run_job(run_dir: str, cpsr: dict, iters: int, evaluations: tuple[int, int, int], classes: list[str]) -> float:
+    """Train in ``run_dir`` to ``iters``, restarting the job after each of its kills, one per failure of
+    ``classes``, in order; a lost node's memory (``node_dir``) is removed before its restart. Wall seconds.
 
     ``evaluations``: (from, every, validation sequences). The DeepSpeed config and the jobs' log lie beside it.
     """
-    shutil.rmtree(run_dir, ignore_errors=True)
+    failures = len(classes)
+    for directory in (run_dir, node_dir(run_dir)):
+        shutil.rmtree(directory, ignore_errors=True)
     os.makedirs(run_dir)
     config, log = f"{run_dir}.json", f"{run_dir}.log"
     with open(config, "w") as f:
@@ -465,6 +583,8 @@ def run_job(run_dir: str, cpsr: dict, iters: int, evaluations: tuple[int, int, i
                 output = f.read()
             raise RuntimeError(f"{run_dir}: attempt {attempt + 1} ended with exit code {code} (the trace has "
                                f"{failures} failures; log {log}): {tail(output)}")
+        if classes[attempt] == NODE_LOST:
+            shutil.rmtree(node_dir(run_dir), ignore_errors=True)
     last = read_journal(journal_path(run_dir, 0))[-1].iteration
     if last != iters:
         raise RuntimeError(f"{run_dir}: the journal ends at iteration {last}, not {iters} (log {log})")
@@ -493,7 +613,7 @@ def warm_up(args) -> dict:
     run_dir = os.path.join(args.out_dir, "warm-up")
     iters = 3 * args.warm_up_interval
     cpsr = {"checkpoint": {"strategy": "cpsr", "interval": args.warm_up_interval}}
-    run_job(run_dir, cpsr, iters, (iters, iters, args.valid_sequences), 0)
+    run_job(run_dir, cpsr, iters, (iters, iters, args.valid_sequences), [])
     nbytes, iteration_s = checkpoint_bytes(run_dir), median_iteration_s(run_dir)
     return {"checkpoint_bytes": nbytes, "iteration_time_s": iteration_s, "write_mbps": write_limit(nbytes, iteration_s)}
 
@@ -511,24 +631,27 @@ def run_all(args) -> dict:
     # The reference evaluates over the span its fit covers; every evaluation of a run is one of its.
     ref_from = args.iters - FIT_SPAN * (args.iters - eval_from)
     seconds = run_job(ref_dir, {"checkpoint": {"strategy": "cpsr", "interval": NEVER}}, args.iters,
-                      (ref_from, every, args.valid_sequences), 0)
+                      (ref_from, every, args.valid_sequences), [])
     manifest["reference"] = {"dir": ref_dir, "wall_s": seconds}
     print(f"reference: {args.iters} iterations without checkpoints or failures in {seconds:.0f} s", flush=True)
     stop = int(args.iters * (1 - TAIL))
     for number in range(args.traces):
         seed = args.seed + number
         trace = failure_trace(seed, stop, args.failures_per_run)
-        entry = {"seed": seed, "failures": trace, "rate_per_iteration": args.failures_per_run / stop, "runs": {}}
+        classes = failure_classes(seed, len(trace), args.crash_share)
+        entry = {"seed": seed, "failures": trace, "classes": classes, "rate_per_iteration": args.failures_per_run / stop,
+                 "runs": {}}
         manifest["traces"].append(entry)
-        print(f"trace {number} (seed {seed}): failures after iterations {trace}", flush=True)
+        print(f"trace {number} (seed {seed}): failures after iterations "
+              + ", ".join(f"{f} ({c})" for f, c in zip(trace, classes)), flush=True)
         for strategy in STRATEGIES:
             interval = args.fixed_interval or ("auto" if strategy != "cpsr_fix"
                                                else used_interval(cost_rows(entry["runs"]["checkfreq"]["dir"])))
             run_dir = os.path.join(args.out_dir, f"trace{number}", strategy)
             block = strategy_block(strategy, interval, write_mbps, trace,
-                                   entry["rate_per_iteration"] * 3600 / manifest["warm_up"]["iteration_time_s"])
-            seconds = run_job(run_dir, block, args.iters,
-                              (eval_from, every, args.valid_sequences), len(trace))
+                                   entry["rate_per_iteration"] * 3600 / manifest["warm_up"]["iteration_time_s"],
+                                   args.crash_share, run_dir)
+            seconds = run_job(run_dir, block, args.iters, (eval_from, every, args.valid_sequences), classes)
             entry["runs"][strategy] = {"dir": run_dir, "interval": interval, "wall_s": seconds}
             print(f"  {strategy:9s} interval {interval}: {seconds:.0f} s", flush=True)
             with open(os.path.join(args.out_dir, "manifest.json"), "w") as f:
@@ -546,8 +669,24 @@ def components(rows: list[CostRow], strategy: str) -> dict:
             "persist": per_iteration("persist_s"), "in_flight": in_flight}
 
 
-def run_summary(run_dir: str, strategy: str, trace: list[int], reference: dict, iters: int, iteration_s: float,
-                failure_free_s: float) -> dict:
+def snapshots_of(strategy: str, run_dir: str) -> tuple[Optional[int], float]:
+    """(k, a snapshot's stall in seconds) of a strategy's run: k None without snapshots; memory_interval auto's
+    as its log has the plan (planner.first_interval, stall unknown, where it logged none)."""
+    k = MEMORY_INTERVAL.get(strategy)
+    if k != "auto":
+        return k, 0.0
+    return snapshot_plan(f"{run_dir}.log") or (PlannerConfig().first_interval, 0.0)
+
+
+def trace_base_s(runs: dict) -> float:
+    """The clean iteration time of a trace's runs without host snapshots (``runs``: strategy -> run dir): the
+    median over them."""
+    return statistics.median(clean_iteration_s(cost_rows(d)) for s, d in runs.items() if s not in MEMORY_INTERVAL)
+
+
+def run_summary(run_dir: str, strategy: str, trace: list[int], classes: list[str], reference: dict, iters: int,
+                iteration_s: float, failure_free_s: float, base_s: float) -> dict:
+    """One run's T_l and its parts (``base_s``: :func:`trace_base_s` of its trace), per failure class too."""
     rows = cost_rows(run_dir)
     checkpoint_s, checkpoints, measured = checkpoint_cost(rows, committed_checkpoints(f"{run_dir}.log"))
     recovered = recoveries(read_reports(run_dir))
@@ -561,19 +700,27 @@ def run_summary(run_dir: str, strategy: str, trace: list[int], reference: dict, 
         lag = {"lag_iters": 0.0, "lag_paired_iters": 0.0, "unmeasurable": "", "unmeasurable_reason": "",
                "lag_note": "only exact recoveries: the reference from each restored checkpoint on"}
     implausible = implausible_checkpoint_cost(rows)
+    entries = read_journal(journal_path(run_dir, 0))
+    clean_s = clean_iteration_s(rows)
+    k, stall_s = snapshots_of(strategy, run_dir)
+    snapshot_s = 0.0 if k is None else snapshot_cost(clean_s, base_s, len(entries), k, stall_s)
     cost = ft_cost(None if implausible else checkpoint_s, recovered["recomputed_iters"], lag["lag_iters"],
-                   iteration_s, failure_free_s)
+                   iteration_s, failure_free_s, snapshot_s)
     saved = None if lag["lag_iters"] is None or not recovered["lost_iters"] else \
         1 - (recovered["recomputed_iters"] + lag["lag_iters"]) / recovered["lost_iters"]
-    down = downtimes(read_journal(journal_path(run_dir, 0)), trace)
+    down = downtimes(entries, trace)
     final = validation[iters]
     try:
         interval = used_interval(rows)
     except ValueError:  # no attempt took two checkpoints
         interval = None
+    rho = MEASURED_REDUCTION[PredictorConfig().name] if strategy in ("cpsr", "cpsr_fix") else 0.0
     return {**recovered, **lag, **cost, "checkpoint_unmeasurable_reason": implausible,
             "summed_slowdown_s": checkpoint_s, "checkpoints": checkpoints, "measured_checkpoints": measured,
-            "used_interval": interval, "rho": saved,
+            "used_interval": interval, "rho": saved, "memory_interval": k, "snapshot_stall_s": stall_s,
+            "clean_iteration_excess": clean_s / base_s - 1,
+            "per_class": per_class(read_reports(run_dir), classes, down, lag["lag_iters"]),
+            "expected_per_failure": None if interval is None else expected_per_failure(k, interval, rho),
             "restart_downtime_s": sum(down), "downtimes_s": down, "final_val_loss": final,
             "final_loss_excess": final / reference[iters] - 1, "components": components(rows, strategy)}
 
@@ -599,6 +746,27 @@ def measured_rho(cpsr_runs: list[dict]) -> tuple[float, str]:
     return MEASURED_REDUCTION[predictor], f"no cpsr run with a measurable lag: bench_recovery's rho of {predictor}"
 
 
+def class_summary(runs: list[dict]) -> dict:
+    """Per failure class over one strategy's runs: its failures; over the runs where both are known, the recovery
+    iterations per failure measured and the model's expected (``expected_per_failure``, weighted by the failures)
+    and their ratio; the recoveries that read a host snapshot or left a lag, the restart downtime per failure."""
+    out = {}
+    for c in CLASSES:
+        rows = [(r["per_class"][c], r["expected_per_failure"]) for r in runs if r["per_class"][c]["failures"]]
+        known = [(row, exp) for row, exp in rows if row["recovery_iters"] is not None and exp is not None]
+        n = sum(row["failures"] for row, _ in known)
+        measured = sum(row["recovery_iters"] for row, _ in known) / n if n else None
+        expected = sum(exp[c] * row["failures"] for row, exp in known) / n if n else None
+        failures = sum(row["failures"] for row, _ in rows)
+        out[c] = {"failures": failures, "compared_failures": n, "recovery_iters_per_failure": measured,
+                  "expected_iters_per_failure": expected,
+                  "measured_over_expected": measured / expected if measured is not None and expected else None,
+                  "host_snapshot": sum(row["host_snapshot"] for row, _ in rows),
+                  "inexact": sum(row["inexact"] for row, _ in rows),
+                  "downtime_s_per_failure": sum(row["downtime_s"] for row, _ in rows) / failures if failures else None}
+    return out
+
+
 def summarize(manifest: dict) -> dict:
     settings = manifest["settings"]
     iters = settings["iters"]
@@ -606,16 +774,18 @@ def summarize(manifest: dict) -> dict:
     iteration_s = median_iteration_s(ref_dir)
     failure_free_s = iters * iteration_s
     reference = read_validation(ref_dir)
-    runs = {s: [run_summary(t["runs"][s]["dir"], s, t["failures"], reference, iters, iteration_s, failure_free_s)
-                for t in manifest["traces"]] for s in STRATEGIES}
+    bases = [trace_base_s({s: run["dir"] for s, run in t["runs"].items()}) for t in manifest["traces"]]
+    runs = {s: [run_summary(t["runs"][s]["dir"], s, t["failures"], t["classes"], reference, iters, iteration_s,
+                            failure_free_s, base) for t, base in zip(manifest["traces"], bases)] for s in STRATEGIES}
     for s in STRATEGIES:
         for run, trace in zip(runs[s], manifest["traces"]):
             run["interval"] = trace["runs"][s]["interval"]
     stats = {s: over_traces([r["ft_cost_pct"] for r in rs]) for s, rs in runs.items()}
     better = [None if None in pair else min(pair) for pair in zip(*([r["ft_cost_s"] for r in runs[b]] for b in BASELINES))]
     rho, rho_source = measured_rho(runs["cpsr"])
+    # The projection's model has no host snapshots: in_memory is projected by `cpsr_ds plan --simulate`.
     measured = {s: {k: statistics.median(r["components"][k] for r in rs) if k != "strategy" else s
-                    for k in runs[s][0]["components"]} for s, rs in runs.items()}
+                    for k in runs[s][0]["components"]} for s, rs in runs.items() if s != IN_MEMORY}
     budget = CheckpointConfig().overhead_budget
     return {
         "ft_cost_s": {s: mean_of(rs, "ft_cost_s") for s, rs in runs.items()},
@@ -631,14 +801,19 @@ def summarize(manifest: dict) -> dict:
         "n_failures": {s: sum(r["n_failures"] for r in rs) for s, rs in runs.items()},
         "reduction_ft_cost_vs_better_baseline": {s: reductions([r["ft_cost_s"] for r in runs[s]], better)
                                                  for s in ("cpsr", "cpsr_fix")},
+        "reduction_ft_cost_vs_in_memory": {s: reductions([r["ft_cost_s"] for r in runs[s]],
+                                                         [r["ft_cost_s"] for r in runs[IN_MEMORY]])
+                                           for s in ("cpsr", "cpsr_fix")},
+        "per_class": {s: class_summary(rs) for s, rs in runs.items()},
         "reduction_checkpoints": {s: {b: reductions([r["checkpoints"] for r in runs[s]],
                                                     [r["checkpoints"] for r in runs[b]]) for b in BASELINES}
                                   for s in ("cpsr", "cpsr_fix")},
         "iteration_time_s": iteration_s,
         "failure_free_s": failure_free_s,
         "warm_up": manifest["warm_up"],
-        "traces": [{"seed": t["seed"], "failures": t["failures"], "rate_per_iteration": t["rate_per_iteration"],
-                    "runs": {s: runs[s][i] for s in STRATEGIES}} for i, t in enumerate(manifest["traces"])],
+        "traces": [{"seed": t["seed"], "failures": t["failures"], "classes": t["classes"],
+                    "rate_per_iteration": t["rate_per_iteration"], "base_iteration_s": base,
+                    "runs": {s: runs[s][i] for s in STRATEGIES}} for i, (t, base) in enumerate(zip(manifest["traces"], bases))],
         "projection": {"rows": projection(measured, rho, budget), "components": measured, "rho": rho,
                        "rho_source": rho_source, "budget": budget,
                        "iteration_s": paper_persist_s() / PAPER_PERSIST_ITERATIONS,
@@ -667,20 +842,27 @@ def print_result(result: dict) -> None:
     print(f"\nfailure-free: {result['failure_free_s']:.1f} s ({result['settings']['iters']} iterations of "
           f"{result['iteration_time_s'] * 1e3:.2f} ms); reference final validation loss "
           f"{result['final_val_loss']['reference']:.4f}")
-    head = (f"{'strategy':9s} | {'T_c':>5s} {'ckpts':>5s} {'meas':>5s} {'fails':>5s} {'PB-R':>4s} {'infl':>4s} | {'ckpt s':>7s} "
+    head = (f"{'strategy':9s} | {'T_c':>5s} {'k':>4s} {'ckpts':>5s} {'meas':>5s} {'fails':>5s} {'PB-R':>4s} {'infl':>4s} {'snap':>4s} | "
+            f"{'ckpt s':>7s} {'snap s':>6s} {'base':>6s} "
             f"{'recomp':>6s} {'lag it':>7s} {'recov s':>7s} | {'T_l s':>7s} {'T_l %':>6s} | {'down s':>6s} | "
             f"final loss (vs ref)")
     print("T_c: the interval used (median gap between checkpoints); ckpts: commits, meas: those with a measured "
           "cost (the rest count at its median); infl: recoveries from the parameters of the "
-          "checkpoint in flight; recomp: iterations recomputed; lag it: the lag at the end; recov s: both at the "
-          "iteration time; down s: restart downtime, beside T_l")
+          "checkpoint in flight; snap: recoveries from a host snapshot; k: the host-snapshot interval; snap s: "
+          "what the snapshots cost; base: the clean iteration time over the trace's runs without snapshots' "
+          "(the noise where there are none); recomp: iterations recomputed; lag it: the lag at the end; recov s: "
+          "both at the iteration time; down s: restart downtime, beside T_l")
     for number, trace in enumerate(result["traces"]):
-        print(f"\ntrace {number} (seed {trace['seed']}), failures after {trace['failures']}")
+        print(f"\ntrace {number} (seed {trace['seed']}), failures after "
+              + ", ".join(f"{f} ({c})" for f, c in zip(trace["failures"], trace["classes"])))
         print(head)
         for s, r in trace["runs"].items():
             lag = f"{'unmeas.':>7s}" if r["unmeasurable"] else num(r["lag_iters"], ".1f", 7)
-            print(f"{s:9s} | {num(r['used_interval'], 'd', 5)} {r['checkpoints']:5d} {r['measured_checkpoints']:5d} {r['n_failures']:5d} {r['predicted']:4d} {r['in_flight']:4d} | "
-                  f"{num(r['checkpoint_cost_s'], '.2f', 7)} {r['recomputed_iters']:6d} {lag} {num(r['recovery_cost_s'], '.2f', 7)}"
+            snap = sum(c["host_snapshot"] for c in r["per_class"].values())
+            print(f"{s:9s} | {num(r['used_interval'], 'd', 5)} {num(r['memory_interval'], 'd', 4)} {r['checkpoints']:5d} "
+                  f"{r['measured_checkpoints']:5d} {r['n_failures']:5d} {r['predicted']:4d} {r['in_flight']:4d} {snap:4d} | "
+                  f"{num(r['checkpoint_cost_s'], '.2f', 7)} {r['snapshot_cost_s']:6.2f} {r['clean_iteration_excess']:+6.1%} "
+                  f"{r['recomputed_iters']:6d} {lag} {num(r['recovery_cost_s'], '.2f', 7)}"
                   f" | {num(r['ft_cost_s'], '.2f', 7)} {num(r['ft_cost_pct'], '.2f', 6)} | "
                   f"{r['restart_downtime_s']:6.1f} | {r['final_val_loss']:.4f} ({r['final_loss_excess']:+.3%})"
                   + (f" | lag unmeasurable: {r['unmeasurable_reason']}" if r["unmeasurable"] else "")
@@ -698,9 +880,26 @@ def print_result(result: dict) -> None:
     for s in ("cpsr", "cpsr_fix"):
         print(f"{s} T_l reduction against the better of {' and '.join(BASELINES)} per trace: "
               f"{interval_text(result['reduction_ft_cost_vs_better_baseline'][s])}")
+        print(f"{s} T_l reduction against {IN_MEMORY} per trace: "
+              f"{interval_text(result['reduction_ft_cost_vs_in_memory'][s])}")
         for b in BASELINES:
             print(f"{s} checkpoints, reduction against {b}: {interval_text(result['reduction_checkpoints'][s][b])}")
+    print_classes(result["per_class"])
     print_projection(result["projection"])
+
+
+def print_classes(per_class: dict) -> None:
+    print("\nPer failure class, over the traces: recovery iterations per failure (recomputed + the share of the end "
+          "lag), measured and as the two-level model expects at the intervals each run used (k / 2 from a "
+          "snapshot, (1 - rho) n / 2 from storage; rho the calibration's for cpsr); snap: recoveries from a host "
+          "snapshot; lag: recoveries that left a lag")
+    print(f"{'strategy':9s} {'class':13s} | {'fails':>5s} {'snap':>4s} {'lag':>4s} | {'measured':>8s} {'expected':>8s} "
+          f"{'ratio':>6s} | {'down s':>6s}")
+    for s, classes in per_class.items():
+        for c, row in classes.items():
+            print(f"{s:9s} {c:13s} | {row['failures']:5d} {row['host_snapshot']:4d} {row['inexact']:4d} | "
+                  f"{num(row['recovery_iters_per_failure'], '.1f', 8)} {num(row['expected_iters_per_failure'], '.1f', 8)} "
+                  f"{num(row['measured_over_expected'], '.2f', 6)} | {num(row['downtime_s_per_failure'], '.1f', 6)}")
 
 
 def print_projection(p: dict) -> None:
@@ -730,11 +929,11 @@ def plot(result: dict, path: str) -> None:
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
     xs = np.arange(len(STRATEGIES))
     free = result["failure_free_s"] / 100
-    parts = {s: [(r["checkpoint_cost_s"] / free, r["recovery_cost_s"] / free) for r in
+    parts = {s: [((r["checkpoint_cost_s"] + r["snapshot_cost_s"]) / free, r["recovery_cost_s"] / free) for r in
                  (t["runs"][s] for t in result["traces"]) if r["ft_cost_s"] is not None] for s in STRATEGIES}
     ckpt = [statistics.mean(p[0] for p in parts[s]) if parts[s] else 0 for s in STRATEGIES]
     recov = [statistics.mean(p[1] for p in parts[s]) if parts[s] else 0 for s in STRATEGIES]
-    ax.bar(xs, ckpt, label="checkpoint cost")
+    ax.bar(xs, ckpt, label="checkpoint and snapshot cost")
     ax.bar(xs, recov, bottom=ckpt, label="recovery cost")
     for x, s in zip(xs, STRATEGIES):
         lo, hi = result["ci95_ft_cost_pct"][s] or (None, None)
@@ -766,6 +965,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="the first trace's seed")
     p.add_argument("--failures-per-run", type=float, default=4.0,
                    help="expected failures per run (lambda times the span failures are drawn over)")
+    p.add_argument("--crash-share", type=float, default=LLAMA3_SHARES[PROCESS_CRASH],
+                   help="the share of failures that are process crashes on a live node, the rest lost nodes "
+                   "(default: the Llama 3 report's, cpsr_ds/planning/failure_mix.py)")
     p.add_argument("--fixed-interval", type=int,
                    help="every strategy checkpoints every N iterations: a smoke test of the harness, not the benchmark")
     p.add_argument("--warm-up-interval", type=int, default=20, help="the warm-up run checkpoints 3 times at this interval")
@@ -775,6 +977,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.traces = args.traces or (3 if args.quick else 5)
     if args.traces < 3:
         p.error("--traces must be at least 3")
+    if not 0 <= args.crash_share <= 1:
+        p.error(f"--crash-share must be in [0, 1], got {args.crash_share}")
     return args
 
 

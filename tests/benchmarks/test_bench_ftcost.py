@@ -139,12 +139,102 @@ def test_a_recovery_from_the_parameters_in_flight_is_counted_as_not_exact(bench,
     assert got == {"n_failures": 2, "recomputed_iters": 14, "lost_iters": 14, "predicted": 0, "in_flight": 1}
 
 
+def test_per_class_splits_the_end_lag_over_the_recoveries_that_left_one_by_their_d(bench, tmp_path):
+    d = str(tmp_path)
+    for report in (RecoveryReport("fresh", None, None, 0),
+                   RecoveryReport("recompute", 57, 56, 56, sources={"0": "host snapshot"}),  # crash: 1 recomputed
+                   RecoveryReport("predict", 80, 70, 81),  # lost node: d 10, predicted
+                   RecoveryReport("recompute", 130, 100, 100, sources={"0": "in flight"}),  # lost node: d 30
+                   RecoveryReport("recompute", 150, 140, 140)):  # crash without a snapshot: 10 recomputed
+        append_report(d, report)
+    classes = ["process_crash", "node_lost", "node_lost", "process_crash"]
+    got = bench.per_class(read_reports(d), classes, [1.0, 2.0, 3.0, 4.0], lag_iters=8.0)
+    crash, node = got["process_crash"], got["node_lost"]
+    assert (crash["failures"], crash["host_snapshot"], crash["inexact"], crash["recomputed_iters"]) == (2, 1, 0, 11)
+    assert crash["recovery_iters"] == 11 and crash["downtime_s"] == 5.0
+    # The lag, 8 iterations, over the predicted (d 10) and the in-flight (d 30) recoveries: 2 + 6.
+    assert (node["failures"], node["inexact"], node["recomputed_iters"], node["lost_iters"]) == (2, 2, 30, 40)
+    assert node["lag_iters"] == pytest.approx(8.0) and node["recovery_iters"] == pytest.approx(38.0)
+    unmeasured = bench.per_class(read_reports(d), classes, [1.0, 2.0, 3.0, 4.0], lag_iters=None)
+    assert unmeasured["node_lost"]["recovery_iters"] is None and unmeasured["process_crash"]["recovery_iters"] == 11
+    with pytest.raises(ValueError):  # a failure without its class
+        bench.per_class(read_reports(d), classes[:3], [1.0, 2.0, 3.0], lag_iters=8.0)
+
+
+def test_the_model_expects_half_an_interval_per_failure_less_what_prediction_saves(bench):
+    assert bench.expected_per_failure(4, 30, 0.5) == {"process_crash": 2.0, "node_lost": 7.5}
+    assert bench.expected_per_failure(None, 30, 0.0) == {"process_crash": 15.0, "node_lost": 15.0}
+
+
+def test_class_summary_weighs_each_runs_expectation_by_its_failures(bench):
+    def run(crashes, nodes, crash_iters, node_iters, expected):
+        rows = {"process_crash": {"failures": crashes, "recovery_iters": crash_iters, "host_snapshot": crashes,
+                                  "inexact": 0, "downtime_s": 2.0 * crashes},
+                "node_lost": {"failures": nodes, "recovery_iters": node_iters, "host_snapshot": 0, "inexact": nodes,
+                              "downtime_s": 4.0 * nodes}}
+        return {"per_class": rows, "expected_per_failure": expected}
+
+    runs = [run(1, 3, 2.0, 30.0, {"process_crash": 1.0, "node_lost": 10.0}),
+            run(0, 2, 0.0, None, {"process_crash": 1.0, "node_lost": 20.0}),  # its lag unmeasurable
+            run(2, 1, 6.0, 10.0, {"process_crash": 4.0, "node_lost": 5.0})]
+    got = bench.class_summary(runs)
+    crash, node = got["process_crash"], got["node_lost"]
+    assert (crash["failures"], crash["compared_failures"]) == (3, 3)
+    assert crash["recovery_iters_per_failure"] == pytest.approx(8 / 3)
+    assert crash["expected_iters_per_failure"] == pytest.approx((1 + 2 * 4) / 3)
+    assert crash["measured_over_expected"] == pytest.approx(8 / 9)
+    assert (node["failures"], node["compared_failures"], node["inexact"]) == (6, 4, 6)
+    assert node["recovery_iters_per_failure"] == pytest.approx(10.0)
+    assert node["expected_iters_per_failure"] == pytest.approx((3 * 10 + 5) / 4)
+    assert node["downtime_s_per_failure"] == pytest.approx(4.0)
+
+
+def test_failure_classes_follow_the_share_seeded_apart_from_the_failure_times(bench):
+    classes = bench.failure_classes(3, 2000, 0.25)
+    assert classes == bench.failure_classes(3, 2000, 0.25) and set(classes) == {"process_crash", "node_lost"}
+    assert classes.count("process_crash") / 2000 == pytest.approx(0.25, abs=0.04)
+    assert bench.failure_classes(3, 5, 0.0) == ["node_lost"] * 5 and bench.failure_classes(3, 5, 1.0) == ["process_crash"] * 5
+    with pytest.raises(ValueError, match="share"):
+        bench.failure_classes(3, 5, 1.5)
+
+
+def test_snapshots_cost_their_runs_excess_iteration_time_and_sparse_ones_their_stall(bench):
+    assert bench.snapshot_cost(0.026, 0.025, 1000, 1, 0.004) == pytest.approx(1.0)
+    assert bench.snapshot_cost(0.025, 0.025, 1000, 20, 0.004) == pytest.approx(0.2)
+    assert bench.snapshot_cost(0.024, 0.025, 1000, 1, 0.0) == pytest.approx(-1.0)  # noise, kept as measured
+
+
+def test_the_snapshot_plan_is_read_from_the_runs_log(bench, tmp_path):
+    log = tmp_path / "run.log"
+    log.write_text("x\nINFO cpsr: host snapshots every 12 iterations from iteration 5 (memory_interval auto: stall "
+                   "0.000412 s, iteration 0.0251 s)\ny\nINFO cpsr: host snapshots every 9 iterations from iteration 3 "
+                   "(memory_interval auto: stall 3.5e-05 s, iteration 0.03 s)\n")
+    assert bench.snapshot_plan(str(log)) == (9, 3.5e-05)
+    log.write_text("nothing\n")
+    assert bench.snapshot_plan(str(log)) is None
+
+
+def test_each_strategy_gets_its_levels_and_the_traces_mix(bench):
+    memory = bench.strategy_block("in_memory", "auto", 2.0, [5], 1.0, 0.25, "/r/in_memory")
+    assert memory["checkpoint"] == {"strategy": "checkfreq", "interval": "auto", "write_mbps": 2.0,
+                                    "memory_interval": 1, "survivor_dir": "/r/in_memory.node"}
+    assert memory["recovery"] == {"mode": "recompute"}
+    cpsr = bench.strategy_block("cpsr", "auto", 2.0, [5], 1.0, 0.25, "/r/cpsr")
+    assert cpsr["checkpoint"]["memory_interval"] == "auto" and cpsr["recovery"] == {"mode": "auto"}
+    assert cpsr["planner"] == {"failure_rate_per_hour": 1.0, "failure_mix": {"process_crash": 0.25, "node_lost": 0.75}}
+    for strategy in ("torch", "checkfreq", "pccheck", "cpsr_fix"):
+        assert "memory_interval" not in bench.strategy_block(strategy, 20, 2.0, [5], 1.0, 0.25, "/r/x")["checkpoint"]
+
+
 def test_ft_cost_adds_checkpoint_cost_recomputation_and_lag_at_the_iteration_time(bench):
     got = bench.ft_cost(checkpoint_s=1.5, recomputed_iters=11, lag_iters=4.0, iteration_time_s=0.02,
                         failure_free_s=20.0)
     assert got["recovery_cost_s"] == pytest.approx(15 * 0.02)
     assert got["ft_cost_s"] == pytest.approx(1.8)
     assert got["ft_cost_pct"] == pytest.approx(9.0)
+    with_snapshots = bench.ft_cost(checkpoint_s=1.5, recomputed_iters=11, lag_iters=4.0, iteration_time_s=0.02,
+                                   failure_free_s=20.0, snapshot_s=0.2)
+    assert with_snapshots["ft_cost_s"] == pytest.approx(2.0) and with_snapshots["snapshot_cost_s"] == 0.2
 
 
 def test_an_unmeasurable_lag_leaves_no_number(bench):
