@@ -1,13 +1,14 @@
 """Host snapshots (checkpoint.memory_interval): each rank's exact state in shared memory every few iterations,
 and a restart after a process crash resuming from them rather than from the last checkpoint."""
 
+import os
 
 import pytest
 import torch
 
 from benchmarks.common.processes import tiny_config
 from conftest import run_job
-from cpsr_ds.checkpoint.capture import host_snapshot
+from cpsr_ds.checkpoint.capture import dumps, host_snapshot
 from cpsr_ds.checkpoint.capture.journal import journal_path, read_journal
 from cpsr_ds.config import ConfigError, CPSRConfig
 from cpsr_ds.recovery import engine_state, read_reports
@@ -42,6 +43,25 @@ def test_ranks_whose_newest_snapshots_differ_resume_from_the_newest_they_all_hol
     assert snapshot_source.agreed_snapshot(cfg, engine, attempt=2, c=4, f=6) is None  # none after c in common
     monkeypatch.setattr(snapshot_source, "gathered", lambda mine: [mine, [2]])
     assert snapshot_source.agreed_snapshot(cfg, engine, attempt=2, c=0, f=6) is None
+
+
+def test_a_restart_reads_only_the_snapshot_it_takes_or_the_one_before_where_that_is_damaged(tmp_path, monkeypatch):
+    engine, _ = trained(tmp_path, 0, iterations=6, memory_interval=2)
+    engine.cpsr.host_snapshots.wait(30)
+    cfg = engine.cpsr.cfg.checkpoint
+    loaded, load = [], host_snapshot.load
+    monkeypatch.setattr(host_snapshot, "load", lambda found: loaded.append(found[1]["iteration"]) or load(found))
+    assert snapshot_source.agreed_snapshot(cfg, engine, attempt=2, c=0, f=6).iteration == 6
+    assert loaded == [6]
+    state_file = os.path.join(host_snapshot.snapshot_manifests(cfg, 0, attempt=1)[6][0], dumps.STATE_FILE)
+    with open(state_file, "r+b") as f:
+        f.seek(os.path.getsize(state_file) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    loaded.clear()
+    assert snapshot_source.agreed_snapshot(cfg, engine, attempt=2, c=0, f=6).iteration == 4
+    assert loaded == [6, 4]
 
 
 def test_memory_interval_is_checked():

@@ -159,13 +159,31 @@ def read_survivor(root: str, rank: int, run: str, attempt: Optional[int] = None)
 def read_dump(directory: str, rank: int, run: str, attempt: Optional[int], what: str) -> Optional[Survivor]:
     """:func:`read_survivor` of the dump in ``directory`` (``what`` it is, for the log); the dump's directory, its
     run's and the root above must be this user's alone (a planted one is refused)."""
+    man = read_dump_manifest(directory, rank, run, attempt, what)
+    return None if man is None else load_dump(directory, man, what)
+
+
+def read_dump_manifest(directory: str, rank: int, run: str, attempt: Optional[int], what: str) -> Optional[dict]:
+    """The manifest of ``rank``'s dump in ``directory`` where it is this run's (and ``attempt``'s; None: any) and
+    its directories are this user's alone; None, the reason logged, where not. Reads no state: a restart choosing
+    among several dumps reads only the one it takes (:func:`load_dump`)."""
     if not os.path.isdir(directory):
         log.info("cpsr: no %s of rank %d in %s", what, rank, directory)
         return None
     try:
-        return _read(directory, rank, run, attempt)
+        return _manifest(directory, rank, run, attempt)
     except (CheckpointError, OSError, private_dir.PrivateDirError) as err:
         log.warning("cpsr: %s of rank %d in %s not used: %s", what, rank, directory, err)
+        return None
+
+
+def load_dump(directory: str, man: dict, what: str) -> Optional[Survivor]:
+    """The dump in ``directory`` whose manifest :func:`read_dump_manifest` gave, verified against its checksum and
+    free of NaN and infinity; None, the reason logged, where not."""
+    try:
+        return _load(directory, man)
+    except (CheckpointError, OSError) as err:
+        log.warning("cpsr: %s of rank %d in %s not used: %s", what, man["rank"], directory, err)
         return None
 
 
@@ -196,7 +214,7 @@ def _check_owner(run_root: str, run: str) -> None:
                               f" now, not run {run!r}")
 
 
-def _read(directory: str, rank: int, run: str, attempt: Optional[int]) -> Survivor:
+def _manifest(directory: str, rank: int, run: str, attempt: Optional[int]) -> dict:
     run_root = os.path.dirname(directory)
     check_private(os.path.dirname(run_root), run_root, directory)
     man = records.read_manifests(directory).get(rank)
@@ -207,9 +225,13 @@ def _read(directory: str, rank: int, run: str, attempt: Optional[int]) -> Surviv
     if attempt is not None and man["attempt"] != attempt:
         raise CheckpointError(f"written by attempt {man['attempt']}, not attempt {attempt}")
     _check_owner(os.path.dirname(directory), run)
-    entry = man["files"].get(STATE_FILE)
-    if entry is None or man["iteration"] is None:
+    if man["files"].get(STATE_FILE) is None or man["iteration"] is None:
         raise CheckpointError(f"the manifest lists no {STATE_FILE} or no iteration")
+    return {**man, "rank": rank}
+
+
+def _load(directory: str, man: dict) -> Survivor:
+    entry, rank = man["files"][STATE_FILE], man["rank"]
     contents = read_snapshot(os.path.join(directory, STATE_FILE), entry, man["checksum"])
     weights = contents.get("weights")
     bad = nonfinite_tensors(*flatten({"state": contents["state"], "weights": weights or {}}))

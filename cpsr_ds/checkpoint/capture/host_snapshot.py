@@ -48,10 +48,27 @@ def snapshot_dir(root: str, run: str, rank: int, slot: int) -> str:
     return dumps.dump_dir(root, run, rank) + f".memory{slot}"
 
 
+def snapshot_manifests(cfg: CheckpointConfig, rank: int, attempt: int) -> dict[int, tuple[str, dict]]:
+    """``rank``'s host snapshots of job attempt ``attempt`` of the run in ``cfg.dir``, by iteration: (directory,
+    manifest) of each slot whose manifest is this run's; nothing of the state read yet (:func:`load`)."""
+    run, root = run_id.run_identity(cfg.dir), dumps.survivor_root(cfg)
+    found = {}
+    for slot in range(SLOTS):
+        directory = snapshot_dir(root, run, rank, slot)
+        man = dumps.read_dump_manifest(directory, rank, run, attempt, WHAT)
+        if man is not None:
+            found[man["iteration"]] = (directory, man)
+    return found
+
+
+def load(found: tuple[str, dict]) -> Optional[dumps.Survivor]:
+    """The snapshot of one of :func:`snapshot_manifests`' entries, verified; None where it is damaged."""
+    return dumps.load_dump(*found, WHAT)
+
+
 def read_snapshots(cfg: CheckpointConfig, rank: int, attempt: int) -> list[dumps.Survivor]:
     """``rank``'s host snapshots of job attempt ``attempt`` of the run in ``cfg.dir``, verified: those usable."""
-    run, root = run_id.run_identity(cfg.dir), dumps.survivor_root(cfg)
-    found = [dumps.read_dump(snapshot_dir(root, run, rank, slot), rank, run, attempt, WHAT) for slot in range(SLOTS)]
+    found = (load(entry) for _, entry in sorted(snapshot_manifests(cfg, rank, attempt).items()))
     return [snap for snap in found if snap is not None]
 
 

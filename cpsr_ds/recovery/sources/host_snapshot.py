@@ -31,14 +31,21 @@ def agreed_snapshot(cfg: CheckpointConfig, engine, attempt: int, c: int,
                     f: int | None) -> snapshots.dumps.Survivor | None:
     """This rank's host snapshot of the previous attempt at the newest iteration m, c < m <= f, of which every
     rank has one, on its own stage of a job of this world size, valid (survivor.usable); else None on every rank
-    (a collective, unless the config, the attempt or f, the same on every rank, rule snapshots out)."""
+    (a collective, unless the config, the attempt or f, the same on every rank, rule snapshots out).
+
+    The ranks agree on the manifests first, then read the newest common one; where it fails on any rank, the one
+    before it: one state read per rank where nothing is damaged."""
     if cfg.memory_interval is None or attempt <= 1 or f is None:
         return None
-    mine = {snap.iteration: snap for snap in snapshots.read_snapshots(cfg, engine.global_rank, attempt - 1)
-            if (snap.stage, snap.world_size) == (engine.stage_id, engine.world_size) and c < snap.iteration <= f
-            and usable(engine, snap, SOURCE)}
-    common = set.intersection(*map(set, gathered(sorted(mine))))
-    return mine[max(common)] if common else None
+    mine = {m: found for m, found in snapshots.snapshot_manifests(cfg, engine.global_rank, attempt - 1).items()
+            if (found[1].get("stage", 0), found[1].get("world_size", 0)) == (engine.stage_id, engine.world_size)
+            and c < m <= f}
+    for m in sorted(set.intersection(*map(set, gathered(sorted(mine)))), reverse=True):
+        snap = snapshots.load(mine[m])
+        ok = snap is not None and usable(engine, snap, SOURCE)
+        if all(gathered(ok)):
+            return snap
+    return None
 
 
 def resume_from(engine, snap: snapshots.dumps.Survivor, c: int) -> int:
