@@ -388,11 +388,13 @@ def per_class(reports, classes: list[str], downtime_s: list[float], lag_iters: O
     return out
 
 
-def expected_per_failure(k: Optional[float], n: float, rho: float) -> dict:
-    """The two-level model's iterations lost per failure of each class (planning/levels.py's F(k, n), first order)
-    at snapshot interval ``k`` (None: no snapshots) and storage interval ``n``: a crash k / 2 since its newest
-    snapshot, a lost node (and a crash without snapshots) (1 - rho) n / 2 since its newest checkpoint."""
-    storage = (1 - rho) * n / 2
+def expected_per_failure(k: Optional[float], n: float, persist: float, rho: float) -> dict:
+    """The model's iterations lost per failure of each class, first order (planning/levels.py's F(k, n), with the
+    write floor of fault_tolerance_cost.guarded_cost_rate) at snapshot interval ``k`` (None: no snapshots),
+    storage interval ``n`` and ``persist`` iterations from a checkpoint's start to durable: a crash k / 2 since
+    its newest snapshot; a lost node (and a crash without snapshots) (1 - rho) (n / 2 + persist) since its newest
+    durable checkpoint."""
+    storage = (1 - rho) * (n / 2 + persist)
     return {PROCESS_CRASH: storage if k is None else k / 2, NODE_LOST: storage}
 
 
@@ -720,7 +722,8 @@ def run_summary(run_dir: str, strategy: str, trace: list[int], classes: list[str
             "used_interval": interval, "rho": saved, "memory_interval": k, "snapshot_stall_s": stall_s,
             "clean_iteration_excess": clean_s / base_s - 1,
             "per_class": per_class(read_reports(run_dir), classes, down, lag["lag_iters"]),
-            "expected_per_failure": None if interval is None else expected_per_failure(k, interval, rho),
+            "expected_per_failure": None if interval is None else expected_per_failure(
+                k, interval, components(rows, strategy)["persist"], rho),
             "restart_downtime_s": sum(down), "downtimes_s": down, "final_val_loss": final,
             "final_loss_excess": final / reference[iters] - 1, "components": components(rows, strategy)}
 
@@ -891,7 +894,7 @@ def print_result(result: dict) -> None:
 def print_classes(per_class: dict) -> None:
     print("\nPer failure class, over the traces: recovery iterations per failure (recomputed + the share of the end "
           "lag), measured and as the two-level model expects at the intervals each run used (k / 2 from a "
-          "snapshot, (1 - rho) n / 2 from storage; rho the calibration's for cpsr); snap: recoveries from a host "
+          "snapshot, (1 - rho) (n / 2 + persist) from storage; rho the calibration's for cpsr); snap: recoveries from a host "
           "snapshot; lag: recoveries that left a lag")
     print(f"{'strategy':9s} {'class':13s} | {'fails':>5s} {'snap':>4s} {'lag':>4s} | {'measured':>8s} {'expected':>8s} "
           f"{'ratio':>6s} | {'down s':>6s}")

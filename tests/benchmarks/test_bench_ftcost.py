@@ -161,9 +161,9 @@ def test_per_class_splits_the_end_lag_over_the_recoveries_that_left_one_by_their
         bench.per_class(read_reports(d), classes[:3], [1.0, 2.0, 3.0], lag_iters=8.0)
 
 
-def test_the_model_expects_half_an_interval_per_failure_less_what_prediction_saves(bench):
-    assert bench.expected_per_failure(4, 30, 0.5) == {"process_crash": 2.0, "node_lost": 7.5}
-    assert bench.expected_per_failure(None, 30, 0.0) == {"process_crash": 15.0, "node_lost": 15.0}
+def test_the_model_expects_half_an_interval_and_the_persist_per_failure_less_what_prediction_saves(bench):
+    assert bench.expected_per_failure(4, 30, 5, 0.5) == {"process_crash": 2.0, "node_lost": 10.0}
+    assert bench.expected_per_failure(None, 30, 5, 0.0) == {"process_crash": 20.0, "node_lost": 20.0}
 
 
 def test_class_summary_weighs_each_runs_expectation_by_its_failures(bench):
