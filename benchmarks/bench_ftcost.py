@@ -61,9 +61,10 @@ T_l per run = checkpoint cost + recovery cost, in seconds and as % of the failur
   fit flat or rising over the window, a loss beyond its range) leaves the run's T_l
   unmeasurable, with the reason, and out of every mean, median and ratio;
 - snapshot cost (strategies with host snapshots): the training they slowed, (the run's clean
-  iteration time - the trace's without snapshots) x the iterations it trained, plus a sparse
-  snapshot's own stall (``snapshot_cost``); for the strategies without snapshots the same difference
-  is shown as the measurement's noise;
+  iteration time - that of the runs without snapshots just before and after it on the trace,
+  ``neighbour_base_s``) x the iterations it trained, plus a sparse snapshot's own stall
+  (``snapshot_cost``); for the strategies without snapshots the same difference is shown as the
+  measurement's noise;
 - iterations become seconds at the reference's iteration time (the median of its
   journal's iteration-to-iteration wall times).
 
@@ -120,7 +121,9 @@ from cpsr_ds.recovery.sources.host_snapshot import SOURCE as HOST_SNAPSHOT  # no
 from cpsr_ds.recovery.sources.in_flight import SOURCE as IN_FLIGHT  # noqa: E402
 from cpsr_ds.runlog import CostRow, measurements_path, read_measurements  # noqa: E402
 
-STRATEGIES = ("torch", "checkfreq", "pccheck", "in_memory", "cpsr", "cpsr_fix")
+# In the order they run on each trace: each run with host snapshots between two without, whose clean iteration
+# times, measured minutes apart on a shared machine, are its baseline (neighbour_base_s).
+STRATEGIES = ("torch", "checkfreq", "in_memory", "pccheck", "cpsr", "cpsr_fix")
 BASELINES = ("checkfreq", "pccheck")  # what cpsr is compared with, the better of the two per trace ...
 IN_MEMORY = "in_memory"  # ... and this one
 MEMORY_INTERVAL = {IN_MEMORY: 1, "cpsr": "auto"}  # the strategies with host snapshots
@@ -680,15 +683,20 @@ def snapshots_of(strategy: str, run_dir: str) -> tuple[Optional[int], float]:
     return snapshot_plan(f"{run_dir}.log") or (PlannerConfig().first_interval, 0.0)
 
 
-def trace_base_s(runs: dict) -> float:
-    """The clean iteration time of a trace's runs without host snapshots (``runs``: strategy -> run dir): the
-    median over them."""
-    return statistics.median(clean_iteration_s(cost_rows(d)) for s, d in runs.items() if s not in MEMORY_INTERVAL)
+def neighbour_base_s(strategy: str, clean_s: dict) -> float:
+    """A run's baseline iteration time: the mean clean iteration time (``clean_s``: strategy -> seconds) of the runs
+    without host snapshots just before and just after it on its trace (STRATEGIES' order; one at either end),
+    itself left out. For a run with snapshots the excess over it is their cost; for one without, the noise."""
+    plain = [s for s in STRATEGIES if s not in MEMORY_INTERVAL and s != strategy]
+    at = STRATEGIES.index(strategy)
+    before = [s for s in plain if STRATEGIES.index(s) < at][-1:]
+    after = [s for s in plain if STRATEGIES.index(s) > at][:1]
+    return statistics.mean(clean_s[s] for s in before + after)
 
 
 def run_summary(run_dir: str, strategy: str, trace: list[int], classes: list[str], reference: dict, iters: int,
                 iteration_s: float, failure_free_s: float, base_s: float) -> dict:
-    """One run's T_l and its parts (``base_s``: :func:`trace_base_s` of its trace), per failure class too."""
+    """One run's T_l and its parts (``base_s``: its :func:`neighbour_base_s`), per failure class too."""
     rows = cost_rows(run_dir)
     checkpoint_s, checkpoints, measured = checkpoint_cost(rows, committed_checkpoints(f"{run_dir}.log"))
     recovered = recoveries(read_reports(run_dir))
@@ -777,9 +785,10 @@ def summarize(manifest: dict) -> dict:
     iteration_s = median_iteration_s(ref_dir)
     failure_free_s = iters * iteration_s
     reference = read_validation(ref_dir)
-    bases = [trace_base_s({s: run["dir"] for s, run in t["runs"].items()}) for t in manifest["traces"]]
+    clean = [{s: clean_iteration_s(cost_rows(run["dir"])) for s, run in t["runs"].items()} for t in manifest["traces"]]
     runs = {s: [run_summary(t["runs"][s]["dir"], s, t["failures"], t["classes"], reference, iters, iteration_s,
-                            failure_free_s, base) for t, base in zip(manifest["traces"], bases)] for s in STRATEGIES}
+                            failure_free_s, neighbour_base_s(s, c)) for t, c in zip(manifest["traces"], clean)]
+            for s in STRATEGIES}
     for s in STRATEGIES:
         for run, trace in zip(runs[s], manifest["traces"]):
             run["interval"] = trace["runs"][s]["interval"]
@@ -815,8 +824,8 @@ def summarize(manifest: dict) -> dict:
         "failure_free_s": failure_free_s,
         "warm_up": manifest["warm_up"],
         "traces": [{"seed": t["seed"], "failures": t["failures"], "classes": t["classes"],
-                    "rate_per_iteration": t["rate_per_iteration"], "base_iteration_s": base,
-                    "runs": {s: runs[s][i] for s in STRATEGIES}} for i, (t, base) in enumerate(zip(manifest["traces"], bases))],
+                    "rate_per_iteration": t["rate_per_iteration"], "clean_iteration_s": c,
+                    "runs": {s: runs[s][i] for s in STRATEGIES}} for i, (t, c) in enumerate(zip(manifest["traces"], clean))],
         "projection": {"rows": projection(measured, rho, budget), "components": measured, "rho": rho,
                        "rho_source": rho_source, "budget": budget,
                        "iteration_s": paper_persist_s() / PAPER_PERSIST_ITERATIONS,
@@ -852,8 +861,8 @@ def print_result(result: dict) -> None:
     print("T_c: the interval used (median gap between checkpoints); ckpts: commits, meas: those with a measured "
           "cost (the rest count at its median); infl: recoveries from the parameters of the "
           "checkpoint in flight; snap: recoveries from a host snapshot; k: the host-snapshot interval; snap s: "
-          "what the snapshots cost; base: the clean iteration time over the trace's runs without snapshots' "
-          "(the noise where there are none); recomp: iterations recomputed; lag it: the lag at the end; recov s: "
+          "what the snapshots cost; base: the clean iteration time over that of the runs without snapshots just "
+          "before and after it (the noise where there are none); recomp: iterations recomputed; lag it: the lag at the end; recov s: "
           "both at the iteration time; down s: restart downtime, beside T_l")
     for number, trace in enumerate(result["traces"]):
         print(f"\ntrace {number} (seed {trace['seed']}), failures after "

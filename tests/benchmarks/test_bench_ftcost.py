@@ -204,6 +204,15 @@ def test_snapshots_cost_their_runs_excess_iteration_time_and_sparse_ones_their_s
     assert bench.snapshot_cost(0.024, 0.025, 1000, 1, 0.0) == pytest.approx(-1.0)  # noise, kept as measured
 
 
+def test_a_runs_baseline_is_the_runs_without_snapshots_just_before_and_after_it(bench):
+    assert bench.STRATEGIES == ("torch", "checkfreq", "in_memory", "pccheck", "cpsr", "cpsr_fix")
+    clean = {"torch": 1.0, "checkfreq": 2.0, "in_memory": 9.0, "pccheck": 4.0, "cpsr": 9.0, "cpsr_fix": 8.0}
+    assert bench.neighbour_base_s("in_memory", clean) == 3.0
+    assert bench.neighbour_base_s("cpsr", clean) == 6.0
+    assert bench.neighbour_base_s("pccheck", clean) == 5.0  # itself left out: checkfreq and cpsr_fix
+    assert bench.neighbour_base_s("torch", clean) == 2.0 and bench.neighbour_base_s("cpsr_fix", clean) == 4.0
+
+
 def test_the_snapshot_plan_is_read_from_the_runs_log(bench, tmp_path):
     log = tmp_path / "run.log"
     log.write_text("x\nINFO cpsr: host snapshots every 12 iterations from iteration 5 (memory_interval auto: stall "
