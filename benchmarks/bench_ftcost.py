@@ -3,10 +3,13 @@
     python -m benchmarks.bench_ftcost [--quick] [--json PATH] [--plot PATH] [--out-dir DIR] [--traces N] ...
     python -m benchmarks.bench_ftcost --quick | tee benchmarks/results/bench_ftcost/bench_ftcost_quick.txt
 
-Without --json and --plot it writes both into benchmarks/results/bench_ftcost/ (``_quick`` with --quick).
+Without --json and --plot it writes both into benchmarks/results/bench_ftcost/ (``_quick`` with --quick;
+``bench_ftcost_pp2``, ``bench_ftcost_dp2`` with ``--layout``).
 
-The tiny GPT of ``examples/gpt/train_gpt.py`` (one process, DeepSpeed's pipeline engine with one
-stage, the product's checkpoint engines) trains to the same end under every strategy:
+The tiny GPT of ``examples/gpt/train_gpt.py`` (DeepSpeed's pipeline engine, the product's checkpoint
+engines; ``--layout``: one process with one stage, or two under DeepSpeed's launcher, two pipeline
+stages or two data-parallel replicas, every failure killing rank 1) trains to the same end under
+every strategy:
 
 - ``torch``, ``checkfreq``, ``pccheck``: ``interval: auto`` (their own overhead-budget rule,
   ``checkpoint.overhead_budget`` 2 %, the paper's setting), ``recovery.mode: recompute``;
@@ -94,10 +97,13 @@ import json
 import math
 import os
 import re
+import glob
 import shutil
 import signal
 import statistics
+import subprocess
 import time
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -105,10 +111,12 @@ import numpy as np
 from benchmarks.common.jobs import Child, finish_benchmark, tail  # noqa: E402  (first: it sets the jobs' environment)
 
 from benchmarks.common.paths import ROOT, with_default_outputs  # noqa: E402
+from benchmarks.common.processes import JOB_ENV, free_port, local_launch, remove_shm_buffers  # noqa: E402
 from examples.gpt import train_gpt  # noqa: E402
 
 from cpsr_ds.planning import fault_tolerance_cost, planner, units  # noqa: E402
 from cpsr_ds.planning.failure_mix import CLASSES, LLAMA3_SHARES, NODE_LOST, PROCESS_CRASH  # noqa: E402
+from cpsr_ds.checkpoint.capture import dumps  # noqa: E402
 from cpsr_ds.checkpoint.capture.journal import journal_path, read_journal, read_validation  # noqa: E402
 from cpsr_ds.checkpoint.storage.catalog import list_checkpoints  # noqa: E402
 from cpsr_ds.config import CheckpointConfig, PlannerConfig, PredictorConfig  # noqa: E402
@@ -120,6 +128,7 @@ from cpsr_ds.recovery import read_reports  # noqa: E402
 from cpsr_ds.recovery.sources.host_snapshot import SOURCE as HOST_SNAPSHOT  # noqa: E402
 from cpsr_ds.recovery.sources.in_flight import SOURCE as IN_FLIGHT  # noqa: E402
 from cpsr_ds.runlog import CostRow, measurements_path, read_measurements  # noqa: E402
+from cpsr_ds.runtime.faults import FAULTS_DIR  # noqa: E402
 
 # In the order they run on each trace: each run with host snapshots between two without, whose clean iteration
 # times, measured minutes apart on a shared machine, are its baseline (neighbour_base_s).
@@ -518,14 +527,34 @@ def train(config: str, iters: int, eval_from: int, every: int, valid_sequences: 
     train_gpt.finish(job)
 
 
-def ds_config(iters: int, run_dir: str, cpsr: dict) -> dict:
+@dataclass(frozen=True)
+class Layout:
+    """How a run's job is laid out: pipeline stages, processes, and the rank its failures kill."""
+
+    stages: int
+    procs: int
+    kill_rank: int
+
+
+LAYOUTS = {
+    # One process, trained in a child of the benchmark: a lost node leaves storage alone.
+    "one": Layout(stages=1, procs=1, kill_rank=0),
+    # Two pipeline stages under DeepSpeed's launcher: the other stage's rank survives each failure and dumps its
+    # exact state (survivor dumps); a lost node takes only the killed rank's memory.
+    "pp2": Layout(stages=2, procs=2, kill_rank=1),
+    # Two data-parallel replicas: the survivor's dump is the killed rank's exact state too.
+    "dp2": Layout(stages=1, procs=2, kill_rank=1),
+}
+
+
+def ds_config(iters: int, run_dir: str, cpsr: dict, stages: int = 1) -> dict:
     with open(BASE_CONFIG) as f:
         config = json.load(f)
     warmup = config.get("scheduler", {}).get("params", {}).get("warmup_num_steps", 0)
     config.update(train_micro_batch_size_per_gpu=MICRO_BATCH, gradient_accumulation_steps=1)
     config["scheduler"] = {"type": "WarmupCosineLR", "params": {
         "total_num_steps": iters, "warmup_num_steps": warmup, "cos_min_ratio": COS_MIN_RATIO}}
-    config["pipeline"] = {"stages": 1}
+    config["pipeline"] = {"stages": stages}
     config["gpt"] = dict(MODEL)
     config["cpsr"] = {**cpsr, "checkpoint": {"dir": run_dir, **cpsr.get("checkpoint", {})}}
     return config
@@ -538,7 +567,7 @@ def node_dir(run_dir: str) -> str:
 
 def strategy_block(strategy: str, interval, write_mbps: float | None, trace: list[int],
                    failures_per_hour: float | None = None, crash_share: float | None = None,
-                   run_dir: str | None = None) -> dict:
+                   run_dir: str | None = None, kill_rank: int = 0) -> dict:
     """The ``cpsr`` block of one strategy's run.
 
     ``failures_per_hour``: the trace's rate, as ``planner.failure_rate_per_hour``, and ``crash_share`` its mix,
@@ -554,7 +583,8 @@ def strategy_block(strategy: str, interval, write_mbps: float | None, trace: lis
         checkpoint["memory_interval"] = MEMORY_INTERVAL[strategy]
     if run_dir is not None:
         checkpoint["survivor_dir"] = node_dir(run_dir)
-    block = {"checkpoint": checkpoint, "recovery": {"mode": mode}, "faults": {"kill_at_iteration": trace or None}}
+    block = {"checkpoint": checkpoint, "recovery": {"mode": mode},
+             "faults": {"kill_at_iteration": trace or None, "kill_rank": kill_rank}}
     planning = {}
     if failures_per_hour is not None:
         planning["failure_rate_per_hour"] = failures_per_hour
@@ -565,9 +595,34 @@ def strategy_block(strategy: str, interval, write_mbps: float | None, trace: lis
     return block
 
 
-def run_job(run_dir: str, cpsr: dict, iters: int, evaluations: tuple[int, int, int], classes: list[str]) -> float:
+def lose_node(run_dir: str, rank: int) -> None:
+    """Remove what rank ``rank``'s node held in memory: its survivor dump and host snapshots under node_dir."""
+    for path in glob.glob(dumps.dump_dir(node_dir(run_dir), "*", rank) + "*"):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def launched_attempt(log: str, config: str, iters: int, evaluations: tuple[int, int, int], procs: int) -> int:
+    """One attempt of ``procs`` ranks under DeepSpeed's per-node launcher, its output appended to ``log``; its
+    exit code. Evaluations as :func:`train`'s, at the iterations they fall on."""
+    eval_from, every, valid = evaluations
+    port = free_port()
+    command = [*local_launch(procs, port), train_gpt.__file__, "--deepspeed_config", config, "--train-iters",
+               str(iters), "--eval-interval", str(NEVER), "--eval-at", *map(str, range(eval_from, iters + 1, every)),
+               "--log-interval", str(iters), "--valid-sequences", str(valid)]
+    with open(log, "a") as out:
+        try:
+            code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, timeout=JOB_TIMEOUT_S,
+                                  env=dict(os.environ, **JOB_ENV)).returncode
+        except subprocess.TimeoutExpired:
+            code = None
+    remove_shm_buffers(port)
+    return code
+
+
+def run_job(run_dir: str, cpsr: dict, iters: int, evaluations: tuple[int, int, int], classes: list[str],
+            layout: Layout = LAYOUTS["one"]) -> float:
     """Train in ``run_dir`` to ``iters``, restarting the job after each of its kills, one per failure of
-    ``classes``, in order; a lost node's memory (``node_dir``) is removed before its restart. Wall seconds.
+    ``classes``, in order; a lost node's memory (``lose_node``) is removed before its restart. Wall seconds.
 
     ``evaluations``: (from, every, validation sequences). The DeepSpeed config and the jobs' log lie beside it.
     """
@@ -577,19 +632,26 @@ def run_job(run_dir: str, cpsr: dict, iters: int, evaluations: tuple[int, int, i
     os.makedirs(run_dir)
     config, log = f"{run_dir}.json", f"{run_dir}.log"
     with open(config, "w") as f:
-        json.dump(ds_config(iters, run_dir, cpsr), f)
+        json.dump(ds_config(iters, run_dir, cpsr, layout.stages), f)
     start = time.time()
     for attempt in range(failures + 1):
-        code = Child(log, train, config, iters, *evaluations).wait(JOB_TIMEOUT_S)
+        if layout.procs == 1:
+            code = Child(log, train, config, iters, *evaluations).wait(JOB_TIMEOUT_S)
+            killed = code == -signal.SIGKILL
+        else:
+            code = launched_attempt(log, config, iters, evaluations, layout.procs)
+            # The launcher exits with the killed rank's status: the failure is the one whose marker is there.
+            killed = code != 0 and attempt < failures and os.path.exists(os.path.join(
+                run_dir, FAULTS_DIR, f"iteration-{cpsr['faults']['kill_at_iteration'][attempt]}-rank-{layout.kill_rank}"))
         if code == 0:
             break
-        if code != -signal.SIGKILL or attempt == failures:
+        if not killed or attempt == failures:
             with open(log, errors="replace") as f:
                 output = f.read()
             raise RuntimeError(f"{run_dir}: attempt {attempt + 1} ended with exit code {code} (the trace has "
                                f"{failures} failures; log {log}): {tail(output)}")
         if classes[attempt] == NODE_LOST:
-            shutil.rmtree(node_dir(run_dir), ignore_errors=True)
+            lose_node(run_dir, layout.kill_rank)
     last = read_journal(journal_path(run_dir, 0))[-1].iteration
     if last != iters:
         raise RuntimeError(f"{run_dir}: the journal ends at iteration {last}, not {iters} (log {log})")
@@ -606,11 +668,11 @@ def median_iteration_s(run_dir: str) -> float:
     return statistics.median(run_iteration_seconds(run_dir, []))
 
 
-def checkpoint_bytes(run_dir: str) -> int:
-    """The size of the run's newest valid checkpoint, all files (one process: one rank's)."""
+def checkpoint_bytes(run_dir: str, procs: int = 1) -> int:
+    """A rank's share of the run's newest valid checkpoint: all its files over ``procs``."""
     tag = max((c for c in list_checkpoints(run_dir, read_data=False) if c.valid), key=lambda c: c.iteration).tag
     top = os.path.join(run_dir, tag)
-    return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(top) for f in fs)
+    return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(top) for f in fs) // procs
 
 
 def warm_up(args) -> dict:
@@ -618,8 +680,9 @@ def warm_up(args) -> dict:
     run_dir = os.path.join(args.out_dir, "warm-up")
     iters = 3 * args.warm_up_interval
     cpsr = {"checkpoint": {"strategy": "cpsr", "interval": args.warm_up_interval}}
-    run_job(run_dir, cpsr, iters, (iters, iters, args.valid_sequences), [])
-    nbytes, iteration_s = checkpoint_bytes(run_dir), median_iteration_s(run_dir)
+    layout = LAYOUTS[args.layout]
+    run_job(run_dir, cpsr, iters, (iters, iters, args.valid_sequences), [], layout)
+    nbytes, iteration_s = checkpoint_bytes(run_dir, layout.procs), median_iteration_s(run_dir)
     return {"checkpoint_bytes": nbytes, "iteration_time_s": iteration_s, "write_mbps": write_limit(nbytes, iteration_s)}
 
 
@@ -635,8 +698,9 @@ def run_all(args) -> dict:
     ref_dir = os.path.join(args.out_dir, "reference")
     # The reference evaluates over the span its fit covers; every evaluation of a run is one of its.
     ref_from = args.iters - FIT_SPAN * (args.iters - eval_from)
+    layout = LAYOUTS[args.layout]
     seconds = run_job(ref_dir, {"checkpoint": {"strategy": "cpsr", "interval": NEVER}}, args.iters,
-                      (ref_from, every, args.valid_sequences), [])
+                      (ref_from, every, args.valid_sequences), [], layout)
     manifest["reference"] = {"dir": ref_dir, "wall_s": seconds}
     print(f"reference: {args.iters} iterations without checkpoints or failures in {seconds:.0f} s", flush=True)
     stop = int(args.iters * (1 - TAIL))
@@ -655,8 +719,8 @@ def run_all(args) -> dict:
             run_dir = os.path.join(args.out_dir, f"trace{number}", strategy)
             block = strategy_block(strategy, interval, write_mbps, trace,
                                    entry["rate_per_iteration"] * 3600 / manifest["warm_up"]["iteration_time_s"],
-                                   args.crash_share, run_dir)
-            seconds = run_job(run_dir, block, args.iters, (eval_from, every, args.valid_sequences), classes)
+                                   args.crash_share, run_dir, layout.kill_rank)
+            seconds = run_job(run_dir, block, args.iters, (eval_from, every, args.valid_sequences), classes, layout)
             entry["runs"][strategy] = {"dir": run_dir, "interval": interval, "wall_s": seconds}
             print(f"  {strategy:9s} interval {interval}: {seconds:.0f} s", flush=True)
             with open(os.path.join(args.out_dir, "manifest.json"), "w") as f:
@@ -977,6 +1041,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="the first trace's seed")
     p.add_argument("--failures-per-run", type=float, default=4.0,
                    help="expected failures per run (lambda times the span failures are drawn over)")
+    p.add_argument("--layout", choices=sorted(LAYOUTS), default="one",
+                   help="one process (default); pp2: two pipeline stages, dp2: two data-parallel replicas, under "
+                   "DeepSpeed's launcher, each failure killing rank 1")
     p.add_argument("--crash-share", type=float, default=LLAMA3_SHARES[PROCESS_CRASH],
                    help="the share of failures that are process crashes on a live node, the rest lost nodes "
                    "(default: the Llama 3 report's, cpsr_ds/planning/failure_mix.py)")
@@ -995,7 +1062,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> None:
-    args = with_default_outputs(parse_args(argv), "bench_ftcost", plot=True)
+    args = parse_args(argv)
+    args = with_default_outputs(args, "bench_ftcost", "" if args.layout == "one" else args.layout, plot=True)
     start = time.time()
     if args.from_runs:
         with open(os.path.join(args.out_dir, "manifest.json")) as f:

@@ -1,15 +1,21 @@
 """Restart to first step beside its floor: each source of state, each state size, on the CPU.
 
     python -m benchmarks.bench_restart [--quick] [--repeats N] [--json PATH] [--out-dir DIR] [--resume]
-        [--sizes tiny 1 4] [--sources host_snapshot survivor storage]
+        [--sizes tiny 1 4] [--sources host_snapshot survivor storage] [--launchers torchrun deepspeed]
 
 Without --json it writes benchmarks/results/bench_restart/bench_restart.json (``_quick`` with --quick).
 
-A case is a state size and a source. Sizes: ``tiny`` (the tiny GPT of the job tests) and GPTs of 4 layers whose
-parameters and Adam moments (12 bytes a parameter, fp32) come to about N GiB (``--quick``: tiny and 0.25 GiB).
-Two pipeline stages, one process each, launched as the job tests launch them (DeepSpeed's per-node launcher);
-rank 1 is SIGKILLed after iteration KILL_AT (``cpsr.faults``), and the job is launched again on the same
-directories. Where its state comes from:
+A case is a state size, a source and a launcher. Sizes: ``tiny`` (the tiny GPT of the job tests) and GPTs of 4
+layers whose parameters and Adam moments (12 bytes a parameter, fp32) come to about N GiB (``--quick``: tiny and
+0.25 GiB). Two pipeline stages, one process each; rank 1 is SIGKILLed after iteration KILL_AT (``cpsr.faults``).
+Launchers:
+
+- ``torchrun``: torch's elastic agent with ``--max-restarts 1`` (and a rendezvous store per round,
+  runtime/elastic.py) restarts the workers itself; the agent, its imports done, stays;
+- ``deepspeed``: DeepSpeed's per-node launcher, as the job tests launch it, launched again on the same
+  directories once the failed job has ended (what launch/resilient.sh does).
+
+Where the state comes from:
 
 - ``host_snapshot``: ``checkpoint.memory_interval`` 1, survivor dumps off: every rank's snapshot in shared memory;
 - ``survivor``: survivor dumps on: rank 0's own dump in shared memory, rank 1's state from its checkpoint;
@@ -17,12 +23,15 @@ directories. Where its state comes from:
 
 Measured per run:
 
-- restart_s: from the restart's launch to rank 0's first journaled iteration (the launcher's own start included);
+- restart_s: under torchrun from the kill (the fault's marker file) to the killed rank's first journaled iteration
+  after it, the agent's noticing the failure and stopping the other worker included; under deepspeed from the
+  relaunch to rank 0's first journaled iteration, the launcher's own start included, the failed job's end not;
 - seconds: rank 0's breakdown from its recovery.jsonl line (cpsr_ds/runtime/restart_time.py);
-- the floor, in the same run just before the restart: ``imports_s``, a bare interpreter importing what the
-  training script imports (``import examples.gpt.train_gpt``), and ``read_s``, one plain read of the bytes the
-  restart reads from the same place (every rank's newest snapshot, rank 0's dump and rank 1's checkpoint files,
-  or the checkpoint's files), one reader, in 16 MiB blocks;
+- the floor, in the same run: ``imports_s``, a bare interpreter importing what the training script imports
+  (``import examples.gpt.train_gpt``), and ``read_s``, one plain read of the bytes the restart reads from the same
+  place (every rank's newest snapshot, rank 0's dump and rank 1's checkpoint files, or the checkpoint's files), one
+  reader, in 16 MiB blocks; under deepspeed both just before the restart; under torchrun, which restarts at once,
+  the imports before the launch and the read after the job, of the same kind of files, as large, then newest;
 - ratio: restart_s / (imports_s + read_s).
 
 Summaries over ``--repeats`` (3; ``--quick`` 1): median and the mean's Student-t 95 % interval. Each run is
@@ -33,7 +42,6 @@ runs at a time; its directories and shared memory are removed after each run.
 from __future__ import annotations
 
 import argparse
-import base64
 import glob
 import json
 import math
@@ -49,11 +57,15 @@ from benchmarks.common.jobs import tail  # noqa: E402  (first: it sets the jobs'
 
 from benchmarks.common.lag import median_ci, summarize  # noqa: E402
 from benchmarks.common.paths import ROOT, with_default_outputs  # noqa: E402
-from benchmarks.common.processes import JOB_ENV, TEST_MODEL, finish, free_port, start, tiny_config  # noqa: E402
+from benchmarks.common.processes import (JOB_ENV, TEST_MODEL, finish, free_port, local_launch,  # noqa: E402
+                                         remove_shm_buffers, start, tiny_config)
 from cpsr_ds.checkpoint.capture.journal import journal_path, read_journal  # noqa: E402
 from cpsr_ds.recovery import read_reports  # noqa: E402
+from cpsr_ds.runtime.elastic import STORE_SETTING  # noqa: E402
+from cpsr_ds.runtime.faults import FAULTS_DIR  # noqa: E402
 
 SOURCES = ("host_snapshot", "survivor", "storage")
+LAUNCHERS = ("torchrun", "deepspeed")
 SIZES = ("tiny", "1", "4")
 QUICK_SIZES = ("tiny", "0.25")
 KILL_AT = 5
@@ -85,8 +97,8 @@ def state_gib(model: dict) -> float:
     return 12 * model["num_layers"] * model["hidden_size"] ** 2 * BYTES_PER_PARAMETER / 2**30
 
 
-def case_name(size: str, source: str) -> str:
-    return f"{size}-{source}"
+def case_name(size: str, source: str, launcher: str) -> str:
+    return f"{size}-{source}-{launcher}"
 
 
 def done_runs(path: str) -> dict[str, list[dict]]:
@@ -108,14 +120,24 @@ def ratio(restart_s: float | None, floor: float) -> float | None:
     return None if restart_s is None else restart_s / floor
 
 
-def summary(size: str, source: str, runs: list[dict]) -> dict:
+def first_after_kill(entries, kill_at: int) -> int:
+    """The index of the restart's first line in the killed rank's journal ``entries`` (file order): the line after
+    its first line of ``kill_at``, the iteration after which it was killed."""
+    k = next((i for i, e in enumerate(entries) if e.iteration == kill_at), None)
+    if k is None or k + 1 >= len(entries):
+        raise ValueError(f"the journal has no restart after iteration {kill_at}")
+    return k + 1
+
+
+def summary(size: str, source: str, launcher: str, runs: list[dict]) -> dict:
     """The case's record: medians and 95 % intervals of restart, floor, ratio and each part of the breakdown."""
     def of(key):
         values = [r[key] for r in runs if r.get(key) is not None]
         return summarize(values, ["unmeasured"] * (len(runs) - len(values)))
     parts = list(dict.fromkeys(p for r in runs for p in (r.get("seconds") or {})))
     seconds = {p: summarize([r["seconds"][p] for r in runs if p in (r.get("seconds") or {})], []) for p in parts}
-    return {"size": size, "source": source, "repeats": len(runs), "state_gib": runs[0]["state_gib"] if runs else None,
+    return {"size": size, "source": source, "launcher": launcher, "repeats": len(runs),
+            "state_gib": runs[0]["state_gib"] if runs else None,
             "sources_used": sorted({json.dumps(r.get("sources")) for r in runs}),
             "methods": sorted({str(r.get("method")) for r in runs}),
             **{key: of(key) for key in ("restart_s", "imports_s", "read_s", "floor_s", "ratio", "bytes_read")},
@@ -129,6 +151,7 @@ def summary(size: str, source: str, runs: list[dict]) -> dict:
 class Run:
     size: str
     source: str
+    launcher: str
     base: str
 
     @property
@@ -153,16 +176,19 @@ class Run:
     def launch(self, name: str, config_path: str, *args: str) -> tuple[int, float]:
         """One launch of both ranks; its exit code and the wall time it started at."""
         port = free_port()
-        world = json.dumps({"localhost": [0, 1]}).encode()
-        command = [sys.executable, "-u", "-m", "deepspeed.launcher.launch",
-                   f"--world_info={base64.urlsafe_b64encode(world).decode()}", "--master_addr=127.0.0.1",
-                   f"--master_port={port}", TRAIN, "--deepspeed_config", config_path, "--valid-sequences", "16",
-                   "--eval-interval", "1000", "--train-iters", str(ITERATIONS), *args]
+        script = [TRAIN, "--deepspeed_config", config_path, "--valid-sequences", "16", "--eval-interval", "1000",
+                  "--train-iters", str(ITERATIONS), *args]
+        env = dict(os.environ, **JOB_ENV)
+        if self.launcher == "torchrun":
+            env.update([STORE_SETTING.split("=")])
+            command = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nnodes", "1",
+                       "--nproc-per-node", "2", "--max-restarts", "1", "--rdzv-backend", "c10d",
+                       "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"bench-restart-{port}", *script]
+        else:
+            command = [*local_launch(2, port), *script]
         started = time.time()
-        (code,) = finish([start(command, os.path.join(self.base, f"{name}.log"), dict(os.environ, **JOB_ENV))],
-                         JOB_TIMEOUT_S)
-        for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
-            os.remove(path)
+        (code,) = finish([start(command, os.path.join(self.base, f"{name}.log"), env)], JOB_TIMEOUT_S)
+        remove_shm_buffers(port)
         return code, started
 
     def source_files(self, checkpoint: int | None) -> list[str]:
@@ -182,32 +208,50 @@ class Run:
                 dirs.append(os.path.join(self.run_dir, f"global_step{checkpoint}"))
         return [os.path.join(root, n) for d in dirs for root, _, names in os.walk(d) for n in names]
 
+    def newest_checkpoint(self) -> int | None:
+        committed = sorted(int(p.rpartition("global_step")[2]) for p in glob.glob(os.path.join(self.run_dir, "global_step*")))
+        return committed[-1] if committed else None
+
     def execute(self) -> dict:
         os.makedirs(self.base, exist_ok=True)
         config_path = os.path.join(self.base, "ds_config.json")
         with open(config_path, "w") as f:
             json.dump(self.config(), f)
-        code, _ = self.launch("failed", config_path, "--kill-rank", "1", "--kill-at-iteration", str(KILL_AT))
+        kill = ("--kill-rank", "1", "--kill-at-iteration", str(KILL_AT))
+        if self.launcher == "torchrun":
+            imports_s = timed_imports()
+            code, _ = self.launch("restart", config_path, *kill)
+            read_s, nbytes = timed_read(self.source_files(self.newest_checkpoint()))
+            return {**self.measure(code, self.restart_s_torchrun()), "imports_s": imports_s, "read_s": read_s,
+                    "bytes_read": nbytes, "floor_s": floor_s(imports_s, read_s)}
+        code, _ = self.launch("failed", config_path, *kill)
         if code == 0:
             raise RuntimeError(f"{self.base}: the job finished although rank 1 was to be killed")
-        committed = sorted(int(p.rpartition("global_step")[2]) for p in glob.glob(os.path.join(self.run_dir, "global_step*")))
-        files = self.source_files(committed[-1] if committed else None)
+        files = self.source_files(self.newest_checkpoint())
         imports_s = timed_imports()
         read_s, nbytes = timed_read(files)
         code, started = self.launch("restart", config_path)
-        return {**self.measure(code, started), "imports_s": imports_s, "read_s": read_s, "bytes_read": nbytes,
-                "floor_s": floor_s(imports_s, read_s)}
+        first = next((e.wall_time for e in read_journal(journal_path(self.run_dir, 0)) if e.wall_time > started), None)
+        return {**self.measure(code, None if first is None else first - started), "imports_s": imports_s,
+                "read_s": read_s, "bytes_read": nbytes, "floor_s": floor_s(imports_s, read_s)}
 
-    def measure(self, code: int, started: float) -> dict:
+    def restart_s_torchrun(self) -> float | None:
+        """From the kill (its marker file) to the killed rank's first journaled iteration after it."""
+        marker = os.path.join(self.run_dir, FAULTS_DIR, f"iteration-{KILL_AT}-rank-1")
+        try:
+            entries = read_journal(journal_path(self.run_dir, 1))
+            return entries[first_after_kill(entries, KILL_AT)].wall_time - os.path.getmtime(marker)
+        except (OSError, ValueError):
+            return None
+
+    def measure(self, code: int, restart_s: float | None) -> dict:
         try:
             report = read_reports(self.run_dir)[-1]
         except (OSError, IndexError):
             report = None
-        first = next((e.wall_time for e in read_journal(journal_path(self.run_dir, 0)) if e.wall_time > started), None)
         out = {"exit": code, "method": None if report is None else report.method,
                "sources": None if report is None else report.sources,
-               "seconds": None if report is None else report.seconds,
-               "restart_s": None if first is None else first - started}
+               "seconds": None if report is None else report.seconds, "restart_s": restart_s}
         if code != 0 or report is None:
             out["log_tail"] = tail(open(os.path.join(self.base, "restart.log"), errors="replace").read(), 1500)
         return out
@@ -235,14 +279,15 @@ def timed_read(files: list[str]) -> tuple[float, int]:
     return time.perf_counter() - started, total
 
 
-def run_case(size: str, source: str, repeat: int, out_dir: str) -> dict:
-    run = Run(size, source, os.path.join(out_dir, f"{case_name(size, source)}-{repeat}-{uuid.uuid4().hex[:6]}"))
+def run_case(size: str, source: str, launcher: str, repeat: int, out_dir: str) -> dict:
+    name = case_name(size, source, launcher)
+    run = Run(size, source, launcher, os.path.join(out_dir, f"{name}-{repeat}-{uuid.uuid4().hex[:6]}"))
     started = time.monotonic()
     try:
         result = run.execute()
     finally:
         run.clean()
-    result.update(case=case_name(size, source), size=size, source=source, repeat=repeat,
+    result.update(case=name, size=size, source=source, launcher=launcher, repeat=repeat,
                   state_gib=state_gib(model_for(size)), wall_s=time.monotonic() - started)
     result["ratio"] = ratio(result["restart_s"], result["floor_s"])
     return result
@@ -252,14 +297,14 @@ def run_case(size: str, source: str, repeat: int, out_dir: str) -> dict:
 
 
 def print_table(records: list[dict]) -> None:
-    head = (f"{'size':<5} {'GiB':>5} {'source':<13} {'method':<9} {'restart s':>22} {'floor s':>8} {'import':>6} "
+    head = (f"{'size':<5} {'GiB':>5} {'source':<13} {'launcher':<9} {'method':<9} {'restart s':>22} {'floor s':>8} {'import':>6} "
             f"{'read':>6} {'ratio':>18} {'n':>2}  breakdown (median s)")
     print(head)
     print("-" * len(head))
     for r in records:
         parts = " ".join(f"{p}={s['median']:.2f}" for p, s in r["seconds"].items() if s["median"] is not None)
         med = lambda key: "-" if r[key]["median"] is None else f"{r[key]['median']:.2f}"  # noqa: E731
-        print(f"{r['size']:<5} {r['state_gib'] or 0:>5.2f} {r['source']:<13} {'/'.join(r['methods']):<9} "
+        print(f"{r['size']:<5} {r['state_gib'] or 0:>5.2f} {r['source']:<13} {r['launcher']:<9} {'/'.join(r['methods']):<9} "
               f"{median_ci(r['restart_s']):>22} {med('floor_s'):>8} {med('imports_s'):>6} {med('read_s'):>6} "
               f"{median_ci(r['ratio']):>18} {r['repeats']:>2}  {parts}")
 
@@ -273,6 +318,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, help="runs per case (default 3; --quick: 1)")
     p.add_argument("--sizes", nargs="+", help="tiny or GiB of state (default tiny 1 4; --quick: tiny 0.25)")
     p.add_argument("--sources", nargs="+", choices=SOURCES, default=list(SOURCES))
+    p.add_argument("--launchers", nargs="+", choices=LAUNCHERS, default=list(LAUNCHERS))
     p.add_argument("--json", help="write the results here (default, where none is named: benchmarks/results/NAME/)")
     p.add_argument("--out-dir", default=os.path.join(ROOT, "runs", "bench_restart"),
                    help="the runs' directories, and runs.jsonl with every finished run")
@@ -305,19 +351,18 @@ def main(argv=None) -> None:
           f"{args.repeats} run(s) per case, load {os.getloadavg()[0]:.1f}" + (f"; {args.note}" if args.note else ""),
           flush=True)
     records = []
-    for size in args.sizes:
-        for source in args.sources:
-            name = case_name(size, source)
-            runs = done.get(name, [])[:args.repeats]
-            for k in range(len(runs), args.repeats):
-                run = run_case(size, source, k, args.out_dir)
-                with open(log, "a") as f:
-                    f.write(json.dumps(run) + "\n")
-                runs.append(run)
-                print(f"  {name} run {k}: {run['method']} {run['sources']} restart {run['restart_s']} s, floor "
-                      f"{run['floor_s']:.2f} s ({run['bytes_read'] / 2**20:.0f} MiB), load {os.getloadavg()[0]:.1f}",
-                      flush=True)
-            records.append(summary(size, source, runs))
+    for size, source, launcher in ((z, s, la) for z in args.sizes for s in args.sources for la in args.launchers):
+        name = case_name(size, source, launcher)
+        runs = done.get(name, [])[:args.repeats]
+        for k in range(len(runs), args.repeats):
+            run = run_case(size, source, launcher, k, args.out_dir)
+            with open(log, "a") as f:
+                f.write(json.dumps(run) + "\n")
+            runs.append(run)
+            print(f"  {name} run {k}: {run['method']} {run['sources']} restart {run['restart_s']} s, floor "
+                  f"{run['floor_s']:.2f} s ({run['bytes_read'] / 2**20:.0f} MiB), load {os.getloadavg()[0]:.1f}",
+                  flush=True)
+        records.append(summary(size, source, launcher, runs))
     print()
     print_table(records)
     total = time.monotonic() - started

@@ -3,7 +3,7 @@
 import logging
 import sys
 
-from cpsr_ds.runtime import restart_time  # noqa: F401  (first: a restart's time is counted from this import)
+from cpsr_ds.runtime.restart_time import mark_start  # first: a restart's time is counted from this import
 from cpsr_ds.config import ConfigError, CPSRConfig
 
 # The package's log lines ("cpsr: ...") go to stdout beside DeepSpeed's, whatever the script's logging setup.
@@ -16,7 +16,7 @@ if not _logger.handlers:
     _logger.propagate = False
 
 __version__ = "0.1.0"
-__all__ = ["initialize", "CPSRConfig", "ConfigError", "__version__"]
+__all__ = ["initialize", "mark_start", "CPSRConfig", "ConfigError", "__version__"]
 
 
 def __getattr__(name: str):

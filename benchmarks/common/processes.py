@@ -3,7 +3,9 @@ its own and its reaping, the ranks started over ssh, and two nodes served by an 
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import glob
 import json
 import os
 import pathlib
@@ -11,6 +13,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 
 from benchmarks.common.paths import ROOT
@@ -32,6 +35,21 @@ def tiny_config(run_dir, stages=2, zero_stage=0, **cpsr) -> dict:
     config["gpt"] = dict(TEST_MODEL)
     config["cpsr"] = {"checkpoint": {"dir": str(run_dir), "interval": 10}, **cpsr}
     return config
+
+
+def local_launch(nprocs: int, port: int) -> list[str]:
+    """DeepSpeed's per-node launcher for ``nprocs`` ranks on this machine, as ``deepspeed --num_gpus N`` starts it
+    (without the runner's own interpreter start); the training script and its arguments follow."""
+    world = base64.urlsafe_b64encode(json.dumps({"localhost": list(range(nprocs))}).encode()).decode()
+    return [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world}",
+            "--master_addr=127.0.0.1", f"--master_port={port}"]
+
+
+def remove_shm_buffers(port: int) -> None:
+    """DeepSpeed's shared-memory allreduce buffers of the job on ``port``, which a killed rank leaves behind."""
+    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
 
 
 def free_port() -> int:

@@ -157,6 +157,7 @@ class Job:
 
 def setup(argv=None) -> Job:
     """Parse arguments, build the model and the engine (recovering if needed), and the data."""
+    cpsr_ds.mark_start("imports")
     args = parse_args(argv)
     config = build_config(args)
     # Fail on a bad "cpsr" block before any process group or model exists.
@@ -164,6 +165,7 @@ def setup(argv=None) -> Job:
     gpt_cfg = GPTConfig.model_validate(config.pop("gpt"))
     check_restartable()
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    cpsr_ds.mark_start("distributed_init")
     exit_if_finished(args, cpsr_cfg)
     torch.manual_seed(args.seed)
 
@@ -174,6 +176,7 @@ def setup(argv=None) -> Job:
     else:
         stages = int(config.get("pipeline", {}).get("stages", 1))
         model = gpt_pipeline(gpt_cfg, num_stages=stages, seed=args.seed, params_dtype=dtype)
+    cpsr_ds.mark_start("model")
     engine, _, _, _ = cpsr_ds.initialize(model=model, model_parameters=model.parameters(), config=config)
 
     train, valid = load_corpus(args.data)

@@ -392,3 +392,21 @@ def test_predictions_that_cost_more_than_recomputing_project_as_recomputing(benc
     rho, source = bench.measured_rho([{"rho": -0.4}, {"rho": -0.2}, {"rho": 0.1}])
     assert rho == 0.0 and "below 0" in source
     assert bench.measured_rho([{"rho": 0.3}, {"rho": None}, {"rho": 0.5}])[0] == pytest.approx(0.4)
+
+
+def test_a_lost_node_takes_the_killed_ranks_dump_and_snapshots_and_nothing_else(bench, tmp_path):
+    run_dir = str(tmp_path / "cpsr")
+    memory = tmp_path / "cpsr.node" / "run-id"
+    kept = [memory / "rank00000", memory / "rank00000.memory0", memory / "owner.json"]
+    lost = [memory / "rank00001", memory / "rank00001.memory0", memory / "rank00001.memory1"]
+    for path in kept[:2] + lost:
+        path.mkdir(parents=True)
+    kept[2].write_text("{}")
+    bench.lose_node(run_dir, 1)
+    assert all(p.exists() for p in kept) and not any(p.exists() for p in lost)
+
+
+def test_the_layouts_kill_rank_is_in_every_runs_faults(bench):
+    assert bench.strategy_block("checkfreq", "auto", 2.0, [5, 9], kill_rank=1)["faults"] == {
+        "kill_at_iteration": [5, 9], "kill_rank": 1}
+    assert bench.ds_config(100, "/r", {}, stages=2)["pipeline"] == {"stages": 2}

@@ -25,3 +25,18 @@ def test_the_process_age_is_the_time_since_this_process_was_created():
     age = restart_time.process_age_s()
     assert age is not None and 0 < age < time.time()
     assert restart_time.RestartClock().seconds["process_start"] <= age
+
+
+def test_the_scripts_own_marks_split_its_start_before_initialize(monkeypatch):
+    monkeypatch.setattr(restart_time, "_script_parts", [])
+    restart_time.mark_start("imports")
+    restart_time.mark_start("distributed_init")
+    time.sleep(0.02)
+    restart_time.mark_start("model")
+    with restart_time.clock() as clock:
+        restart_time.mark("distributed_init")  # initialize's own, where the script initialised it already
+    assert list(clock.seconds) == ["process_start", "imports", "distributed_init", "model", "script"]
+    assert clock.seconds["model"] >= 0.02 and clock.seconds["script"] < 0.02
+    with restart_time.clock() as again:  # a second start in the process: the script's marks were used once
+        pass
+    assert list(again.seconds) == ["process_start", "imports"]
