@@ -27,8 +27,8 @@ Measured per run:
   after it, the agent's noticing the failure and stopping the other worker included; under deepspeed from the
   relaunch to rank 0's first journaled iteration, the launcher's own start included, the failed job's end not;
 - seconds: rank 0's breakdown from its recovery.jsonl line (cpsr_ds/runtime/restart_time.py);
-- the floor, in the same run: ``imports_s``, a bare interpreter importing what the training script imports
-  (``import examples.gpt.train_gpt``), and ``read_s``, one plain read of the bytes the restart reads from the same
+- the floor, in the same run: ``imports_s``, from starting a bare interpreter to its having imported what the
+  training script imports (``import examples.gpt.train_gpt``; its exit not counted), and ``read_s``, one plain read of the bytes the restart reads from the same
   place (every rank's newest snapshot, rank 0's dump and rank 1's checkpoint files, or the checkpoint's files), one
   reader, in 16 MiB blocks; under deepspeed both just before the restart; under torchrun, which restarts at once,
   the imports before the launch and the read after the job, of the same kind of files, as large, then newest;
@@ -262,10 +262,13 @@ class Run:
 
 
 def timed_imports() -> float:
-    """Seconds a bare interpreter takes to import what the training script imports."""
-    started = time.perf_counter()
-    subprocess.run([sys.executable, "-c", IMPORTS], cwd=ROOT, env=dict(os.environ, **JOB_ENV), check=True)
-    return time.perf_counter() - started
+    """Seconds from starting a bare interpreter to its having imported what the training script imports (the
+    wall clock, which the child reads once its imports are done: its exit, which a restart does not wait for,
+    left out)."""
+    started = time.time()
+    done = subprocess.run([sys.executable, "-c", f"{IMPORTS}; import time; print(repr(time.time()))"], cwd=ROOT,
+                          env=dict(os.environ, **JOB_ENV), check=True, capture_output=True, text=True)
+    return float(done.stdout.strip().splitlines()[-1]) - started
 
 
 def timed_read(files: list[str]) -> tuple[float, int]:

@@ -2,6 +2,7 @@
 a killed benchmark left in runs.jsonl."""
 
 import json
+import time
 
 import pytest
 
@@ -76,3 +77,11 @@ def test_under_torchrun_the_restart_begins_after_the_killed_ranks_first_line_of_
     assert bench_restart.first_after_kill(entries, 5) == 5
     with pytest.raises(ValueError, match="no restart"):
         bench_restart.first_after_kill(entries[:5], 5)
+
+
+def test_the_floors_imports_run_from_the_interpreters_start_to_its_imports_done_not_its_exit(monkeypatch):
+    # A bare interpreter that sleeps at exit: the floor does not wait for it.
+    monkeypatch.setattr(bench_restart, "IMPORTS", "import atexit, time; atexit.register(time.sleep, 2)")
+    started = time.perf_counter()
+    seconds = bench_restart.timed_imports()
+    assert time.perf_counter() - started >= 2 and 0 < seconds < 1.5
