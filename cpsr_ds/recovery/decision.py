@@ -63,8 +63,9 @@ def recover(engine, cfg: CPSRConfig, predictor, attempt: int = 0) -> RecoveryRep
     for problem in progress.problems:
         log.error("cpsr recovery: %s", problem)
     reached = progress.reached
-    # Every rank gets the same checkpoints, verified on each node (checkpoint/storage/agreement.py).
-    verified = agreed_checkpoints(cfg.checkpoint)
+    # Every rank gets the same checkpoints, verified on each node from their metadata (checkpoint/storage/
+    # agreement.py); a checkpoint's data is read and checked only when it is loaded (sources/checkpoint.py).
+    verified = agreed_checkpoints(cfg.checkpoint, read_data=False)
     restart_time.mark("finding_state")
     full = [ck for ck in verified if ck.full]
     if not full:

@@ -84,6 +84,35 @@ def test_a_checkpoint_with_a_nan_is_left_out_and_the_newest_finite_one_is_c(copy
     assert any(f"checkpoint global_step10 in {copy} has non-finite values in param/" in e for e in errors(cpsr_logs))
 
 
+@pytest.mark.parametrize("mode", ["predict", "recompute"])
+def test_a_checkpoint_whose_bytes_changed_is_left_out_when_loaded_and_the_newest_sound_one_is_c(copy, cpsr_logs,
+                                                                                                   mode):
+    """A flipped byte keeps the file's size, so only its checksum tells: read when recovery loads it."""
+    newest = max((p for p in (copy / "global_step10").rglob("*") if p.is_file() and p.suffix != ".json"),
+                 key=lambda p: p.stat().st_size)
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    newest.write_bytes(bytes(data))
+    report, _ = recovered(copy, mode)
+    assert report.checkpoint == 8 and report.reached == F
+    assert any(f"checkpoint global_step10 in {copy} is damaged, leaving it out" in e and str(newest) in e
+               for e in errors(cpsr_logs)), errors(cpsr_logs)
+
+
+def test_recomputing_reads_the_data_of_the_checkpoint_it_loads_only(copy, monkeypatch):
+    read = []
+    verify = checkpoint_source.catalog.verify
+
+    def counted(ckpt_dir, ckpt, read_data=True, *args, **kwargs):
+        if read_data:
+            read.append(ckpt.tag)
+        return verify(ckpt_dir, ckpt, read_data, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_source.catalog, "verify", counted)
+    report, _ = recovered(copy, "recompute")
+    assert report.checkpoint == 10 and read == ["global_step10"]
+
+
 def test_a_prediction_with_a_nan_is_not_written(copy, monkeypatch):
     predict = Predictor.predict
 

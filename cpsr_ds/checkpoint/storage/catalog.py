@@ -145,7 +145,8 @@ def _has_magic(path: str) -> bool:
 
 
 def verify(ckpt_dir: str, ckpt: Checkpoint, read_data: bool = True,
-           ranks: Optional[Collection[int]] = None, need_commit: bool = True) -> list[str]:
+           ranks: Optional[Collection[int]] = None, need_commit: bool = True,
+           share: Optional[tuple[int, int]] = None) -> list[str]:
     """Problems of a checkpoint, each naming the file, rank or tensor; empty means loadable.
 
     Ours: every rank's manifest and the commit record are there and sound, the manifests
@@ -154,6 +155,8 @@ def verify(ckpt_dir: str, ckpt: Checkpoint, read_data: bool = True,
     format, only with ``read_data``: every file loads and its floating tensors are finite.
     ``ranks``: check only these ranks' parts (a node's own directory holds no others');
     files no manifest lists then go unnoticed. ``need_commit``: a missing commit record is a problem.
+    ``share`` (i, n): read the data of every n-th listed file from the i-th only (in name order), the others'
+    sizes checked, so that n processes together read each file once.
     """
     tag_dir = os.path.join(ckpt_dir, ckpt.tag)
     try:
@@ -182,9 +185,19 @@ def verify(ckpt_dir: str, ckpt: Checkpoint, read_data: bool = True,
                      for rel in _data_files(files) if rel not in listed and rel not in left]
         if not listed:
             problems.append(f"{ckpt.tag}: the manifests list no files")
-    for rel, (entry, algorithm) in sorted(listed.items()):
-        problems += _check_file(os.path.join(tag_dir, rel), entry, read_data, algorithm)
+    for i, (rel, (entry, algorithm)) in enumerate(sorted(listed.items())):
+        mine = share is None or i % share[1] == share[0]
+        problems += _check_file(os.path.join(tag_dir, rel), entry, read_data and mine, algorithm)
     return problems
+
+
+def verify_data(ckpt_dir: str, tag: str, share: Optional[tuple[int, int]] = None) -> list[str]:
+    """:func:`verify` of checkpoint ``tag`` reading its data (``share``: that part of its files); [] for one in
+    DeepSpeed's format, whose files :func:`loadable_checkpoints` opened already."""
+    ckpt = next((c for c in scan(ckpt_dir) if c.tag == tag), None)
+    if ckpt is None:
+        return [f"{os.path.join(ckpt_dir, tag)}: gone"]
+    return [] if ckpt.kind == "deepspeed" else verify(ckpt_dir, ckpt, read_data=True, share=share)
 
 
 def _incomplete(tag: str, meta: Metadata, ranks: Optional[Collection[int]] = None,

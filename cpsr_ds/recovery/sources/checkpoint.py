@@ -9,9 +9,11 @@ import os
 from typing import Callable, NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from cpsr_ds.checkpoint.capture import rng
 from cpsr_ds.checkpoint.capture.exiting import RestartCannotHelp
+from cpsr_ds.checkpoint.storage import catalog
 from cpsr_ds.planning.fitter import NoFit, StageCurvature, curvature_of
 from cpsr_ds.recovery.agree import gathered, on_any_rank
 from cpsr_ds.integration.deepspeed.engine_state import (MOMENTS, base_optimizer, load_engine_state, own_share,
@@ -167,7 +169,13 @@ def _load_checked(engine, directory: str, tag: str | None, among=None,
     to ``keep``. DeepSpeed's load refuses a tensor of another shape itself.
     """
     if tag is None:
-        on_any_rank(None, among)
+        on_any_rank(None, among)  # the data check's
+        on_any_rank(None, among)  # the state check's
+        return {}, None
+    damaged = on_any_rank(_data_problem(directory, tag, among), among)
+    if damaged is not None:
+        on_any_rank(None, among)  # the ranks that decide apart from these still check their states
+        log.error("cpsr recovery: checkpoint %s in %s is damaged, leaving it out: %s", tag, directory, damaged)
         return {}, None
     client_state = load(engine, directory, tag)
     share = own_share(engine, copy=False)
@@ -179,6 +187,14 @@ def _load_checked(engine, directory: str, tag: str | None, among=None,
         return client_state, kept
     log.error("cpsr recovery: checkpoint %s in %s has %s: leaving it out", tag, directory, bad)
     return client_state, None
+
+
+def _data_problem(directory: str, tag: str, among) -> str | None:
+    """What is wrong with checkpoint ``tag``'s files (checksums, finite tensors), read only once recovery is
+    about to load it: the checkpoints were listed from their metadata (manifests, sizes) alone. Where every rank
+    decides together (``among`` None) each reads its share of the files, and together they read each once."""
+    share = (dist.get_rank(), dist.get_world_size()) if among is None and dist.is_initialized() else None
+    return "; ".join(catalog.verify_data(directory, tag, share)) or None
 
 
 def restore(engine, directory: str, candidates, keep: Keep | None = None) -> tuple[dict, Retained]:
