@@ -128,7 +128,7 @@ from cpsr_ds.recovery import read_reports  # noqa: E402
 from cpsr_ds.recovery.sources.host_snapshot import SOURCE as HOST_SNAPSHOT  # noqa: E402
 from cpsr_ds.recovery.sources.in_flight import SOURCE as IN_FLIGHT  # noqa: E402
 from cpsr_ds.runlog import CostRow, measurements_path, read_measurements  # noqa: E402
-from cpsr_ds.runtime.faults import FAULTS_DIR  # noqa: E402
+from cpsr_ds.runtime.faults import kill_marker  # noqa: E402
 
 # In the order they run on each trace: each run with host snapshots between two without, whose clean iteration
 # times, measured minutes apart on a shared machine, are its baseline (neighbour_base_s).
@@ -641,8 +641,8 @@ def run_job(run_dir: str, cpsr: dict, iters: int, evaluations: tuple[int, int, i
         else:
             code = launched_attempt(log, config, iters, evaluations, layout.procs)
             # The launcher exits with the killed rank's status: the failure is the one whose marker is there.
-            killed = code != 0 and attempt < failures and os.path.exists(os.path.join(
-                run_dir, FAULTS_DIR, f"iteration-{cpsr['faults']['kill_at_iteration'][attempt]}-rank-{layout.kill_rank}"))
+            killed = code != 0 and attempt < failures and os.path.exists(
+                kill_marker(run_dir, cpsr["faults"]["kill_at_iteration"][attempt], layout.kill_rank))
         if code == 0:
             break
         if not killed or attempt == failures:

@@ -80,7 +80,7 @@ from benchmarks.common.processes import (JOB_ENV, NoLoopbackSsh, finish, free_po
 
 from cpsr_ds.checkpoint.capture.journal import journal_path, read_journal  # noqa: E402
 from cpsr_ds.runtime.elastic import STORE_SETTING  # noqa: E402
-from cpsr_ds.runtime.faults import FAULTS_DIR  # noqa: E402
+from cpsr_ds.runtime.faults import kill_marker  # noqa: E402
 from benchmarks.common.lag import median_ci, summarize  # noqa: E402
 from cpsr_ds.recovery import read_reports  # noqa: E402
 
@@ -225,8 +225,7 @@ class Run:
         """The worker's command after the interpreter: train_gpt.py, behind lose_node_dir.py for dir_lost."""
         if self.scenario.failure != "dir_lost":
             return [TRAIN]
-        marker = os.path.join(self.node_dir(self.scenario.killed_rank), FAULTS_DIR,
-                              f"iteration-{KILL_AT}-rank-{self.scenario.killed_rank}")
+        marker = kill_marker(self.node_dir(self.scenario.killed_rank), KILL_AT, self.scenario.killed_rank)
         return [LOSE_DIR, self.node_dir(0), marker, self.lost_record, TRAIN]
 
     def train_args(self, config: str) -> list[str]:

@@ -62,7 +62,7 @@ from benchmarks.common.processes import (JOB_ENV, TEST_MODEL, finish, free_port,
 from cpsr_ds.checkpoint.capture.journal import journal_path, read_journal  # noqa: E402
 from cpsr_ds.recovery import read_reports  # noqa: E402
 from cpsr_ds.runtime.elastic import STORE_SETTING  # noqa: E402
-from cpsr_ds.runtime.faults import FAULTS_DIR  # noqa: E402
+from cpsr_ds.runtime.faults import kill_marker  # noqa: E402
 
 SOURCES = ("host_snapshot", "survivor", "storage")
 LAUNCHERS = ("torchrun", "deepspeed")
@@ -237,7 +237,7 @@ class Run:
 
     def restart_s_torchrun(self) -> float | None:
         """From the kill (its marker file) to the killed rank's first journaled iteration after it."""
-        marker = os.path.join(self.run_dir, FAULTS_DIR, f"iteration-{KILL_AT}-rank-1")
+        marker = kill_marker(self.run_dir, KILL_AT, 1)
         try:
             entries = read_journal(journal_path(self.run_dir, 1))
             return entries[first_after_kill(entries, KILL_AT)].wall_time - os.path.getmtime(marker)

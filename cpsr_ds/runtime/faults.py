@@ -38,6 +38,12 @@ def check_kill_rank(cfg: FaultConfig, world_size: int) -> None:
                           f"(world size {world_size}: ranks 0 to {world_size - 1})")
 
 
+def kill_marker(directory: str, iteration: int, rank: int) -> str:
+    """The marker file of the failure injected into ``rank`` after ``iteration`` in run directory ``directory``:
+    made durable just before the SIGKILL, so its time is the kill's."""
+    return os.path.join(directory, FAULTS_DIR, f"iteration-{iteration}-rank-{rank}")
+
+
 class FaultInjector(Hook):
     def __init__(self, cfg: FaultConfig, directory: str, rank: int, world_size: int):
         check_kill_rank(cfg, world_size)
@@ -45,6 +51,7 @@ class FaultInjector(Hook):
         self.rank = rank
         at = cfg.kill_at_iteration
         self.kill_at = frozenset([] if at is None else [at] if isinstance(at, int) else at)
+        self.directory = directory
         self.markers = os.path.join(directory, FAULTS_DIR)
         os.makedirs(self.markers, exist_ok=True)
         self.poisson = None
@@ -60,14 +67,13 @@ class FaultInjector(Hook):
     def check(self, iteration: int) -> None:
         """Fire the failure due after ``iteration`` on this rank, if any; may not return."""
         if iteration in self.kill_at and self.rank == self.cfg.kill_rank:
-            self._fire(f"iteration-{iteration}-rank-{self.rank}", iteration)
+            self._fire(kill_marker(self.directory, iteration, self.rank), iteration)
         if self.poisson is not None:
             name, deadline, victim = self.poisson
             if self.rank == victim and time.monotonic() >= deadline:
-                self._fire(name, iteration)
+                self._fire(os.path.join(self.markers, name), iteration)
 
-    def _fire(self, name: str, iteration: int) -> None:
-        marker = os.path.join(self.markers, name)
+    def _fire(self, marker: str, iteration: int) -> None:
         try:
             fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
@@ -78,5 +84,6 @@ class FaultInjector(Hook):
         dir_fd = os.open(self.markers, os.O_RDONLY)
         os.fsync(dir_fd)
         os.close(dir_fd)
-        logger.warning("cpsr fault injection: SIGKILL rank %d after iteration %d (%s)", self.rank, iteration, name)
+        logger.warning("cpsr fault injection: SIGKILL rank %d after iteration %d (%s)", self.rank, iteration,
+                       os.path.basename(marker))
         os.kill(os.getpid(), signal.SIGKILL)
