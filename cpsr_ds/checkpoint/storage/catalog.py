@@ -194,9 +194,12 @@ def verify(ckpt_dir: str, ckpt: Checkpoint, read_data: bool = True,
 def verify_data(ckpt_dir: str, tag: str, share: Optional[tuple[int, int]] = None) -> list[str]:
     """:func:`verify` of checkpoint ``tag`` reading its data (``share``: that part of its files); [] for one in
     DeepSpeed's format, whose files :func:`loadable_checkpoints` opened already."""
-    ckpt = next((c for c in scan(ckpt_dir) if c.tag == tag), None)
+    try:
+        ckpt = describe(os.path.join(ckpt_dir, tag), tag)
+    except OSError as err:
+        return [f"{os.path.join(ckpt_dir, tag)}: unreadable: {cause(err)}"]
     if ckpt is None:
-        return [f"{os.path.join(ckpt_dir, tag)}: gone"]
+        return [f"{os.path.join(ckpt_dir, tag)}: no checkpoint there"]
     return [] if ckpt.kind == "deepspeed" else verify(ckpt_dir, ckpt, read_data=True, share=share)
 
 
