@@ -759,9 +759,9 @@ def neighbour_base_s(strategy: str, clean_s: dict) -> float:
 
 
 def run_summary(run_dir: str, strategy: str, trace: list[int], classes: list[str], reference: dict, iters: int,
-                iteration_s: float, failure_free_s: float, base_s: float) -> dict:
-    """One run's T_l and its parts (``base_s``: its :func:`neighbour_base_s`), per failure class too."""
-    rows = cost_rows(run_dir)
+                iteration_s: float, failure_free_s: float, rows: list[CostRow], base_s: float) -> dict:
+    """One run's T_l and its parts (``rows``: its :func:`cost_rows`; ``base_s``: its :func:`neighbour_base_s`), per
+    failure class too."""
     checkpoint_s, checkpoints, measured = checkpoint_cost(rows, committed_checkpoints(f"{run_dir}.log"))
     recovered = recoveries(read_reports(run_dir))
     if recovered["n_failures"] != len(trace):
@@ -789,15 +789,16 @@ def run_summary(run_dir: str, strategy: str, trace: list[int], classes: list[str
     except ValueError:  # no attempt took two checkpoints
         interval = None
     rho = MEASURED_REDUCTION[PredictorConfig().name] if strategy in ("cpsr", "cpsr_fix") else 0.0
+    costs = components(rows, strategy)
     return {**recovered, **lag, **cost, "checkpoint_unmeasurable_reason": implausible,
             "summed_slowdown_s": checkpoint_s, "checkpoints": checkpoints, "measured_checkpoints": measured,
             "used_interval": interval, "rho": saved, "memory_interval": k, "snapshot_stall_s": stall_s,
             "clean_iteration_excess": clean_s / base_s - 1,
             "per_class": per_class(read_reports(run_dir), classes, down, lag["lag_iters"]),
             "expected_per_failure": None if interval is None else expected_per_failure(
-                k, interval, components(rows, strategy)["persist"], rho),
+                k, interval, costs["persist"], rho),
             "restart_downtime_s": sum(down), "downtimes_s": down, "final_val_loss": final,
-            "final_loss_excess": final / reference[iters] - 1, "components": components(rows, strategy)}
+            "final_loss_excess": final / reference[iters] - 1, "components": costs}
 
 
 def mean_of(runs: list[dict], key: str) -> float | None:
@@ -849,9 +850,11 @@ def summarize(manifest: dict) -> dict:
     iteration_s = median_iteration_s(ref_dir)
     failure_free_s = iters * iteration_s
     reference = read_validation(ref_dir)
-    clean = [{s: clean_iteration_s(cost_rows(run["dir"])) for s, run in t["runs"].items()} for t in manifest["traces"]]
+    rows = [{s: cost_rows(run["dir"]) for s, run in t["runs"].items()} for t in manifest["traces"]]
+    clean = [{s: clean_iteration_s(r) for s, r in trace_rows.items()} for trace_rows in rows]
     runs = {s: [run_summary(t["runs"][s]["dir"], s, t["failures"], t["classes"], reference, iters, iteration_s,
-                            failure_free_s, neighbour_base_s(s, c)) for t, c in zip(manifest["traces"], clean)]
+                            failure_free_s, r[s], neighbour_base_s(s, c))
+                for t, r, c in zip(manifest["traces"], rows, clean)]
             for s in STRATEGIES}
     for s in STRATEGIES:
         for run, trace in zip(runs[s], manifest["traces"]):
