@@ -75,11 +75,10 @@ from benchmarks.common.jobs import tail  # noqa: E402  (first: it sets the jobs'
 
 from benchmarks.common.lose_node_dir import commit_records  # noqa: E402
 from benchmarks.common.paths import ROOT, with_default_outputs  # noqa: E402
-from benchmarks.common.processes import (JOB_ENV, NoLoopbackSsh, finish, free_port, kill_tagged,  # noqa: E402
-                                         loopback_ssh, start, tiny_config)
+from benchmarks.common.processes import (JOB_ENV, NoLoopbackSsh, elastic_env, elastic_launch, finish,  # noqa: E402
+                                         free_port, kill_tagged, loopback_ssh, start, tiny_config)
 
 from cpsr_ds.checkpoint.capture.journal import journal_path, read_journal  # noqa: E402
-from cpsr_ds.runtime.elastic import STORE_SETTING  # noqa: E402
 from cpsr_ds.runtime.faults import kill_marker  # noqa: E402
 from benchmarks.common.lag import median_ci, summarize  # noqa: E402
 from cpsr_ds.recovery import read_reports  # noqa: E402
@@ -240,10 +239,8 @@ class Run:
         """One launch of the job on ``nodes`` by the scenario's launch path; the launchers' exit codes."""
         port, env = free_port(), dict(os.environ, **JOB_ENV)
         if self.scenario.launch == "torchrun":
-            env.update([STORE_SETTING.split("=")])
-            procs = [start([os.path.join(BIN, "torchrun"), "--nnodes", str(len(nodes)), "--nproc-per-node", "1",
-                            "--node_rank", str(rank), "--max-restarts", str(restarts), "--rdzv-backend", "c10d",
-                            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"{name}-{port}", *self.script(),
+            env = elastic_env(env)
+            procs = [start([*elastic_launch(len(nodes), 1, rank, port, f"{name}-{port}", restarts), *self.script(),
                             *args, *self.dir_arg(str(node))], os.path.join(self.base, f"{name}-node{node}.log"), env)
                      for rank, node in enumerate(nodes)]
             return finish(procs, ATTEMPT_TIMEOUT_S)

@@ -57,11 +57,10 @@ from benchmarks.common.jobs import tail  # noqa: E402  (first: it sets the jobs'
 
 from benchmarks.common.lag import median_ci, summarize  # noqa: E402
 from benchmarks.common.paths import ROOT, with_default_outputs  # noqa: E402
-from benchmarks.common.processes import (JOB_ENV, TEST_MODEL, finish, free_port, local_launch,  # noqa: E402
-                                         remove_shm_buffers, start, tiny_config)
+from benchmarks.common.processes import (JOB_ENV, TEST_MODEL, elastic_env, elastic_launch, finish,  # noqa: E402
+                                         free_port, local_launch, remove_shm_buffers, start, tiny_config)
 from cpsr_ds.checkpoint.capture.journal import journal_path, read_journal  # noqa: E402
 from cpsr_ds.recovery import read_reports  # noqa: E402
-from cpsr_ds.runtime.elastic import STORE_SETTING  # noqa: E402
 from cpsr_ds.runtime.faults import kill_marker  # noqa: E402
 
 SOURCES = ("host_snapshot", "survivor", "storage")
@@ -180,10 +179,8 @@ class Run:
                   "--train-iters", str(ITERATIONS), *args]
         env = dict(os.environ, **JOB_ENV)
         if self.launcher == "torchrun":
-            env.update([STORE_SETTING.split("=")])
-            command = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nnodes", "1",
-                       "--nproc-per-node", "2", "--max-restarts", "1", "--rdzv-backend", "c10d",
-                       "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"bench-restart-{port}", *script]
+            env = elastic_env(env)
+            command = [*elastic_launch(1, 2, 0, port, f"bench-restart-{port}", max_restarts=1), *script]
         else:
             command = [*local_launch(2, port), *script]
         started = time.time()

@@ -17,6 +17,7 @@ import sys
 import time
 
 from benchmarks.common.paths import ROOT
+from cpsr_ds.runtime.elastic import STORE_SETTING
 
 # What every process of a multi-process job started by hand needs.
 JOB_ENV = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": "1"}
@@ -43,6 +44,21 @@ def local_launch(nprocs: int, port: int) -> list[str]:
     world = base64.urlsafe_b64encode(json.dumps({"localhost": list(range(nprocs))}).encode()).decode()
     return [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world}",
             "--master_addr=127.0.0.1", f"--master_port={port}"]
+
+
+def elastic_launch(nnodes: int, nproc: int, node_rank: int, port: int, run_id: str, max_restarts: int) -> list[str]:
+    """torchrun on this machine as node ``node_rank`` of ``nnodes``, its agent restarting the workers up to
+    ``max_restarts`` times on a c10d rendezvous on 127.0.0.1:``port``; the training script and its arguments
+    follow. Run it under :func:`elastic_env`."""
+    return [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nnodes", str(nnodes), "--nproc-per-node",
+            str(nproc), "--node_rank", str(node_rank), "--max-restarts", str(max_restarts), "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id]
+
+
+def elastic_env(env: dict) -> dict:
+    """``env`` with the setting that gives each of torchrun's restart rounds its own store
+    (cpsr_ds.runtime.elastic), which a restarted worker needs."""
+    return dict(env, **dict([STORE_SETTING.split("=")]))
 
 
 def remove_shm_buffers(port: int) -> None:

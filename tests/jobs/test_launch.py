@@ -10,8 +10,8 @@ import uuid
 
 import pytest
 
-from benchmarks.common.processes import (JOB_ENV, NoLoopbackSsh, finish, free_port, kill_tagged, loopback_ssh, start,
-                                         tiny_config)
+from benchmarks.common.processes import (JOB_ENV, NoLoopbackSsh, elastic_env, elastic_launch, finish, free_port,
+                                         kill_tagged, loopback_ssh, start, tiny_config)
 from conftest import ROOT
 from cpsr_ds.checkpoint.capture.exiting import EXIT_RESTART_CANNOT_HELP
 from cpsr_ds.runtime.elastic import STORE_SETTING, restart_problem
@@ -64,12 +64,9 @@ def assert_recovered(run_dir, output: str) -> float:
 def test_torchrun_elastic_agents_restart_every_node_and_the_job_recovers(tmp_path):
     run_dir, script = job_config(tmp_path)
     port = free_port()
-    env = dict(os.environ, **JOB_ENV)
-    env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
-    env.update([STORE_SETTING.split("=")])
-    procs = [start([os.path.join(BIN, "torchrun"), "--nnodes", "2", "--nproc-per-node", "1", "--node_rank", str(node),
-                    "--max-restarts", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                    "--rdzv-id", f"test-{port}", *script], tmp_path / f"node{node}.log", env)
+    env = elastic_env(dict(os.environ, **JOB_ENV))
+    procs = [start([*elastic_launch(2, 1, node, port, f"test-{port}", max_restarts=2), *script],
+                   tmp_path / f"node{node}.log", env)
              for node in (0, 1)]
     codes = finish(procs, 300)
     output = "".join((tmp_path / f"node{node}.log").read_text() for node in (0, 1))
