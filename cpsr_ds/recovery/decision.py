@@ -73,6 +73,13 @@ def recover(engine, cfg: CPSRConfig, predictor, attempt: int = 0) -> RecoveryRep
     newest = full[-1]
     nothing_lost = reached is None or newest.iteration is None or reached <= newest.iteration
     ahead = host_snapshot.ahead(cfg.checkpoint, engine, attempt, newest.iteration or 0, reached)
+    if ahead is not None and (cfg.recovery.mode == "recompute" or ahead.iteration == reached):
+        # Nothing to decide: recomputing starts from the snapshot, which needs no checkpoint under it.
+        m = ahead.alone(engine)
+        if m is not None:
+            restart_time.mark("reading")
+            reason = "recovery.mode is recompute" if reached > m else ""
+            return RecoveryReport("recompute", reached, m, m, reason=reason, sources=ahead_sources(ahead))
     if nothing_lost or cfg.recovery.mode == "recompute":
         restore(engine, directory, reversed(full))
         c = engine.global_steps

@@ -1,18 +1,21 @@
 """Host snapshots (checkpoint.memory_interval): each rank's exact state in shared memory every few iterations,
 and a restart after a process crash resuming from them rather than from the last checkpoint."""
 
+import dataclasses
 import os
 
 import pytest
 import torch
 
-from benchmarks.common.processes import tiny_config
+import cpsr_ds
+from benchmarks.common.processes import TEST_MODEL, tiny_config
 from conftest import run_job
 from cpsr_ds.checkpoint.capture import dumps, host_snapshot
 from cpsr_ds.checkpoint.capture.journal import journal_path, read_journal
 from cpsr_ds.config import ConfigError, CPSRConfig
 from cpsr_ds.recovery import engine_state, read_reports
 from cpsr_ds.recovery.sources import host_snapshot as snapshot_source
+from examples.gpt.model import GPTConfig, gpt_pipeline
 from support.checkpoints import landed_snapshots
 from support.training import process_group, trained  # noqa: F401 (a fixture; process_group is autouse)
 
@@ -62,6 +65,31 @@ def test_a_restart_reads_only_the_snapshot_it_takes_or_the_one_before_where_that
     loaded.clear()
     assert snapshot_source.agreed_snapshot(cfg, engine, attempt=2, c=0, f=6).iteration == 4
     assert loaded == [6, 4]
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_a_fresh_engine_resumes_from_a_snapshot_alone_as_the_run_would_have_gone_on(tmp_path, zero_stage):
+    """No checkpoint under it: the snapshot's state, counters, Adam step and learning rate (mid-warm-up, so that a
+    rate left at the fresh engine's would show) continue the run exactly."""
+    engine, batches = trained(tmp_path, zero_stage, iterations=6, memory_interval=3)
+    (snap,) = [s for s in host_snapshot.read_snapshots(engine.cpsr.cfg.checkpoint, 0, attempt=1) if s.iteration == 6]
+    config = tiny_config(tmp_path / "fresh", stages=1, zero_stage=zero_stage)
+    model = gpt_pipeline(GPTConfig(**TEST_MODEL), num_stages=1, seed=2)
+    fresh, *_ = cpsr_ds.initialize(model=model, model_parameters=model.parameters(), config=config)
+    assert snapshot_source.resume_alone(fresh, snap) == 6
+    assert (fresh.global_steps, fresh.global_samples) == (engine.global_steps, engine.global_samples)
+    assert [g["lr"] for g in fresh.optimizer.param_groups] == [g["lr"] for g in engine.optimizer.param_groups]
+    losses = [float(e.train_batch(iter(batches))) for e in (engine, fresh)]
+    assert losses[0] == losses[1]
+    after, resumed = engine_state(engine), engine_state(fresh)
+    assert all(torch.equal(after[k], resumed[k]) for k in after)
+
+
+def test_a_snapshot_without_the_optimizer_settings_is_not_resumed_from_alone(tmp_path):
+    engine, _ = trained(tmp_path, 0, iterations=2, memory_interval=2)
+    (snap,) = host_snapshot.read_snapshots(engine.cpsr.cfg.checkpoint, 0, attempt=1)
+    older = dataclasses.replace(snap, counters={k: v for k, v in snap.counters.items() if k != "param_groups"})
+    assert snapshot_source.resume_alone(engine, older) is None
 
 
 def test_memory_interval_is_checked():

@@ -32,7 +32,7 @@ from cpsr_ds.checkpoint.storage import ondisk, private_dir, records
 from cpsr_ds.checkpoint.storage.fileformat import CheckpointError, file_prefix, flatten, layout, nonfinite_tensors, read_snapshot
 from cpsr_ds.checkpoint.storage.filesystem import fs
 from cpsr_ds.config import CheckpointConfig
-from cpsr_ds.integration.deepspeed.engine_state import base_optimizer
+from cpsr_ds.integration.deepspeed.engine_state import base_optimizer, group_settings
 
 log = logging.getLogger(__name__)
 
@@ -70,14 +70,16 @@ def prepare(cfg: CheckpointConfig) -> tuple[str, str]:
 
 
 def counters(engine) -> dict:
-    """The step counters, LR schedule and random-number state (rng.py; None where none is recorded for this
-    iteration) the state belongs with."""
+    """The step counters, LR schedule, the optimizer's param-group settings and random-number state (rng.py; None
+    where none is recorded for this iteration) the state belongs with: with them a restart resumes from the dump
+    alone, without a checkpoint under it (engine_state.set_counters)."""
     scheduler = engine.lr_scheduler
     steps = {int(st["step"]) for st in base_optimizer(engine).state.values() if "step" in st}
     return {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
             "skipped_steps": engine.skipped_steps, "micro_steps": engine.micro_steps,
             "optimizer_steps": sorted(steps),
-            "lr_scheduler": None if scheduler is None else scheduler.state_dict(), "rng": rng.recorded(engine)}
+            "lr_scheduler": None if scheduler is None else scheduler.state_dict(),
+            "param_groups": group_settings(engine), "rng": rng.recorded(engine)}
 
 
 @dataclass(frozen=True)

@@ -351,6 +351,56 @@ def load_engine_state(engine, state: dict[str, torch.Tensor]) -> None:
     update_weights(engine)
 
 
+# A param group's settings a snapshot keeps: plain values only (the learning rate the schedule set, betas, ...).
+_PLAIN = (int, float, bool, str, type(None))
+
+
+def group_settings(engine) -> list[dict]:
+    """Each of the base optimizer's param groups' settings but its parameters: what the schedule set for the
+    next step, which a restart from a snapshot alone (:func:`set_counters`) cannot take from a checkpoint."""
+    def plain(v):
+        return isinstance(v, _PLAIN) or isinstance(v, (tuple, list)) and all(isinstance(x, _PLAIN) for x in v)
+    return [{k: v for k, v in group.items() if k != "params" and plain(v)}
+            for group in base_optimizer(engine).param_groups]
+
+
+def materialize_moments(engine) -> bool:
+    """Give every tensor the base optimizer steps Adam's state where the engine holds none yet (before its first
+    step), as DeepSpeed's ZeRO-1/2 optimizer can when it is built (stage_1_and_2.py ``initialize_optimizer_states``:
+    one step of zero gradients on the fp32 partitions). Its values are to be overwritten (the parameters too:
+    weight decay moves them). ZeRO-3 hands its sub-groups to the optimizer only while stepping, so is left as it
+    is. Whether every stepped tensor now has its moments."""
+    optimizer = base_optimizer(engine)
+    tensors = [p for _, p in stepped_tensors(engine)]
+    if not zero3(engine) and any(not optimizer.state.get(p) for p in tensors):
+        grads = [p.grad for p in tensors]
+        for p in tensors:
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        for p, grad in zip(tensors, grads):
+            p.grad = grad
+    return all(all(kind in optimizer.state.get(p, {}) for kind in MOMENTS) for p in tensors)
+
+
+def set_counters(engine, counters: dict) -> None:
+    """Set the step counters, every stepped tensor's Adam step, the LR scheduler's state and the param groups'
+    settings to ``counters`` (a snapshot's: checkpoint/capture/dumps.py ``counters``), with Adam's moments
+    already there (:func:`materialize_moments`)."""
+    engine.global_steps = counters["global_steps"]
+    engine.global_samples = counters["global_samples"]
+    engine.skipped_steps = counters["skipped_steps"]
+    engine.micro_steps = counters["micro_steps"]
+    (step,) = counters["optimizer_steps"]  # Adam steps every group together
+    optimizer = base_optimizer(engine)
+    for _, p in stepped_tensors(engine):
+        state = optimizer.state[p]
+        state["step"] = torch.full_like(state["step"], step) if torch.is_tensor(state.get("step")) else step
+    if engine.lr_scheduler is not None:
+        engine.lr_scheduler.load_state_dict(counters["lr_scheduler"])
+    for group, settings in zip(optimizer.param_groups, counters["param_groups"]):
+        group.update(settings)
+
+
 def advance_counters(engine, iterations: int) -> None:
     """Move the step counters as if ``iterations`` optimizer steps had run."""
     engine.global_steps += iterations

@@ -15,9 +15,13 @@ class Ahead(NamedTuple):
 
     ``resume(engine, c)`` writes it into the engine, which holds c, with the counters of m, and returns m (a
     collective where the source needs one); ``source`` names it in the recovery report. ``recovery.mode:
-    recompute`` asks only the exact source, host snapshots (recovery.decision.recover).
+    recompute`` asks only the exact source, host snapshots (recovery.decision.recover). ``alone(engine)``, where
+    the source holds everything the engine needs, writes it into an engine that holds no checkpoint and returns m,
+    or None on every rank where some rank's engine cannot take it (a collective): recomputing from m then reads no
+    checkpoint.
     """
 
     iteration: int
     source: str
     resume: Callable[[object, int], int]
+    alone: Callable[[object], int | None] | None = None

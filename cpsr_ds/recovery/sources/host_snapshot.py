@@ -12,7 +12,7 @@ from __future__ import annotations
 from cpsr_ds.checkpoint.capture import host_snapshot as snapshots
 from cpsr_ds.config import CheckpointConfig
 from cpsr_ds.recovery.agree import gathered
-from cpsr_ds.integration.deepspeed.engine_state import advance_counters
+from cpsr_ds.integration.deepspeed.engine_state import advance_counters, materialize_moments, set_counters
 from cpsr_ds.recovery.sources import Ahead
 from cpsr_ds.recovery.sources.survivor import restore_dump, usable
 
@@ -24,7 +24,8 @@ def ahead(cfg: CheckpointConfig, engine, attempt: int, c: int, f: int | None) ->
     snap = agreed_snapshot(cfg, engine, attempt, c, f)
     if snap is None:
         return None
-    return Ahead(snap.iteration, SOURCE, lambda engine, c: resume_from(engine, snap, c))
+    return Ahead(snap.iteration, SOURCE, lambda engine, c: resume_from(engine, snap, c),
+                 lambda engine: resume_alone(engine, snap))
 
 
 def agreed_snapshot(cfg: CheckpointConfig, engine, attempt: int, c: int,
@@ -53,4 +54,17 @@ def resume_from(engine, snap: snapshots.dumps.Survivor, c: int) -> int:
     A collective over the stage's data-parallel group under ZeRO, like every rank's own snapshot."""
     restore_dump(engine, snap)
     advance_counters(engine, snap.iteration - c)
+    return snap.iteration
+
+
+def resume_alone(engine, snap: snapshots.dumps.Survivor) -> int | None:
+    """Write the snapshot, its counters and its optimizer settings into an engine that holds no checkpoint; m.
+    None on every rank, where some rank's snapshot predates the settings it needs or its engine cannot hold
+    moments yet (a collective); the engine's state is then for a checkpoint to overwrite."""
+    counters = snap.counters
+    fits = "param_groups" in counters and len(counters["optimizer_steps"]) == 1 and materialize_moments(engine)
+    if not all(gathered(fits)):
+        return None
+    restore_dump(engine, snap)
+    set_counters(engine, counters)
     return snap.iteration
