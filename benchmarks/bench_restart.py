@@ -17,7 +17,9 @@ Launchers:
 
 Where the state comes from:
 
-- ``host_snapshot``: ``checkpoint.memory_interval`` 1, survivor dumps off: every rank's snapshot in shared memory;
+- ``host_snapshot``: ``checkpoint.memory_interval`` 1, survivor dumps off, no checkpoint before the kill: every
+  rank's snapshot in shared memory (with a checkpoint every INTERVAL, the one of KILL_AT - 1 is often newer than
+  the newest snapshot both ranks hold, the killed rank's last one cut off, and the restart is one from storage);
 - ``survivor``: survivor dumps on: rank 0's own dump in shared memory, rank 1's state from its checkpoint;
 - ``storage``: neither: the newest checkpoint, from the page cache (just written; nothing here can drop it).
 
@@ -169,7 +171,7 @@ class Run:
         checkpoint = config["cpsr"]["checkpoint"]
         checkpoint.update(interval=INTERVAL, survivor_dir=self.shm, survivor=self.source == "survivor")
         if self.source == "host_snapshot":
-            checkpoint["memory_interval"] = 1
+            checkpoint.update(memory_interval=1, interval=ITERATIONS + 1)
         return config
 
     def launch(self, name: str, config_path: str, *args: str) -> tuple[int, float]:

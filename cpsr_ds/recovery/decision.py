@@ -68,18 +68,19 @@ def recover(engine, cfg: CPSRConfig, predictor, attempt: int = 0) -> RecoveryRep
     verified = agreed_checkpoints(cfg.checkpoint, read_data=False)
     restart_time.mark("finding_state")
     full = [ck for ck in verified if ck.full]
+    ahead = host_snapshot.ahead(cfg.checkpoint, engine, attempt, (full[-1].iteration or 0) if full else 0, reached)
+    if ahead is not None and (cfg.recovery.mode == "recompute" or ahead.iteration == reached or not full):
+        # Nothing to decide (or, before the first checkpoint, nothing to predict from): recomputing starts from
+        # the snapshot, which needs no checkpoint under it.
+        m = ahead.alone(engine)
+        if m is not None:
+            restart_time.mark("reading")
+            reason = "recovery.mode is recompute" if cfg.recovery.mode == "recompute" and reached > m else ""
+            return RecoveryReport("recompute", reached, m, m, reason=reason, sources=ahead_sources(ahead))
     if not full:
         return RecoveryReport("fresh" if reached is None else "restart", reached, None, 0)
     newest = full[-1]
     nothing_lost = reached is None or newest.iteration is None or reached <= newest.iteration
-    ahead = host_snapshot.ahead(cfg.checkpoint, engine, attempt, newest.iteration or 0, reached)
-    if ahead is not None and (cfg.recovery.mode == "recompute" or ahead.iteration == reached):
-        # Nothing to decide: recomputing starts from the snapshot, which needs no checkpoint under it.
-        m = ahead.alone(engine)
-        if m is not None:
-            restart_time.mark("reading")
-            reason = "recovery.mode is recompute" if reached > m else ""
-            return RecoveryReport("recompute", reached, m, m, reason=reason, sources=ahead_sources(ahead))
     if nothing_lost or cfg.recovery.mode == "recompute":
         restore(engine, directory, reversed(full))
         c = engine.global_steps

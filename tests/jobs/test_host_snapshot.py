@@ -98,13 +98,15 @@ def test_memory_interval_is_checked():
 
 
 @pytest.mark.serial  # under load the checkpoint of 8 may not commit by the kill at 13, and no snapshot is used then
-def test_a_crashed_process_on_a_surviving_node_resumes_from_the_newest_snapshot_every_rank_holds(tmp_path, shm_path):
-    """PP = 2: rank 1 is SIGKILLed after iteration 13 (no dump), checkpoints every 8, host snapshots every 2: the
-    restart recomputes from the newest snapshot both ranks hold, that of 12 (or, where the kill came while it was
-    still being written, that of 10), exactly as the failed job had computed."""
+@pytest.mark.parametrize("interval", [8, 100])
+def test_a_crashed_process_on_a_surviving_node_resumes_from_the_newest_snapshot_every_rank_holds(tmp_path, shm_path,
+                                                                                               interval):
+    """PP = 2: rank 1 is SIGKILLed after iteration 13 (no dump), host snapshots every 2, checkpoints every 8 or
+    none yet: the restart recomputes from the newest snapshot both ranks hold, that of 12 (or, where the kill came
+    while it was still being written, that of 10), exactly as the failed job had computed."""
     kill_at, memory_interval = 13, 2
     config = tiny_config(tmp_path / "run", stages=2, recovery={"mode": "recompute"})
-    config["cpsr"]["checkpoint"].update(survivor_dir=str(shm_path), interval=8, memory_interval=memory_interval)
+    config["cpsr"]["checkpoint"].update(survivor_dir=str(shm_path), interval=interval, memory_interval=memory_interval)
     failed = run_job(tmp_path, config, "--train-iters", 16, "--kill-rank", 1, "--kill-at-iteration", kill_at,
                      check=False)
     assert failed.returncode != 0
