@@ -50,6 +50,23 @@ def test_a_run_with_auto_snapshots_at_the_planned_interval(tmp_path):
     assert sorted(s.iteration for s in found) == ([2, newest] if newest - k <= 2 else [newest - k, newest])
 
 
+def test_a_restart_begins_at_the_interval_its_previous_attempt_planned(tmp_path):
+    """Not at first_interval again: a crash soon after the restart would find no snapshot."""
+    config = tiny_config(tmp_path / "run", stages=1)
+    config["cpsr"]["checkpoint"].update(survivor_dir=str(tmp_path / "survivors"), memory_interval="auto")
+    # Crashes so rare that the plan is the longest interval, whatever this machine measures.
+    config["cpsr"]["planner"] = {"first_interval": 2, "failure_rate_per_hour": 1e-9, "max_interval": 5}
+    engine, *_ = build(config)
+    batches = random_batches(engine)
+    for _ in range(2):
+        engine.train_batch(iter(batches))
+    engine.cpsr.host_snapshots.wait(30)
+    assert engine.cpsr.host_snapshots.interval == 5
+    restarted = host_snapshot.install(engine, engine.cpsr.cfg.checkpoint, 2, engine.cpsr.cfg.planner)
+    assert (restarted.interval, restarted.planned) == (5, None)  # planned again from its own first snapshot
+    assert host_snapshot.install(engine, engine.cpsr.cfg.checkpoint, 3, engine.cpsr.cfg.planner).interval == 2
+
+
 def test_the_storage_level_plans_against_the_lost_nodes_alone():
     assert failure_mix.storage_rate(0.5, {"process_crash": 0.2, "node_lost": 0.8}, snapshots=False) == 0.5
     assert failure_mix.storage_rate(0.5, {"process_crash": 0.2, "node_lost": 0.8}, snapshots=True) == 0.4

@@ -95,17 +95,20 @@ class HostSnapshots:
         self._writer: Optional[threading.Thread] = None
 
     def after_iteration(self, iteration: int, finite: bool = True, seconds: Optional[float] = None) -> None:
-        """Snapshot ``iteration`` where due and its loss ``finite``; with a plan still to make, make it there."""
+        """Snapshot ``iteration`` where due and its loss ``finite``; with a plan still to make, make it there, before
+        the snapshot's manifest records the interval in force (a restart begins with it: :func:`install`)."""
         if self.plan is not None and seconds is not None:
             self.iteration_times.append(seconds)
         if iteration % self.interval:
             return
-        stall_s = self._snapshot(iteration) if finite else None
+        copied = self._copy(iteration) if finite else None
         if self.plan is not None:
-            self._replan(iteration, stall_s)
+            self._replan(iteration, None if copied is None else copied[1])
+        if copied is not None:
+            self._start_writing(iteration, copied[0])
 
-    def _snapshot(self, iteration: int) -> Optional[float]:
-        """Copy the state to the host and start writing it; the copy's seconds (None: skipped)."""
+    def _copy(self, iteration: int) -> Optional[tuple[dict, float]]:
+        """The snapshot's contents, copied to the host, and the copy's seconds; None where it is skipped."""
         if self._writer is not None and self._writer.is_alive():
             self.skipped += 1
             log.warning("cpsr: host snapshot of iteration %d skipped: the one before is still being written",
@@ -116,8 +119,11 @@ class HostSnapshots:
         # The copy is what the training loop waits for; the next optimizer step may then change the state.
         contents = {"state": {k: t.detach().to("cpu", copy=True) for k, t in state.items()},
                     "fragments": fragments, "counters": dumps.counters(self.engine)}
-        stall_s = time.perf_counter() - began
-        manifest = {**self.manifest, "iteration": iteration, "reason": WHAT, "written_ns": time.time_ns()}
+        return contents, time.perf_counter() - began
+
+    def _start_writing(self, iteration: int, contents: dict) -> None:
+        manifest = {**self.manifest, "iteration": iteration, "reason": WHAT, "written_ns": time.time_ns(),
+                    "interval": self.interval}
         # The slot not written last (the first by the iteration's place): the interval may change, and the
         # snapshot written last must stay while this one is written.
         slot = iteration // self.interval % SLOTS if self.last_slot is None else (self.last_slot + 1) % SLOTS
@@ -125,7 +131,6 @@ class HostSnapshots:
         self._writer = threading.Thread(target=self._write, args=(directory, contents, manifest),
                                         name="cpsr-host-snapshot", daemon=True)
         self._writer.start()
-        return stall_s
 
     def _replan(self, iteration: int, stall_s: Optional[float]) -> None:
         """Rank 0's planned interval, on every rank; none yet where rank 0 measured no snapshot or iteration."""
@@ -163,7 +168,8 @@ def install(engine, cfg: CheckpointConfig, attempt: int,
             planner: Optional[PlannerConfig] = None) -> Optional[HostSnapshots]:
     """Remove the rank's snapshots of an earlier attempt (recovery has read them) and, with ``cfg.memory_interval``,
     return the engine's :class:`HostSnapshots`, which the runtime calls after each iteration; None without it.
-    memory_interval auto plans the interval from ``planner`` (its rate, failure mix, first and longest interval).
+    memory_interval auto plans the interval from ``planner`` (its rate, failure mix, first and longest interval),
+    beginning with the one the previous attempt ended with (:func:`carried_interval`).
 
     Raises :class:`private_dir.PrivateDirError` where memory_interval is set and the survivor root or the run's
     directory under it is not this user's alone; without memory_interval such a directory is left alone.
@@ -172,6 +178,7 @@ def install(engine, cfg: CheckpointConfig, attempt: int,
         _remove_earlier(cfg, engine.global_rank)
         return None
     root, run = dumps.prepare(cfg)
+    carried = carried_interval(cfg, engine, attempt) if cfg.memory_interval == "auto" else None
     for slot in range(SLOTS):
         dumps.remove_dump(snapshot_dir(root, run, engine.global_rank, slot))
     if cfg.memory_interval != "auto":
@@ -179,7 +186,23 @@ def install(engine, cfg: CheckpointConfig, attempt: int,
     planner = planner or PlannerConfig()
     crashes = planner.failure_rate_per_hour * planner.failure_mix.process_crash
     plan = partial(levels.memory_interval, crashes_per_hour=crashes, max_interval=planner.max_interval)
-    return HostSnapshots(engine, root, run, attempt, planner.first_interval, cfg.checksum, plan)
+    return HostSnapshots(engine, root, run, attempt, carried or planner.first_interval, cfg.checksum, plan)
+
+
+def carried_interval(cfg: CheckpointConfig, engine, attempt: int) -> Optional[int]:
+    """The interval in force at rank 0's newest snapshot of the attempt before ``attempt`` (its manifest's), on
+    every rank (a collective where the job has several); None where rank 0 holds none (its node was lost, a first
+    attempt, a snapshot written before manifests kept it). memory_interval auto starts a restart with it rather
+    than with planner.first_interval, so that a crash soon after the restart still finds a snapshot."""
+    carried = None
+    if engine.global_rank == 0 and attempt > 1:
+        found = snapshot_manifests(cfg, 0, attempt - 1)
+        carried = found[max(found)][1].get("interval") if found else None
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [carried]
+        dist.broadcast_object_list(box, src=0)
+        carried = box[0]
+    return carried
 
 
 def _remove_earlier(cfg: CheckpointConfig, rank: int) -> None:
