@@ -51,25 +51,38 @@ def test_plan_cuts_pieces_at_chunk_boundaries_and_covers_every_byte():
     assert pieces[-1].ready == total and pieces[0].ready == 128
 
 
-def test_snapshot_file_round_trip_with_checksum(tmp_path):
+@pytest.mark.parametrize("mapped", [False, True])
+def test_snapshot_file_round_trip_with_checksum(tmp_path, mapped):
     state = nested_state()
     path = str(tmp_path / "f.pt")
     size, digest = write_snapshot(path, state, chunk_bytes=64)
     assert size == os.path.getsize(path)
-    assert_same(read_snapshot(path, {"size": size, "digest": digest}), state)
+    assert_same(read_snapshot(path, {"size": size, "digest": digest}, mapped=mapped), state)
 
 
-def test_read_snapshot_names_corrupt_and_truncated_files(tmp_path):
+def test_a_mapped_snapshot_outlives_its_file_s_replacement_and_never_writes_the_file(tmp_path):
+    path = str(tmp_path / "f.pt")
+    size, digest = write_snapshot(path, {"w": torch.arange(4096.0)})
+    loaded = read_snapshot(path, {"size": size, "digest": digest}, mapped=True)
+    os.rename(path, str(tmp_path / "old.pt"))  # replaced by renaming, as dumps are
+    write_snapshot(path, {"w": torch.zeros(4096)})
+    assert torch.equal(loaded["w"], torch.arange(4096.0))
+    loaded["w"].add_(1.0)  # copy-on-write: the file keeps its bytes
+    assert_same(read_snapshot(str(tmp_path / "old.pt"), {"size": size, "digest": digest}), {"w": torch.arange(4096.0)})
+
+
+@pytest.mark.parametrize("mapped", [False, True])
+def test_read_snapshot_names_corrupt_and_truncated_files(tmp_path, mapped):
     path = str(tmp_path / "f.pt")
     size, digest = write_snapshot(path, nested_state())
     with open(path, "r+b") as f:
         f.seek(size - 3)
         f.write(b"\xff\xfe\xfd")
     with pytest.raises(CheckpointError, match=r"f\.pt: checksum mismatch"):
-        read_snapshot(path, {"size": size, "digest": digest})
+        read_snapshot(path, {"size": size, "digest": digest}, mapped=mapped)
     os.truncate(path, size - 10)
     with pytest.raises(CheckpointError, match=r"f\.pt: truncated"):
-        read_snapshot(path, {"size": size, "digest": digest})
+        read_snapshot(path, {"size": size, "digest": digest}, mapped=mapped)
 
 
 def test_read_snapshot_loads_torch_save_files(tmp_path):

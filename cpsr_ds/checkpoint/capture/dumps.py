@@ -234,7 +234,7 @@ def _manifest(directory: str, rank: int, run: str, attempt: Optional[int]) -> di
 
 def _load(directory: str, man: dict) -> Survivor:
     entry, rank = man["files"][STATE_FILE], man["rank"]
-    contents = read_snapshot(os.path.join(directory, STATE_FILE), entry, man["checksum"])
+    contents = read_snapshot(os.path.join(directory, STATE_FILE), entry, man["checksum"], mapped=True)
     weights = contents.get("weights")
     bad = nonfinite_tensors(*flatten({"state": contents["state"], "weights": weights or {}}))
     if bad:

@@ -22,6 +22,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
+import numpy as np
 import torch
 import xxhash
 
@@ -137,22 +138,32 @@ def tensor_from_bytes(data: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
 
 
 def read_snapshot(path: str, expect: Optional[dict] = None, algorithm: str = "xxh3_64",
-                  map_location: Any = None) -> Any:
+                  map_location: Any = None, mapped: bool = False) -> Any:
     """Load a snapshot file or, without our magic, a ``torch.save`` file.
 
     ``expect`` is the file's manifest entry (``size``, ``digest``); when given, the bytes
     read are hashed and a mismatch raises :class:`CheckpointError` naming the file, before
-    anything of the file is unpickled.
+    anything of the file is unpickled. ``mapped``: a snapshot file's tensors view its pages,
+    mapped copy-on-write, rather than a copy of them (for a file in shared memory, whose pages
+    are memory already: no second copy of the state, one pass less); the file is to be
+    replaced by renaming, never written in place, while they live.
     """
     with open(path, "rb") as f:
         size, hasher, head = _start_reading(f, path, expect, algorithm)
         if head[:8] != MAGIC:
             return _load_torch_file(f, path, head, hasher, expect, map_location)
         header, data_size = _header_bytes(f, path, size, head, hasher)
-        data = torch.empty(data_size, dtype=torch.uint8)
-        buf = data.numpy()
-        for pos in range(0, data_size, _READ_CHUNK):
-            hasher.update(_read_into(f, path, buf[pos:pos + _READ_CHUNK]))
+        if mapped and data_size:
+            # The open file's own pages (not the path's, which a rename may have moved on); the data region
+            # starts on a page, as a mapping must.
+            data = torch.from_numpy(np.memmap(f, dtype=np.uint8, mode="c", offset=size - data_size,
+                                              shape=(data_size,)))
+            hasher.update(data.numpy())
+        else:
+            data = torch.empty(data_size, dtype=torch.uint8)
+            buf = data.numpy()
+            for pos in range(0, data_size, _READ_CHUNK):
+                hasher.update(_read_into(f, path, buf[pos:pos + _READ_CHUNK]))
     _check(path, hasher, expect)
     skeleton, specs = _parse_header(path, header, data_size)
     tensors = [_to_location(tensor_from_bytes(data, s), map_location) for s in specs]
