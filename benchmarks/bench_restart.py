@@ -113,12 +113,13 @@ def done_runs(path: str) -> dict[str, list[dict]]:
     return runs
 
 
-def floor_s(imports_s: float, read_s: float) -> float:
-    return imports_s + read_s
+def floor_s(imports_s: float, read_s: float | None) -> float | None:
+    """The floor; None where the read is unmeasured (:func:`timed_read`)."""
+    return None if read_s is None else imports_s + read_s
 
 
-def ratio(restart_s: float | None, floor: float) -> float | None:
-    return None if restart_s is None else restart_s / floor
+def ratio(restart_s: float | None, floor: float | None) -> float | None:
+    return None if restart_s is None or floor is None else restart_s / floor
 
 
 def first_after_kill(entries, kill_at: int) -> int:
@@ -270,8 +271,12 @@ def timed_imports() -> float:
     return float(done.stdout.strip().splitlines()[-1]) - started
 
 
-def timed_read(files: list[str]) -> tuple[float, int]:
-    """Seconds one plain read of ``files`` takes, and the bytes read."""
+def timed_read(files: list[str]) -> tuple[float | None, int]:
+    """Seconds one plain read of ``files`` takes, and the bytes read; None where there are none (under torchrun
+    the files are looked for after the job, whose checkpoints of that size may all have been persisting when it
+    ended): the floor is then unmeasured, not a read of nothing."""
+    if not files:
+        return None, 0
     buffer, total = bytearray(BLOCK), 0
     started = time.perf_counter()
     for path in files:
@@ -362,7 +367,8 @@ def main(argv=None) -> None:
                 f.write(json.dumps(run) + "\n")
             runs.append(run)
             print(f"  {name} run {k}: {run['method']} {run['sources']} restart {run['restart_s']} s, floor "
-                  f"{run['floor_s']:.2f} s ({run['bytes_read'] / 2**20:.0f} MiB), load {os.getloadavg()[0]:.1f}",
+                  f"{'unmeasured' if run['floor_s'] is None else format(run['floor_s'], '.2f')} s "
+                  f"({run['bytes_read'] / 2**20:.0f} MiB), load {os.getloadavg()[0]:.1f}",
                   flush=True)
         records.append(summary(size, source, launcher, runs))
     print()

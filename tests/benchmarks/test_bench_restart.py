@@ -33,6 +33,13 @@ def test_the_ratio_is_the_restart_over_the_floor_of_the_same_run():
     assert bench_restart.ratio(None, floor) is None
 
 
+def test_a_read_with_no_files_to_read_leaves_the_floor_unmeasured():
+    seconds, nbytes = bench_restart.timed_read([])
+    assert (seconds, nbytes) == (None, 0)
+    assert bench_restart.floor_s(2.0, seconds) is None
+    assert bench_restart.ratio(5.0, bench_restart.floor_s(2.0, seconds)) is None
+
+
 def finished(case: str, repeat: int, restart_s: float) -> dict:
     size, source, launcher = case.split("-")
     return {"case": case, "size": size, "source": source, "launcher": launcher, "repeat": repeat, "state_gib": 0.0,
