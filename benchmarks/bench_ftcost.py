@@ -72,8 +72,10 @@ T_l per run = checkpoint cost + recovery cost, in seconds and as % of the failur
   journal's iteration-to-iteration wall times).
 
 Per failure class: the failures, the iterations each recovery recomputed and its share of the lag
-(a run's end lag split over its predicting recoveries by their d), against the two-level model's
-expectation at the intervals the run used (``expected_per_failure``).
+(a run's end lag split over its predicting recoveries by their d), against what the model expected: for cpsr
+what its plans in force at each failure expected (``planned_per_failure``: the memory plan's k / 2 for a crash,
+the storage plan's guarded expectation for a lost node), for the strategies that make no plan of their own the
+two-level model's at the intervals the run used (``expected_per_failure``).
 
 Beside T_l: the restart downtime (from the last iteration a killed job journaled to the
 first one its restart journaled), the number of checkpoints (commits, as the job's log has them), the final
@@ -127,6 +129,7 @@ from cpsr_ds.planning.fitter import fit_curve  # noqa: E402
 from cpsr_ds.recovery import read_reports  # noqa: E402
 from cpsr_ds.recovery.sources.host_snapshot import SOURCE as HOST_SNAPSHOT  # noqa: E402
 from cpsr_ds.recovery.sources.in_flight import SOURCE as IN_FLIGHT  # noqa: E402
+from cpsr_ds import runlog  # noqa: E402
 from cpsr_ds.runlog import CostRow, measurements_path, read_measurements  # noqa: E402
 from cpsr_ds.runtime.faults import kill_marker  # noqa: E402
 
@@ -166,9 +169,6 @@ PAPER_JOBS_S = {"VGG16": 61 * 3600 + 10 * 60, "GPT2-0.35B": 7 * 3600 + 41 * 60, 
 
 # The checkpoint engines' log line for each commit (cpsr_ds.checkpoint.engines.persist, torch_engine).
 COMMITTED = re.compile(r"checkpoint global_step\d+ committed")
-# memory_interval auto's plan (cpsr_ds.checkpoint.capture.host_snapshot).
-SNAPSHOT_PLAN = re.compile(r"host snapshots every (\d+) iterations from iteration \d+ \(memory_interval auto: "
-                           r"stall ([0-9.e+-]+) s")
 
 
 class NoCostRows(RuntimeError):
@@ -351,12 +351,11 @@ def clean_iteration_s(rows: list[CostRow]) -> float:
     return statistics.mean(r.iteration_time_s for r in rows)
 
 
-def snapshot_plan(log_path: str) -> Optional[tuple[int, float]]:
-    """memory_interval auto's last plan in a run's log: (k, a snapshot's stall in seconds); None where none is."""
-    with open(log_path, errors="replace") as f:
-        plans = [SNAPSHOT_PLAN.search(line) for line in f]
-    found = [m for m in plans if m]
-    return (int(found[-1].group(1)), float(found[-1].group(2))) if found else None
+def snapshot_plan(run_dir: str) -> Optional[tuple[int, float]]:
+    """memory_interval auto's last plan in a run's plans.jsonl: (k, a snapshot's stall in seconds); None where
+    it made none."""
+    found, _ = runlog.read_memory_plans(run_dir)
+    return (found[-1].interval, found[-1].stall_s) if found else None
 
 
 def snapshot_cost(clean_s: float, base_s: float, trained: int, k: int, stall_s: float) -> float:
@@ -371,24 +370,27 @@ def inexact(report) -> bool:
     return report.method == "predict" or IN_FLIGHT in (report.sources or {}).values()
 
 
-def per_class(reports, classes: list[str], downtime_s: list[float], lag_iters: Optional[float]) -> dict:
+def per_class(reports, classes: list[str], downtime_s: list[float], lag_iters: Optional[float],
+              expected: list[Optional[float]]) -> dict:
     """Per failure class, summed over its failures: failures, iterations lost (d) and recomputed, recoveries that
     left a lag (``inexact``) or read a host snapshot, the share of the end lag (split over the inexact
     recoveries by their d), recovery iterations (recomputed + that share; None where the lag is
-    unmeasurable and the class has a share of it) and restart downtime.
+    unmeasurable and the class has a share of it), restart downtime and the iterations the model expected
+    (``expected_iters``; None where any of its failures has no expectation).
 
     ``reports``: recovery.jsonl's (the first is the fresh start), one per failure after it, in the order of
-    ``classes`` and ``downtime_s``.
+    ``classes``, ``downtime_s`` and ``expected``.
     """
     after = reports[1:]
     lagging_d = sum(r.lost_iterations for r in after if inexact(r))
     out = {c: {"failures": 0, "lost_iters": 0, "recomputed_iters": 0, "inexact": 0, "host_snapshot": 0,
-               "lag_iters": 0.0, "downtime_s": 0.0} for c in CLASSES}
-    for report, cls, down in zip(after, classes, downtime_s, strict=True):
+               "lag_iters": 0.0, "downtime_s": 0.0, "expected_iters": 0.0} for c in CLASSES}
+    for report, cls, down, exp in zip(after, classes, downtime_s, expected, strict=True):
         row, d = out[cls], report.lost_iterations
         row["failures"] += 1
         row["lost_iters"] += d
         row["downtime_s"] += down
+        row["expected_iters"] = None if exp is None or row["expected_iters"] is None else row["expected_iters"] + exp
         row["recomputed_iters"] += d if report.method in ("recompute", "restart") else 0
         row["host_snapshot"] += HOST_SNAPSHOT in (report.sources or {}).values()
         if inexact(report):
@@ -405,9 +407,38 @@ def expected_per_failure(k: Optional[float], n: float, persist: float, rho: floa
     write floor of fault_tolerance_cost.guarded_cost_rate) at snapshot interval ``k`` (None: no snapshots),
     storage interval ``n`` and ``persist`` iterations from a checkpoint's start to durable: a crash k / 2 since
     its newest snapshot; a lost node (and a crash without snapshots) (1 - rho) (n / 2 + persist) since its newest
-    durable checkpoint."""
+    durable checkpoint. For the strategies that make no plan of their own (the baselines, cpsr_fix)."""
     storage = (1 - rho) * (n / 2 + persist)
     return {PROCESS_CRASH: storage if k is None else k / 2, NODE_LOST: storage}
+
+
+def planned_per_failure(run_dir: str, reports, classes: list[str], first_interval: int,
+                        snapshots: bool) -> list[Optional[float]]:
+    """Per failure, the iterations the plans in force when it came expected it to cost (a planning run's: cpsr's).
+
+    Failure j ended attempt j (the first start is attempt 1); in force is that attempt's newest plan made at or
+    before the failure's iteration. A crash with host snapshots: the memory plan's per_crash (k / 2; before any,
+    first_interval / 2); any other failure: the storage plan's per_failure (runlog.PlanRow's stages, the
+    guarded model's at its T_c: online_planner), at warm-up T_c / 2 (nothing measured, so no persist), None
+    under a plan without one (the paper's models).
+    """
+    plans, _ = runlog.read_plans(run_dir)
+    memory, _ = runlog.read_memory_plans(run_dir)
+
+    def in_force(rows, attempt: int, f: int):
+        return next((r for r in reversed(rows) if r.attempt == attempt and r.iteration <= f), None)
+
+    out = []
+    for attempt, (report, cls) in enumerate(zip(reports[1:], classes, strict=True), start=1):
+        f = report.reached
+        if cls == PROCESS_CRASH and snapshots:
+            plan = in_force(memory, attempt, f)
+            out.append(plan.per_crash if plan is not None else first_interval / 2)
+            continue
+        plan = in_force(plans, attempt, f)
+        stages = [s["per_failure"] for s in plan.stages if "per_failure" in s] if plan is not None else []
+        out.append(max(stages) if stages else plan.T_c / 2 if plan is not None and plan.reason == "warm-up" else None)
+    return out
 
 
 def window(iters: int) -> tuple[int, int]:
@@ -596,9 +627,13 @@ def strategy_block(strategy: str, interval, write_mbps: float | None, trace: lis
 
 
 def lose_node(run_dir: str, rank: int) -> None:
-    """Remove what rank ``rank``'s node held in memory: its survivor dump and host snapshots under node_dir."""
+    """Remove what rank ``rank``'s node held in memory: its survivor dump, host snapshots and the mark a restart
+    tells a crash from a lost node by (recovery/failure_class.py), under node_dir."""
     for path in glob.glob(dumps.dump_dir(node_dir(run_dir), "*", rank) + "*"):
-        shutil.rmtree(path, ignore_errors=True)
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            os.remove(path)
 
 
 def launched_attempt(log: str, config: str, iters: int, evaluations: tuple[int, int, int], procs: int) -> int:
@@ -744,7 +779,7 @@ def snapshots_of(strategy: str, run_dir: str) -> tuple[Optional[int], float]:
     k = MEMORY_INTERVAL.get(strategy)
     if k != "auto":
         return k, 0.0
-    return snapshot_plan(f"{run_dir}.log") or (PlannerConfig().first_interval, 0.0)
+    return snapshot_plan(run_dir) or (PlannerConfig().first_interval, 0.0)
 
 
 def neighbour_base_s(strategy: str, clean_s: dict) -> float:
@@ -790,13 +825,17 @@ def run_summary(run_dir: str, strategy: str, trace: list[int], classes: list[str
         interval = None
     rho = MEASURED_REDUCTION[PredictorConfig().name] if strategy in ("cpsr", "cpsr_fix") else 0.0
     costs = components(rows, strategy)
+    reports = read_reports(run_dir)
+    if strategy == "cpsr":
+        expected = planned_per_failure(run_dir, reports, classes, PlannerConfig().first_interval, k is not None)
+    else:
+        model = None if interval is None else expected_per_failure(k, interval, costs["persist"], rho)
+        expected = [None if model is None else model[c] for c in classes]
     return {**recovered, **lag, **cost, "checkpoint_unmeasurable_reason": implausible,
             "summed_slowdown_s": checkpoint_s, "checkpoints": checkpoints, "measured_checkpoints": measured,
             "used_interval": interval, "rho": saved, "memory_interval": k, "snapshot_stall_s": stall_s,
             "clean_iteration_excess": clean_s / base_s - 1,
-            "per_class": per_class(read_reports(run_dir), classes, down, lag["lag_iters"]),
-            "expected_per_failure": None if interval is None else expected_per_failure(
-                k, interval, costs["persist"], rho),
+            "per_class": per_class(reports, classes, down, lag["lag_iters"], expected),
             "restart_downtime_s": sum(down), "downtimes_s": down, "final_val_loss": final,
             "final_loss_excess": final / reference[iters] - 1, "components": costs}
 
@@ -824,22 +863,22 @@ def measured_rho(cpsr_runs: list[dict]) -> tuple[float, str]:
 
 def class_summary(runs: list[dict]) -> dict:
     """Per failure class over one strategy's runs: its failures; over the runs where both are known, the recovery
-    iterations per failure measured and the model's expected (``expected_per_failure``, weighted by the failures)
-    and their ratio; the recoveries that read a host snapshot or left a lag, the restart downtime per failure."""
+    iterations per failure measured and the model's expected (per_class's ``expected_iters``) and their ratio;
+    the recoveries that read a host snapshot or left a lag, the restart downtime per failure."""
     out = {}
     for c in CLASSES:
-        rows = [(r["per_class"][c], r["expected_per_failure"]) for r in runs if r["per_class"][c]["failures"]]
-        known = [(row, exp) for row, exp in rows if row["recovery_iters"] is not None and exp is not None]
-        n = sum(row["failures"] for row, _ in known)
-        measured = sum(row["recovery_iters"] for row, _ in known) / n if n else None
-        expected = sum(exp[c] * row["failures"] for row, exp in known) / n if n else None
-        failures = sum(row["failures"] for row, _ in rows)
+        rows = [r["per_class"][c] for r in runs if r["per_class"][c]["failures"]]
+        known = [row for row in rows if row["recovery_iters"] is not None and row["expected_iters"] is not None]
+        n = sum(row["failures"] for row in known)
+        measured = sum(row["recovery_iters"] for row in known) / n if n else None
+        expected = sum(row["expected_iters"] for row in known) / n if n else None
+        failures = sum(row["failures"] for row in rows)
         out[c] = {"failures": failures, "compared_failures": n, "recovery_iters_per_failure": measured,
                   "expected_iters_per_failure": expected,
                   "measured_over_expected": measured / expected if measured is not None and expected else None,
-                  "host_snapshot": sum(row["host_snapshot"] for row, _ in rows),
-                  "inexact": sum(row["inexact"] for row, _ in rows),
-                  "downtime_s_per_failure": sum(row["downtime_s"] for row, _ in rows) / failures if failures else None}
+                  "host_snapshot": sum(row["host_snapshot"] for row in rows),
+                  "inexact": sum(row["inexact"] for row in rows),
+                  "downtime_s_per_failure": sum(row["downtime_s"] for row in rows) / failures if failures else None}
     return out
 
 
@@ -969,9 +1008,10 @@ def print_result(result: dict) -> None:
 
 def print_classes(per_class: dict) -> None:
     print("\nPer failure class, over the traces: recovery iterations per failure (recomputed + the share of the end "
-          "lag), measured and as the two-level model expects at the intervals each run used (k / 2 from a "
-          "snapshot, (1 - rho) (n / 2 + persist) from storage; rho the calibration's for cpsr); snap: recoveries from a host "
-          "snapshot; lag: recoveries that left a lag")
+          "lag), measured and expected: cpsr's as its plans in force at each failure expected (the memory plan's "
+          "k / 2 for a crash, the storage plan's guarded expectation for a lost node), the others' as the two-level "
+          "model expects at the intervals each run used (k / 2 from a snapshot, (1 - rho) (n / 2 + persist) from "
+          "storage); snap: recoveries from a host snapshot; lag: recoveries that left a lag")
     print(f"{'strategy':9s} {'class':13s} | {'fails':>5s} {'snap':>4s} {'lag':>4s} | {'measured':>8s} {'expected':>8s} "
           f"{'ratio':>6s} | {'down s':>6s}")
     for s, classes in per_class.items():

@@ -7,7 +7,8 @@ Files in the run directory (``checkpoint.dir``), one JSON object per line:
   one file. Two kinds of rows: a :class:`StateRow` when a checkpoint is taken (what
   the state says: N_p, xi of Eq. 7, the predictor's held-out error of Eq. 9), and a
   :class:`CostRow` once it has persisted (what it cost).
-- ``plans.jsonl``, rank 0 only: a :class:`PlanRow` for every plan the job made.
+- ``plans.jsonl``, rank 0 only: a :class:`PlanRow` for every plan of the storage interval the job made, a
+  :class:`MemoryPlanRow` for every plan of the host-snapshot interval.
 
 Writers append whole lines; readers skip a line that does not parse (a crash cut it
 short) and say so in ``problems``, so a damaged record never stops a job.
@@ -105,8 +106,30 @@ class PlanRow:
     kind: str = "plan"
 
 
-Row = Union[StateRow, CostRow, PlanRow]
-KINDS = {cls.__dataclass_fields__["kind"].default: cls for cls in (StateRow, CostRow, PlanRow)}
+@dataclass(frozen=True)
+class MemoryPlanRow:
+    """One plan of the host-snapshot interval (``checkpoint.memory_interval: auto``), made at ``iteration``.
+
+    reason: "snapshot" (from this attempt's first snapshot's measured stall) or "restart" (from the attempt
+    before's, at the restart: a node lost since then took its snapshots with it); interval: k, iterations;
+    stall_s and iteration_s: what it was planned from, seconds; crashes_per_hour: the process crashes' rate
+    (failure_rate.class_rates_per_hour); per_crash: the iterations a crash is expected to lose, k / 2.
+    """
+
+    iteration: int
+    attempt: int
+    time: float
+    reason: str
+    interval: int
+    stall_s: float
+    iteration_s: float
+    crashes_per_hour: float
+    per_crash: float
+    kind: str = "memory"
+
+
+Row = Union[StateRow, CostRow, PlanRow, MemoryPlanRow]
+KINDS = {cls.__dataclass_fields__["kind"].default: cls for cls in (StateRow, CostRow, PlanRow, MemoryPlanRow)}
 
 
 def measurements_path(directory: str, rank: int) -> str:
@@ -167,14 +190,21 @@ def read_measurements(directory: str) -> tuple[list[Union[StateRow, CostRow]], l
     rows, problems = [], []
     for path in sorted(glob.glob(os.path.join(directory, MEASUREMENTS_DIR, "rank*.jsonl"))):
         more, bad = read(path)
-        rows += [r for r in more if not isinstance(r, PlanRow)]
+        rows += [r for r in more if isinstance(r, (StateRow, CostRow))]
         problems += bad
     return rows, problems
 
 
 def read_plans(directory: str) -> tuple[list[PlanRow], list[str]]:
+    """The storage interval's plans, oldest first, and the problems met."""
     rows, problems = read(plans_path(directory))
     return [r for r in rows if isinstance(r, PlanRow)], problems
+
+
+def read_memory_plans(directory: str) -> tuple[list[MemoryPlanRow], list[str]]:
+    """The host-snapshot interval's plans, oldest first, and the problems met."""
+    rows, problems = read(plans_path(directory))
+    return [r for r in rows if isinstance(r, MemoryPlanRow)], problems
 
 
 def held_out_errors(rows, stage: int, predictor: str, upto: Optional[int] = None) -> list[tuple[int, float]]:

@@ -77,9 +77,3 @@ def class_rates(rate: float, shares: dict) -> dict:
     """Each class's failure rate: the job's rate times its share (in the rate's unit)."""
     non_negative("rate", rate)
     return {c: rate * s for c, s in check_shares(shares).items()}
-
-
-def storage_rate(rate: float, shares: dict, snapshots: bool) -> float:
-    """The failure rate the storage level is planned against (in the rate's unit): every failure without host
-    snapshots; with them only the lost nodes, since a crash resumes from its node's snapshot (levels.py)."""
-    return class_rates(rate, shares)[NODE_LOST] if snapshots else non_negative("rate", rate)

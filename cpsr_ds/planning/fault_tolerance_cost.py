@@ -180,17 +180,16 @@ def empirical_cost_rate(T_c, lam: float, T_s: float, rho: float, persist: float 
     return checkpoints + (1.0 - rho) * lost
 
 
-def guarded_cost_rate(T_c, lam: float, T_s: float, rho: float, d_max: float, persist: float = 0.0,
-                      in_flight: int = 1) -> np.ndarray:
-    """The cost rate under the empirical model where recovery predicts only the failures at most ``d_max``
-    iterations behind the newest durable checkpoint (the loss-excess guard's bound) and recomputes the rest.
+def guarded_lost_per_failure(T_c, rho: float, d_max: float, persist: float = 0.0) -> np.ndarray:
+    """The iterations one failure is expected to cost, E[cost(d)], where recovery predicts only the failures at
+    most ``d_max`` iterations behind the newest durable checkpoint (the loss-excess guard's bound) and
+    recomputes the rest.
 
     A checkpoint counts once it has persisted, P = ``persist`` iterations after it began, so a
     failure lies d ~ U[P, P + T_c] behind the newest durable one, not U[0, T_c]: at P = 19 and
     T_c = 60, d reaches 79, and a guard that passes at d = T_c / 2 refuses every failure beyond
-    its bound. A failure costs (1 - rho) d up to d_max and d beyond it. The checkpoints' term is
-    recompute_cost_rate's; the failures' is lambda E[cost(d)], first order in lambda as Young's.
-    d_max <= P recomputes every failure: lambda (T_c / 2 + P).
+    its bound. A failure costs (1 - rho) d up to d_max and d beyond it; d_max <= P recomputes every
+    failure: T_c / 2 + P.
     """
     if not 0 <= finite("rho", rho) < 1:
         raise ValueError(f"rho must be in [0, 1), got {rho!r}")
@@ -198,6 +197,13 @@ def guarded_cost_rate(T_c, lam: float, T_s: float, rho: float, d_max: float, per
     lo = non_negative("persist", persist)
     hi = lo + T
     bound = np.clip(non_negative("d_max", d_max), lo, hi)
+    return ((1.0 - rho) * (bound ** 2 - lo ** 2) + hi ** 2 - bound ** 2) / (2 * T)
+
+
+def guarded_cost_rate(T_c, lam: float, T_s: float, rho: float, d_max: float, persist: float = 0.0,
+                      in_flight: int = 1) -> np.ndarray:
+    """The cost rate under the empirical model where recovery predicts only up to ``d_max`` iterations behind
+    the newest durable checkpoint: recompute_cost_rate's checkpoints' term, and the failures' lambda
+    E[cost(d)] (:func:`guarded_lost_per_failure`), first order in lambda as Young's."""
     checkpoints, _ = checkpoint_and_lost(T_c, lam, T_s, persist, in_flight)
-    failure = ((1.0 - rho) * (bound ** 2 - lo ** 2) + hi ** 2 - bound ** 2) / (2 * T)
-    return checkpoints + lam * failure
+    return checkpoints + lam * guarded_lost_per_failure(T_c, rho, d_max, persist)

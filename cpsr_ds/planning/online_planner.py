@@ -33,7 +33,7 @@ from cpsr_ds.planning.cost_model import (
     paper_model,
     recovery_choice,
 )
-from cpsr_ds.planning.fault_tolerance_cost import PbrParams
+from cpsr_ds.planning.fault_tolerance_cost import PbrParams, guarded_lost_per_failure
 from cpsr_ds.planning.fitter import AccuracyFit, LossFit, NoFit, StageCurvature
 from cpsr_ds.planning.lr_schedule import UNKNOWN, Shape
 from cpsr_ds.planning.planner import StageCosts
@@ -281,9 +281,16 @@ def guard(job: JobInputs, stages: Sequence[StageInputs], d: int,
     return None
 
 
-def _stage_dicts(job_plan: planner.JobPlan, stages: Sequence[StageInputs], costs: Sequence[StageCosts]) -> list:
-    return [{"stage": s.stage, **p.to_dict(), "T_s": c.T_s, "persist": c.persist, "in_flight": c.in_flight,
-             "xi": s.xi, "N_p": s.n_p} for s, p, c in zip(stages, job_plan.stages, costs)]
+def _stage_dicts(job_plan: planner.JobPlan, stages: Sequence[StageInputs], costs: Sequence[StageCosts],
+                 rho: Optional[Sequence[float]] = None, d_max: float = 0.0) -> list:
+    """Each stage's plan and inputs; under the empirical model (``rho`` per stage, recomputing beyond ``d_max``)
+    also the iterations a failure that storage serves is expected to cost at the job's T_c (``per_failure``)."""
+    dicts = [{"stage": s.stage, **p.to_dict(), "T_s": c.T_s, "persist": c.persist, "in_flight": c.in_flight,
+              "xi": s.xi, "N_p": s.n_p} for s, p, c in zip(stages, job_plan.stages, costs)]
+    if rho is not None:
+        for d, c, r in zip(dicts, costs, rho):
+            d["per_failure"] = float(guarded_lost_per_failure(job_plan.T_c, r, d_max, c.persist))
+    return dicts
 
 
 def plan(job: JobInputs, stages: Sequence[StageInputs],
@@ -332,7 +339,8 @@ def _plan(job: JobInputs, stages: Sequence[StageInputs], excess_at, lam: float, 
 
     def recompute(why: str) -> Planned:
         job_plan = planner.plan_job_empirical(lam, [(c, 0.0) for c in costs], job.max_interval)
-        return Planned(job_plan.T_c, RECOMPUTE, inputs, json_safe(_stage_dicts(job_plan, stages, costs)), why)
+        stage_dicts = _stage_dicts(job_plan, stages, costs, [0.0] * len(costs))
+        return Planned(job_plan.T_c, RECOMPUTE, inputs, json_safe(stage_dicts), why)
 
     if job.mode == "recompute":
         return recompute("recovery.mode is recompute")
@@ -398,7 +406,7 @@ def _plan_guarded(job: JobInputs, stages: Sequence[StageInputs], costs: Sequence
         note = "; ".join(filter(None, [note, (
             f"recovery predicts a failure up to {d_max} iterations behind the newest durable checkpoint and "
             f"recomputes beyond ({beyond})")]))
-    stage_dicts = _stage_dicts(job_plan, stages, costs)
+    stage_dicts = _stage_dicts(job_plan, stages, costs, rho, d_max)
     for d in stage_dicts:
         d["d_max"] = d_max
     return Planned(job_plan.T_c, "predict", {**inputs, "d_max": d_max}, json_safe(stage_dicts), note)

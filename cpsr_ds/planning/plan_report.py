@@ -84,10 +84,12 @@ def stage_rows(plans: list[PlanRow]) -> list[dict]:
 def run_report(run_dir: str) -> dict:
     """The plans, per-stage plans, checkpoints and per-phase costs of a run directory, and the problems met."""
     plans, plan_problems = runlog.read_plans(run_dir)
+    memory, _ = runlog.read_memory_plans(run_dir)  # the same file: its problems are plan_problems
     rows, row_problems = runlog.read_measurements(run_dir)
     checkpoints = checkpoint_rows(rows, plans)
     return {"dir": run_dir, "has_plans": os.path.exists(runlog.plans_path(run_dir)),
             "plans": [{k: v for k, v in dataclasses.asdict(p).items() if k not in ("kind", "stages")} for p in plans],
+            "memory_plans": [{k: v for k, v in dataclasses.asdict(p).items() if k != "kind"} for p in memory],
             "stages": stage_rows(plans), "checkpoints": checkpoints, "phases": phase_summary(plans, checkpoints),
             "problems": plan_problems + row_problems}
 
@@ -123,10 +125,20 @@ def print_report(report: dict) -> None:
                   + " ".join(f"{_num(inputs.get(key)):>9}" for key, _ in INPUT_COLUMNS))
             for stage in report["stages"]:
                 if (stage["attempt"], stage["iteration"]) == (plan["attempt"], plan["iteration"]):
+                    expected = ("" if stage.get("per_failure") is None else
+                                f", a failure from storage expected to cost {_num(stage['per_failure'])} iterations")
                     print(f"{'':>20}stage {_num(stage.get('stage'))}: T_c {_num(stage.get('T_c'))} "
-                          f"({stage.get('method', '?')})")
+                          f"({stage.get('method', '?')}){expected}")
             if plan["fallback"]:
                 print(f"{'':>20}fallback: {plan['fallback']}")
+        if report["memory_plans"]:
+            print(f"\nhost-snapshot plans ({len(report['memory_plans'])}):")
+            print(f"{'iteration':>9} {'attempt':>7}  {'reason':<8} {'k':>6} {'stall s':>9} {'iteration s':>11} "
+                  f"{'crashes/h':>9} {'per crash':>9}")
+            for plan in report["memory_plans"]:
+                print(f"{plan['iteration']:>9} {plan['attempt']:>7}  {plan['reason']:<8} {plan['interval']:>6} "
+                      f"{_num(plan['stall_s']):>9} {_num(plan['iteration_s']):>11} {_num(plan['crashes_per_hour']):>9} "
+                      f"{_num(plan['per_crash']):>9}")
     if not report["checkpoints"]:
         print(f"no checkpoint measured ({os.path.join(report['dir'], runlog.MEASUREMENTS_DIR)} has no records)")
     else:

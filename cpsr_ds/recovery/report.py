@@ -38,6 +38,8 @@ class RecoveryReport:
     checkpoint_bytes: int | None = None
     # Where this start's time went, seconds by part in order (runtime/restart_time.py), on rank 0
     seconds: dict[str, float] | None = None
+    # The class of the failure this start recovers from, as observed (recovery/failure_class.py); None: not observed
+    failure_class: str | None = None
 
     @property
     def lost_iterations(self) -> int:

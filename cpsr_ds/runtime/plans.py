@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import Counter
 from dataclasses import replace
 from typing import NamedTuple, Optional
 
@@ -18,8 +19,8 @@ from cpsr_ds.checkpoint.capture.journal import finished_iterations, journal_path
 from cpsr_ds.config import CPSRConfig
 from cpsr_ds.integration.deepspeed.engine_state import schedule_shape
 from cpsr_ds.planning.fitter import fit_loss_o, recent_losses
-from cpsr_ds.planning.failure_mix import storage_rate
-from cpsr_ds.planning.failure_rate import failure_rate_per_hour, failures, running_hours
+from cpsr_ds.planning.failure_mix import NODE_LOST, PROCESS_CRASH
+from cpsr_ds.planning.failure_rate import class_rates_per_hour, failures, running_hours
 from cpsr_ds.planning.online_planner import (JobInputs, Planned, StageInputs, describe, drift, place_lag, plan,
                                              replan_reason, watched)
 from cpsr_ds.recovery import RecoveryReport, carried_lag, earlier_reports, excess_at
@@ -33,7 +34,7 @@ log = logging.getLogger(__name__)
 class RunHistory(NamedTuple):
     """What the run's earlier attempts leave to the planner."""
 
-    failures: int  # the job's failures so far
+    failures: Counter  # the job's failures so far, by the class each restart observed (None: not observed)
     hours: float  # its hours of running before this attempt
     began: float  # when this attempt began (time.time())
     carried_lag: float  # the lag, in iterations, it carries from its predictions (recovery.carried_lag)
@@ -42,7 +43,7 @@ class RunHistory(NamedTuple):
 def run_history(directory: str, recovery: RecoveryReport, resumed_at: int, entries: list) -> RunHistory:
     """What the run's earlier attempts (rank 0's journal ``entries``, the recovery reports) leave to the planner."""
     reports = [*earlier_reports(directory), recovery]
-    return RunHistory(failures([r.reached for r in reports], finished_iterations(directory)),
+    return RunHistory(failures([(r.reached, r.failure_class) for r in reports], finished_iterations(directory)),
                       running_hours([(e.iteration, e.wall_time) for e in entries]), time.time(),
                       carried_lag(reports, resumed_at))
 
@@ -120,11 +121,18 @@ class Planning(Hook):
                                 if isinstance(v, (int, float))})
         self.monitor.write([("cpsr/plan/T_c", planned.T_c), *numbers.items()], iteration)
 
-    def _failure_rate(self) -> tuple[float, int, float]:
-        """lambda per hour now, of the failures storage serves (with host snapshots only the lost nodes'), the
-        job's failures and the hours it is based on."""
+    def class_rates(self) -> dict:
+        """Each failure class's rate per hour now: the configured rate and mix updated by the job's failures of that
+        class over its hours of running (failure_rate.class_rates_per_hour)."""
         h, planner = self.history, self.cfg.planner
         hours = h.hours + (time.time() - h.began) / 3600
-        rate = failure_rate_per_hour(planner.failure_rate_per_hour, h.failures, hours)
+        return class_rates_per_hour(planner.failure_rate_per_hour, planner.failure_mix.model_dump(), h.failures, hours)
+
+    def _failure_rate(self) -> tuple[float, int, float]:
+        """lambda per hour now, of the failures storage serves (with host snapshots the lost nodes' alone: a crash
+        resumes from its node's snapshot, levels.py), the job's failures and the hours it is based on."""
+        h = self.history
+        rates = self.class_rates()
         snapshots = self.cfg.checkpoint.memory_interval is not None
-        return storage_rate(rate, planner.failure_mix.model_dump(), snapshots), h.failures, hours
+        rate = rates[NODE_LOST] + (0.0 if snapshots else rates[PROCESS_CRASH])
+        return rate, sum(h.failures.values()), h.hours + (time.time() - h.began) / 3600

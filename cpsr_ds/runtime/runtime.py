@@ -21,7 +21,9 @@ from cpsr_ds.coordinator import DROP_WAIT_S
 from cpsr_ds.runtime.faults import FaultInjector
 from cpsr_ds.integration.deepspeed.engine_state import data_parallel
 from cpsr_ds.integration.deepspeed.topology import place_of
+from cpsr_ds.planning.failure_mix import PROCESS_CRASH
 from cpsr_ds.recovery import new_predictor, recover
+from cpsr_ds.recovery import failure_class
 from cpsr_ds.runtime.rundir import RunDirLock
 from cpsr_ds.runtime.checkpoints import Checkpoints
 from cpsr_ds.runtime.hooks import Hook, Journal, Snapshots, Step
@@ -48,7 +50,9 @@ class Runtime:
         self.journal = ProgressJournal(directory, place.rank)
         self.faults = FaultInjector(cfg.faults, directory, place.rank, place.world)
         predictor = new_predictor(cfg, data_parallel(engine).size)
-        self.recovery = replace(recover(engine, cfg, predictor, attempt=self.attempt), world_change=world_change)
+        observed = failure_class.observed_class(cfg.checkpoint, place.rank, self.attempt)
+        self.recovery = replace(recover(engine, cfg, predictor, attempt=self.attempt), world_change=world_change,
+                                failure_class=observed)
         # Where the job resumed ahead of its newest state on storage, two origins differ from the resume point: the
         # predictor's records count to the checkpoint it was restored from (Measurements.load), and the schedule
         # counts from c after a predicting-based recovery, as a failure before the next checkpoint goes back there.
@@ -69,7 +73,9 @@ class Runtime:
         checkpoints = Checkpoints(held, directory, place, self.scheduler, self.work, self.measurements)
         # After recovery, which reads the earlier dumps and snapshots these remove.
         self.survivor = survivor.install(engine, cfg.checkpoint, self.attempt)
-        self.host_snapshots = host_snapshot.install(engine, cfg.checkpoint, self.attempt, cfg.planner)
+        crashes = None if self.planning is None else self.planning.class_rates()[PROCESS_CRASH]
+        self.host_snapshots = host_snapshot.install(engine, cfg.checkpoint, self.attempt, cfg.planner, crashes)
+        failure_class.mark(cfg.checkpoint, place.rank, self.attempt)
         snapshots = ([] if self.host_snapshots is None
                      else [Snapshots(self.host_snapshots, cfg.checkpoint.commit_timeout_s)])
         self.hooks: list[Hook] = [

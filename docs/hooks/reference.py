@@ -65,11 +65,11 @@ def generate(name: str) -> str:
     """The markdown that the marker ``name`` stands for."""
     from cpsr_ds.config import CPSRConfig
     from cpsr_ds.recovery.report import RecoveryReport
-    from cpsr_ds.runlog import CostRow, PlanRow, StateRow
+    from cpsr_ds.runlog import CostRow, MemoryPlanRow, PlanRow, StateRow
 
     parts = {"config": lambda: config_reference(CPSRConfig), "cli": cli_reference,
              "recovery.jsonl": lambda: record_reference(RecoveryReport),
-             "plans.jsonl": lambda: record_reference(PlanRow),
+             "plans.jsonl": lambda: record_reference(PlanRow) + "\n" + record_reference(MemoryPlanRow),
              "measurements": lambda: record_reference(StateRow) + "\n" + record_reference(CostRow)}
     if name not in parts:
         raise PluginError(f"unknown reference marker {name!r} (known: {', '.join(parts)})")

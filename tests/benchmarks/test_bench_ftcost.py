@@ -11,6 +11,7 @@ from scipy import stats
 from cpsr_ds.planning import fault_tolerance_cost
 from cpsr_ds.checkpoint.capture.journal import Entry
 from cpsr_ds.recovery import RecoveryReport, append_report, read_reports
+from cpsr_ds import runlog
 from cpsr_ds.runlog import CostRow, StateRow, append, measurements_path
 
 
@@ -148,17 +149,19 @@ def test_per_class_splits_the_end_lag_over_the_recoveries_that_left_one_by_their
                    RecoveryReport("recompute", 150, 140, 140)):  # crash without a snapshot: 10 recomputed
         append_report(d, report)
     classes = ["process_crash", "node_lost", "node_lost", "process_crash"]
-    got = bench.per_class(read_reports(d), classes, [1.0, 2.0, 3.0, 4.0], lag_iters=8.0)
+    got = bench.per_class(read_reports(d), classes, [1.0, 2.0, 3.0, 4.0], lag_iters=8.0, expected=[1, 2, 3, 4])
     crash, node = got["process_crash"], got["node_lost"]
     assert (crash["failures"], crash["host_snapshot"], crash["inexact"], crash["recomputed_iters"]) == (2, 1, 0, 11)
-    assert crash["recovery_iters"] == 11 and crash["downtime_s"] == 5.0
+    assert crash["recovery_iters"] == 11 and crash["downtime_s"] == 5.0 and crash["expected_iters"] == 5
     # The lag, 8 iterations, over the predicted (d 10) and the in-flight (d 30) recoveries: 2 + 6.
     assert (node["failures"], node["inexact"], node["recomputed_iters"], node["lost_iters"]) == (2, 2, 30, 40)
     assert node["lag_iters"] == pytest.approx(8.0) and node["recovery_iters"] == pytest.approx(38.0)
-    unmeasured = bench.per_class(read_reports(d), classes, [1.0, 2.0, 3.0, 4.0], lag_iters=None)
+    unmeasured = bench.per_class(read_reports(d), classes, [1.0, 2.0, 3.0, 4.0], lag_iters=None,
+                                 expected=[1, None, 3, 4])
     assert unmeasured["node_lost"]["recovery_iters"] is None and unmeasured["process_crash"]["recovery_iters"] == 11
+    assert unmeasured["node_lost"]["expected_iters"] is None and unmeasured["process_crash"]["expected_iters"] == 5
     with pytest.raises(ValueError):  # a failure without its class
-        bench.per_class(read_reports(d), classes[:3], [1.0, 2.0, 3.0], lag_iters=8.0)
+        bench.per_class(read_reports(d), classes[:3], [1.0, 2.0, 3.0], lag_iters=8.0, expected=[1, 2, 3])
 
 
 def test_the_model_expects_half_an_interval_and_the_persist_per_failure_less_what_prediction_saves(bench):
@@ -169,10 +172,11 @@ def test_the_model_expects_half_an_interval_and_the_persist_per_failure_less_wha
 def test_class_summary_weighs_each_runs_expectation_by_its_failures(bench):
     def run(crashes, nodes, crash_iters, node_iters, expected):
         rows = {"process_crash": {"failures": crashes, "recovery_iters": crash_iters, "host_snapshot": crashes,
-                                  "inexact": 0, "downtime_s": 2.0 * crashes},
+                                  "inexact": 0, "downtime_s": 2.0 * crashes,
+                                  "expected_iters": expected["process_crash"] * crashes},
                 "node_lost": {"failures": nodes, "recovery_iters": node_iters, "host_snapshot": 0, "inexact": nodes,
-                              "downtime_s": 4.0 * nodes}}
-        return {"per_class": rows, "expected_per_failure": expected}
+                              "downtime_s": 4.0 * nodes, "expected_iters": expected["node_lost"] * nodes}}
+        return {"per_class": rows}
 
     runs = [run(1, 3, 2.0, 30.0, {"process_crash": 1.0, "node_lost": 10.0}),
             run(0, 2, 0.0, None, {"process_crash": 1.0, "node_lost": 20.0}),  # its lag unmeasurable
@@ -213,14 +217,42 @@ def test_a_runs_baseline_is_the_runs_without_snapshots_just_before_and_after_it(
     assert bench.neighbour_base_s("torch", clean) == 2.0 and bench.neighbour_base_s("cpsr_fix", clean) == 4.0
 
 
-def test_the_snapshot_plan_is_read_from_the_runs_log(bench, tmp_path):
-    log = tmp_path / "run.log"
-    log.write_text("x\nINFO cpsr: host snapshots every 12 iterations from iteration 5 (memory_interval auto: stall "
-                   "0.000412 s, iteration 0.0251 s)\ny\nINFO cpsr: host snapshots every 9 iterations from iteration 3 "
-                   "(memory_interval auto: stall 3.5e-05 s, iteration 0.03 s)\n")
-    assert bench.snapshot_plan(str(log)) == (9, 3.5e-05)
-    log.write_text("nothing\n")
-    assert bench.snapshot_plan(str(log)) is None
+def memory_plan(iteration, attempt, interval, stall_s=1e-4):
+    return runlog.MemoryPlanRow(iteration, attempt, 0.0, "snapshot", interval, stall_s, 0.02, 100.0, interval / 2)
+
+
+def storage_plan(iteration, attempt, reason, T_c, per_failure=None):
+    stages = [] if per_failure is None else [{"stage": 0, "per_failure": per_failure}]
+    return runlog.PlanRow(iteration, attempt, 0.0, reason, 0, "empirical", "predict", T_c, stages=stages)
+
+
+def test_the_snapshot_plan_is_read_from_the_runs_plans(bench, tmp_path):
+    assert bench.snapshot_plan(str(tmp_path)) is None
+    for row in (memory_plan(5, 1, 12, 4.1e-4), storage_plan(6, 1, "first", 30), memory_plan(3, 2, 9, 3.5e-5)):
+        runlog.append(runlog.plans_path(str(tmp_path)), row)
+    assert bench.snapshot_plan(str(tmp_path)) == (9, 3.5e-05)
+
+
+def test_each_failure_is_expected_to_cost_what_the_plans_in_force_then_expected(bench, tmp_path):
+    d = str(tmp_path)
+    for row in (storage_plan(0, 1, "warm-up", 50), memory_plan(50, 1, 8), storage_plan(50, 1, "first", 20, 12.5),
+                storage_plan(90, 2, "restart", 22, 14.0), memory_plan(90, 2, 6)):
+        runlog.append(runlog.plans_path(d), row)
+    for report in (RecoveryReport("fresh", None, None, 0), RecoveryReport("recompute", 40, 0, 0),
+                   RecoveryReport("recompute", 70, 50, 50), RecoveryReport("recompute", 95, 90, 90),
+                   RecoveryReport("recompute", 120, 110, 110), RecoveryReport("recompute", 130, 120, 120)):
+        append_report(d, report)
+    classes = ["node_lost", "process_crash", "node_lost", "process_crash", "node_lost"]
+    got = bench.planned_per_failure(d, read_reports(d), classes, first_interval=50, snapshots=True)
+    # Attempt 1 failed at 40 under the warm-up plan, 2 at 70 before its own plans (none in force: a crash at
+    # first_interval / 2), 3 at 95, 4 at 120 and 5 at 130 with no plan of theirs.
+    assert got == [25.0, 25.0, None, 25.0, None]
+    again = bench.planned_per_failure(d, read_reports(d)[:3], ["node_lost", "node_lost"], 50, snapshots=True)
+    assert again == [25.0, None]
+    runlog.append(runlog.plans_path(d), storage_plan(60, 2, "first", 30, 9.0))
+    runlog.append(runlog.plans_path(d), memory_plan(60, 2, 4))
+    assert bench.planned_per_failure(d, read_reports(d)[:3], ["node_lost", "process_crash"], 50, True) == [25.0, 2.0]
+    assert bench.planned_per_failure(d, read_reports(d)[:3], ["node_lost", "process_crash"], 50, False) == [25.0, 9.0]
 
 
 def test_each_strategy_gets_its_levels_and_the_traces_mix(bench):
@@ -397,11 +429,12 @@ def test_predictions_that_cost_more_than_recomputing_project_as_recomputing(benc
 def test_a_lost_node_takes_the_killed_ranks_dump_and_snapshots_and_nothing_else(bench, tmp_path):
     run_dir = str(tmp_path / "cpsr")
     memory = tmp_path / "cpsr.node" / "run-id"
-    kept = [memory / "rank00000", memory / "rank00000.memory0", memory / "owner.json"]
-    lost = [memory / "rank00001", memory / "rank00001.memory0", memory / "rank00001.memory1"]
-    for path in kept[:2] + lost:
+    kept = [memory / "rank00000", memory / "rank00000.memory0", memory / "owner.json", memory / "rank00000.mark"]
+    lost = [memory / "rank00001", memory / "rank00001.memory0", memory / "rank00001.memory1", memory / "rank00001.mark"]
+    for path in kept[:2] + lost[:3]:
         path.mkdir(parents=True)
-    kept[2].write_text("{}")
+    for path in (kept[2], kept[3], lost[3]):
+        path.write_text("{}")
     bench.lose_node(run_dir, 1)
     assert all(p.exists() for p in kept) and not any(p.exists() for p in lost)
 

@@ -118,6 +118,7 @@ def test_a_crashed_process_on_a_surviving_node_resumes_from_the_newest_snapshot_
     assert (report.method, report.reached) == ("recompute", kill_at), report
     assert report.checkpoint == report.resume_iteration == common, (report, common)
     assert report.sources == {"0": "host snapshot", "1": "host snapshot"}, report
+    assert report.failure_class == "process_crash"  # both ranks' node memory was still there
     for rank in (0, 1):
         entries = read_journal(journal_path(str(tmp_path / "run"), rank))
         first = {e.iteration: e.loss for e in entries[:kill_at]}

@@ -1,6 +1,7 @@
 """Online planning: the pure functions of cpsr_ds.planning.online_planner and the planner's empirical cost rate."""
 
 import math
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -16,26 +17,48 @@ from cpsr_ds.planning.planner import StageCosts
 # ---------------------------------------------------------------- lambda
 
 
+MIX = {"process_crash": 0.2, "node_lost": 0.8}
+
+
+def total_rate(by_class, hours, prior=0.08):
+    return sum(failure_rate.class_rates_per_hour(prior, MIX, Counter(by_class), hours).values())
+
+
 def test_failure_rate_starts_at_the_prior_and_learns_from_the_jobs_failures():
-    assert failure_rate.failure_rate_per_hour(0.08, 0, 0.0) == pytest.approx(0.08)
+    assert total_rate({}, 0.0) == pytest.approx(0.08)
     # No failure in 12.5 h of running halves the rate; 9 in 87.5 h gives 10 / 100 h.
-    assert failure_rate.failure_rate_per_hour(0.08, 0, 12.5) == pytest.approx(0.04)
-    assert failure_rate.failure_rate_per_hour(0.08, 9, 87.5) == pytest.approx(0.1)
+    assert total_rate({}, 12.5) == pytest.approx(0.04)
+    assert total_rate({None: 9}, 87.5) == pytest.approx(0.1)
     # Many hours: the job's own rate, n / H.
-    assert failure_rate.failure_rate_per_hour(0.08, 300, 1000.0) == pytest.approx(0.3, rel=0.01)
+    assert total_rate({None: 300}, 1000.0) == pytest.approx(0.3, rel=0.01)
     for bad in (math.nan, -1.0, math.inf):
-        assert failure_rate.failure_rate_per_hour(0.08, 2, bad) == pytest.approx(0.24)
+        assert total_rate({None: 2}, bad) == pytest.approx(0.24)
 
 
-def test_failures_are_the_starts_after_progress():
-    assert failure_rate.failures([None, 120, None, 300]) == 2
+def test_each_class_learns_from_its_own_failures_and_unobserved_ones_split_by_the_mix():
+    rates = failure_rate.class_rates_per_hour(0.08, MIX, Counter({"process_crash": 9}), 87.5)
+    # The prior's one failure split 0.2 / 0.8, then 9 crashes observed: 9.2 and 0.8 failures over 100 h.
+    assert rates == pytest.approx({"process_crash": 0.092, "node_lost": 0.008})
+    rates = failure_rate.class_rates_per_hour(0.08, MIX, Counter({None: 4, "node_lost": 5}), 87.5)
+    assert rates == pytest.approx({"process_crash": 0.2 * 5 / 100, "node_lost": (0.8 * 5 + 5) / 100})
+    # Without a usable prior, the configured split of it.
+    assert failure_rate.class_rates_per_hour(0.0, MIX, Counter({"node_lost": 3}), 1.0) == {"process_crash": 0.0,
+                                                                                          "node_lost": 0.0}
+    with pytest.raises(ValueError, match="sum to 1"):
+        failure_rate.class_rates_per_hour(0.08, {"process_crash": 0.5, "node_lost": 0.8}, Counter(), 1.0)
+
+
+def test_failures_are_the_starts_after_progress_by_the_class_each_restart_observed():
+    counted = failure_rate.failures([(None, None), (120, "node_lost"), (None, None), (300, None), (340, "node_lost")])
+    assert counted == Counter({"node_lost": 2, None: 1})
 
 
 def test_a_start_after_a_clean_end_is_not_a_failure_but_a_second_one_there_is():
     # Finished at 120, restarted there (a supervisor's restart, or a longer run): not a failure; that attempt
     # failed before its first iteration, and the start after it resumed at 120 again.
-    assert failure_rate.failures([None, 120, 120, 300], finished=[120]) == 2
-    assert failure_rate.failures([None, 120], finished=[120, 300]) == 0
+    starts = [(None, None), (120, "process_crash"), (120, "process_crash"), (300, None)]
+    assert sum(failure_rate.failures(starts, finished=[120]).values()) == 2
+    assert sum(failure_rate.failures([(None, None), (120, None)], finished=[120, 300]).values()) == 0
 
 
 def test_running_hours_leave_restart_downtime_out():
@@ -326,6 +349,21 @@ def test_where_the_guard_binds_the_plan_counts_the_failures_it_would_recompute()
     tight = op.plan(job(lambda_per_hour=3.6), [stage()], excess_at=lambda lag: lag * 1e-2)
     assert tight.recovery == "recompute" and tight.T_c == recompute.T_c
     assert "costs no less than recomputing" in tight.fallback
+    # Each plan says what a failure storage serves is expected to cost at its interval.
+    assert bounded.stages[0]["per_failure"] == pytest.approx(
+        float(fault_tolerance_cost.guarded_lost_per_failure(bounded.T_c, rho, 10, 3.0)))
+    assert recompute.stages[0]["per_failure"] == pytest.approx(recompute.T_c / 2 + 3.0)
+
+
+def test_a_failure_costs_its_distance_behind_the_durable_checkpoint_less_what_prediction_saves_within_the_bound():
+    T_c, rho, P = 40.0, 0.75, 10.0
+    # d ~ U[10, 50]: recomputing costs its mean, predicting everything (1 - rho) of it.
+    assert fault_tolerance_cost.guarded_lost_per_failure(T_c, rho, 0, P) == pytest.approx(30.0)
+    assert fault_tolerance_cost.guarded_lost_per_failure(T_c, rho, 1e6, P) == pytest.approx(0.25 * 30.0)
+    # Predicting up to d = 30: half the failures at (1 - rho) of their mean 20, half recomputed at their mean 40.
+    assert fault_tolerance_cost.guarded_lost_per_failure(T_c, rho, 30, P) == pytest.approx(0.5 * 5.0 + 0.5 * 40.0)
+    with pytest.raises(ValueError, match="rho"):
+        fault_tolerance_cost.guarded_lost_per_failure(T_c, 1.0, 30, P)
 
 
 def test_the_guarded_cost_rate_charges_the_persist_and_the_failures_beyond_the_bound_in_full():

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import math
 import statistics
@@ -27,6 +28,7 @@ def inputs(**fitted):
             "in_flight": 1, **fitted}
 
 
+MEMORY_PLAN = runlog.MemoryPlanRow(120, 0, 2.5, "snapshot", 6, 4e-4, 0.02, 100.0, 3.0)
 PLANS = [
     PlanRow(0, 0, 1.0, "warm-up", 0, "empirical", "recompute", 50, inputs=inputs()),
     PlanRow(100, 0, 2.0, "first", 0, "empirical", "predict", 80,
@@ -65,6 +67,7 @@ def run_dir(tmp_path):
     write_measurements(directory)
     for plan in PLANS:
         runlog.append(runlog.plans_path(directory), plan)
+    runlog.append(runlog.plans_path(directory), MEMORY_PLAN)
     with open(runlog.plans_path(directory), "a") as f:
         f.write('{"kind": "plan", "iteration": 2')  # cut short by a crash
     return directory
@@ -91,7 +94,7 @@ def test_plan_run_dir_json_has_the_plans_their_stages_and_the_checkpoints_per_ph
                                                                               for s in ss]))
     assert phases[0]["median_persist_s"] == pytest.approx(2.5)
     assert phases[1]["checkpoints"] == 1 and phases[1]["median_slowdown_s"] == pytest.approx(1.0)
-    assert len(report["problems"]) == 1 and "plans.jsonl:4" in report["problems"][0]
+    assert len(report["problems"]) == 1 and "plans.jsonl:5" in report["problems"][0]
 
 
 def test_plan_run_dir_table_shows_each_plan_its_stages_and_the_measured_costs(run_dir, capsys):
@@ -107,7 +110,15 @@ def test_plan_run_dir_table_shows_each_plan_its_stages_and_the_measured_costs(ru
     assert "fallback: tau1 from 3 checkpoints only" in out
     phase1 = next(line for line in lines if line.split()[:3] == ["1", "120", "1"])
     assert phase1.split()[3:] == ["300..300", "-", "1", "0.01", "2.5"]
-    assert "problem: " in out and "plans.jsonl:4" in out
+    assert "problem: " in out and "plans.jsonl:5" in out
+    memory = next(line for line in lines if " snapshot " in line)
+    assert memory.split() == ["120", "0", "snapshot", "6", "0.0004", "0.02", "100", "3"]
+
+
+def test_plan_run_dir_json_has_the_host_snapshot_plans(run_dir, capsys):
+    assert main(["plan", run_dir, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["memory_plans"] == [{k: v for k, v in dataclasses.asdict(MEMORY_PLAN).items() if k != "kind"}]
 
 
 def test_a_run_without_plans_says_so_and_still_lists_its_checkpoints(tmp_path, capsys):

@@ -1,12 +1,14 @@
 """checkpoint.memory_interval auto: the host-snapshot interval planned (levels.memory_interval) and taken by a run."""
 
+import shutil
+
 import pytest
 
 from benchmarks.common.processes import tiny_config
 from cpsr_ds.checkpoint.capture import host_snapshot
 from cpsr_ds.config import ConfigError, CPSRConfig
 from cpsr_ds import runlog
-from cpsr_ds.planning import failure_mix, levels
+from cpsr_ds.planning import levels
 from support.training import build, process_group, random_batches  # noqa: F401 (process_group is autouse)
 
 
@@ -39,9 +41,12 @@ def test_a_run_with_auto_snapshots_at_the_planned_interval(tmp_path):
     snapshots.wait(30)
     planned = snapshots.planned
     crashes = 3.6e6 * engine.cpsr.cfg.planner.failure_mix.process_crash
-    assert planned["interval"] == levels.memory_interval(planned["stall_s"], planned["iteration_s"], crashes, 50)
-    assert snapshots.interval == planned["interval"]
-    k = planned["interval"]
+    # The posterior after a run without failures: below the configured rate (its prior is worth a millisecond here).
+    assert 0 < planned.crashes_per_hour < crashes
+    assert planned.interval == levels.memory_interval(planned.stall_s, planned.iteration_s, planned.crashes_per_hour, 50)
+    assert snapshots.interval == planned.interval and planned.per_crash == planned.interval / 2
+    assert runlog.read_memory_plans(str(tmp_path / "run")) == ([planned], [])
+    k = planned.interval
     while engine.global_steps < 2 + 2 * k:
         engine.train_batch(iter(batches))
         snapshots.wait(30)
@@ -50,8 +55,9 @@ def test_a_run_with_auto_snapshots_at_the_planned_interval(tmp_path):
     assert sorted(s.iteration for s in found) == ([2, newest] if newest - k <= 2 else [newest - k, newest])
 
 
-def test_a_restart_begins_at_the_interval_its_previous_attempt_planned(tmp_path):
-    """Not at first_interval again: a crash soon after the restart would find no snapshot."""
+def test_a_restart_begins_at_the_interval_planned_from_the_last_plan_also_after_a_lost_node(tmp_path):
+    """Not at first_interval again: a crash soon after the restart would find no snapshot. The plan is on storage,
+    so a restart on a new node (its memory gone) finds it too."""
     config = tiny_config(tmp_path / "run", stages=1)
     config["cpsr"]["checkpoint"].update(survivor_dir=str(tmp_path / "survivors"), memory_interval="auto")
     # Crashes so rare that the plan is the longest interval, whatever this machine measures.
@@ -61,17 +67,20 @@ def test_a_restart_begins_at_the_interval_its_previous_attempt_planned(tmp_path)
     for _ in range(2):
         engine.train_batch(iter(batches))
     engine.cpsr.host_snapshots.wait(30)
-    assert engine.cpsr.host_snapshots.interval == 5
-    restarted = host_snapshot.install(engine, engine.cpsr.cfg.checkpoint, 2, engine.cpsr.cfg.planner)
-    assert (restarted.interval, restarted.planned) == (5, None)  # planned again from its own first snapshot
-    assert host_snapshot.install(engine, engine.cpsr.cfg.checkpoint, 3, engine.cpsr.cfg.planner).interval == 2
-
-
-def test_the_storage_level_plans_against_the_lost_nodes_alone():
-    assert failure_mix.storage_rate(0.5, {"process_crash": 0.2, "node_lost": 0.8}, snapshots=False) == 0.5
-    assert failure_mix.storage_rate(0.5, {"process_crash": 0.2, "node_lost": 0.8}, snapshots=True) == 0.4
-    with pytest.raises(ValueError, match="sum to 1"):
-        failure_mix.storage_rate(0.5, {"process_crash": 0.5, "node_lost": 0.8}, snapshots=True)
+    first = engine.cpsr.host_snapshots.planned
+    assert engine.cpsr.host_snapshots.interval == first.interval == 5
+    cfg = engine.cpsr.cfg
+    shutil.rmtree(tmp_path / "survivors")  # the node is lost with its memory
+    restarted = host_snapshot.install(engine, cfg.checkpoint, 2, cfg.planner, crashes_per_hour=3.6e6)
+    # Planned again at the restart, from the last plan's stall and iteration time at the new rate, and recorded.
+    again = runlog.read_memory_plans(str(tmp_path / "run"))[0][-1]
+    assert (again.reason, again.attempt, again.stall_s, again.iteration_s) == ("restart", 2, first.stall_s,
+                                                                               first.iteration_s)
+    assert again.interval == levels.memory_interval(first.stall_s, first.iteration_s, 3.6e6, 5)
+    assert (restarted.interval, restarted.planned, restarted.auto) == (again.interval, None, True)
+    (tmp_path / "other").mkdir()
+    elsewhere = cfg.checkpoint.model_copy(update={"dir": str(tmp_path / "other")})
+    assert host_snapshot.install(engine, elsewhere, 2, cfg.planner).interval == 2  # no plan yet: first_interval
 
 
 @pytest.mark.parametrize("memory_interval", [None, 3])

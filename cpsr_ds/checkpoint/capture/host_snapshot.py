@@ -24,17 +24,19 @@ import logging
 import os
 import threading
 import time
-from functools import partial
+from dataclasses import dataclass
 from statistics import median
-from typing import Callable, Optional
+from typing import Optional
 
 import torch.distributed as dist
 
+from cpsr_ds import runlog
 from cpsr_ds.checkpoint.storage import private_dir
 from cpsr_ds.checkpoint.capture import dumps, run_id
 from cpsr_ds.config import CheckpointConfig, PlannerConfig
 from cpsr_ds.integration.deepspeed.engine_state import local_state
 from cpsr_ds.planning import levels
+from cpsr_ds.runlog import MemoryPlanRow
 
 log = logging.getLogger(__name__)
 
@@ -72,37 +74,66 @@ def read_snapshots(cfg: CheckpointConfig, rank: int, attempt: int) -> list[dumps
     return [snap for snap in found if snap is not None]
 
 
+@dataclass(frozen=True)
+class MemoryPlan:
+    """memory_interval auto's planner (rank 0's): levels.memory_interval at the process crashes' rate, each plan
+    recorded in the run directory's plans.jsonl, on storage, where a restart finds it also after a lost node."""
+
+    run_dir: str
+    attempt: int
+    crashes_per_hour: float
+    max_interval: int
+
+    def make(self, iteration: int, reason: str, stall_s: float, iteration_s: float) -> MemoryPlanRow:
+        """The plan from a snapshot's stall and the iteration's time (seconds), recorded."""
+        k = levels.memory_interval(stall_s, iteration_s, self.crashes_per_hour, self.max_interval)
+        row = MemoryPlanRow(iteration, self.attempt, time.time(), reason, k, stall_s, iteration_s,
+                            self.crashes_per_hour, k / 2)
+        runlog.append(runlog.plans_path(self.run_dir), row)
+        return row
+
+    def at_restart(self, iteration: int) -> Optional[MemoryPlanRow]:
+        """The plan from the newest earlier plan's measured stall and iteration time at this attempt's rate; None
+        where the run has none."""
+        rows, problems = runlog.read_memory_plans(self.run_dir)
+        for problem in problems:
+            log.warning("cpsr: skipping a damaged plan: %s", problem)
+        if not rows:
+            return None
+        return self.make(iteration, "restart", rows[-1].stall_s, rows[-1].iteration_s)
+
+
 class HostSnapshots:
     """Writes this rank's host snapshot every ``interval`` iterations (:meth:`after_iteration`).
 
-    ``plan`` (memory_interval auto): the interval from a snapshot's stall and the iteration's time, seconds;
-    rank 0 applies it to its first snapshot's and sends the result to every rank, so that all snapshot the
-    same iterations (recovery needs one they all hold). Until then the interval is the one given.
+    ``plan`` (memory_interval auto, rank 0's; the other ranks' is None): the interval from this attempt's first
+    snapshot's stall and the iteration's time, sent to every rank, so that all snapshot the same iterations
+    (recovery needs one they all hold). Until then the interval is the one given.
     """
 
     def __init__(self, engine, root: str, run: str, attempt: int, interval: int, checksum: str,
-                 plan: Optional[Callable[[float, float], int]] = None):
+                 plan: Optional[MemoryPlan] = None, auto: bool = False):
         self.engine = engine
         self.directories = [snapshot_dir(root, run, engine.global_rank, slot) for slot in range(SLOTS)]
         self.manifest = dumps.identity(engine, run, attempt)
         self.interval = interval
         self.checksum = checksum
         self.plan = plan
+        self.auto = auto  # the interval is planned from the first snapshot (on rank 0, by ``plan``)
         self.iteration_times: list[float] = []
-        self.planned: Optional[dict] = None  # the plan's inputs and interval, once made
+        self.planned: Optional[MemoryPlanRow] = None  # the plan from this attempt's first snapshot, once made
         self.written = self.skipped = 0
         self.last_slot: Optional[int] = None
         self._writer: Optional[threading.Thread] = None
 
     def after_iteration(self, iteration: int, finite: bool = True, seconds: Optional[float] = None) -> None:
-        """Snapshot ``iteration`` where due and its loss ``finite``; with a plan still to make, make it there, before
-        the snapshot's manifest records the interval in force (a restart begins with it: :func:`install`)."""
-        if self.plan is not None and seconds is not None:
+        """Snapshot ``iteration`` where due and its loss ``finite``; with a plan still to make, make it there."""
+        if self.auto and seconds is not None:
             self.iteration_times.append(seconds)
         if iteration % self.interval:
             return
         copied = self._copy(iteration) if finite else None
-        if self.plan is not None:
+        if self.auto:
             self._replan(iteration, None if copied is None else copied[1])
         if copied is not None:
             self._start_writing(iteration, copied[0])
@@ -122,8 +153,7 @@ class HostSnapshots:
         return contents, time.perf_counter() - began
 
     def _start_writing(self, iteration: int, contents: dict) -> None:
-        manifest = {**self.manifest, "iteration": iteration, "reason": WHAT, "written_ns": time.time_ns(),
-                    "interval": self.interval}
+        manifest = {**self.manifest, "iteration": iteration, "reason": WHAT, "written_ns": time.time_ns()}
         # The slot not written last (the first by the iteration's place): the interval may change, and the
         # snapshot written last must stay while this one is written.
         slot = iteration // self.interval % SLOTS if self.last_slot is None else (self.last_slot + 1) % SLOTS
@@ -135,18 +165,15 @@ class HostSnapshots:
     def _replan(self, iteration: int, stall_s: Optional[float]) -> None:
         """Rank 0's planned interval, on every rank; none yet where rank 0 measured no snapshot or iteration."""
         planned = None
-        if self.engine.global_rank == 0 and stall_s is not None and self.iteration_times:
-            iteration_s = median(self.iteration_times)
-            planned = {"stall_s": stall_s, "iteration_s": iteration_s, "interval": self.plan(stall_s, iteration_s)}
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            box = [planned]
-            dist.broadcast_object_list(box, src=0)
-            planned = box[0]
+        if self.plan is not None and stall_s is not None and self.iteration_times:
+            planned = self.plan.make(iteration, "snapshot", stall_s, median(self.iteration_times))
+        planned = from_rank0(planned)
         if planned is None:
             return
-        self.planned, self.interval, self.plan = planned, planned["interval"], None
+        self.planned, self.interval, self.auto = planned, planned.interval, False
         log.info("cpsr: host snapshots every %d iterations from iteration %d (memory_interval auto: stall %.3g s, "
-                 "iteration %.3g s)", self.interval, iteration, planned["stall_s"], planned["iteration_s"])
+                 "iteration %.3g s, %.3g crashes per hour)", self.interval, iteration, planned.stall_s,
+                 planned.iteration_s, planned.crashes_per_hour)
 
     def _write(self, directory: str, contents: dict, manifest: dict) -> None:
         try:
@@ -164,12 +191,15 @@ class HostSnapshots:
             self._writer.join(timeout_s)
 
 
-def install(engine, cfg: CheckpointConfig, attempt: int,
-            planner: Optional[PlannerConfig] = None) -> Optional[HostSnapshots]:
+def install(engine, cfg: CheckpointConfig, attempt: int, planner: Optional[PlannerConfig] = None,
+            crashes_per_hour: Optional[float] = None) -> Optional[HostSnapshots]:
     """Remove the rank's snapshots of an earlier attempt (recovery has read them) and, with ``cfg.memory_interval``,
     return the engine's :class:`HostSnapshots`, which the runtime calls after each iteration; None without it.
-    memory_interval auto plans the interval from ``planner`` (its rate, failure mix, first and longest interval),
-    beginning with the one the previous attempt ended with (:func:`carried_interval`).
+
+    memory_interval auto plans the interval (:class:`MemoryPlan`, on rank 0) against ``crashes_per_hour`` (the
+    process crashes' rate the run has observed; None: ``planner``'s configured rate and failure mix). A restart
+    begins at the interval planned from the newest earlier plan's measured stall, else at planner.first_interval,
+    and plans again from its own first snapshot.
 
     Raises :class:`private_dir.PrivateDirError` where memory_interval is set and the survivor root or the run's
     directory under it is not this user's alone; without memory_interval such a directory is left alone.
@@ -178,31 +208,27 @@ def install(engine, cfg: CheckpointConfig, attempt: int,
         _remove_earlier(cfg, engine.global_rank)
         return None
     root, run = dumps.prepare(cfg)
-    carried = carried_interval(cfg, engine, attempt) if cfg.memory_interval == "auto" else None
     for slot in range(SLOTS):
         dumps.remove_dump(snapshot_dir(root, run, engine.global_rank, slot))
     if cfg.memory_interval != "auto":
         return HostSnapshots(engine, root, run, attempt, cfg.memory_interval, cfg.checksum)
     planner = planner or PlannerConfig()
-    crashes = planner.failure_rate_per_hour * planner.failure_mix.process_crash
-    plan = partial(levels.memory_interval, crashes_per_hour=crashes, max_interval=planner.max_interval)
-    return HostSnapshots(engine, root, run, attempt, carried or planner.first_interval, cfg.checksum, plan)
+    if crashes_per_hour is None:
+        crashes_per_hour = planner.failure_rate_per_hour * planner.failure_mix.process_crash
+    plan = (MemoryPlan(cfg.dir, attempt, crashes_per_hour, planner.max_interval) if engine.global_rank == 0
+            else None)
+    restarted = from_rank0(plan.at_restart(engine.global_steps) if plan is not None else None)
+    interval = restarted.interval if restarted is not None else planner.first_interval
+    return HostSnapshots(engine, root, run, attempt, interval, cfg.checksum, plan, auto=True)
 
 
-def carried_interval(cfg: CheckpointConfig, engine, attempt: int) -> Optional[int]:
-    """The interval in force at rank 0's newest snapshot of the attempt before ``attempt`` (its manifest's), on
-    every rank (a collective where the job has several); None where rank 0 holds none (its node was lost, a first
-    attempt, a snapshot written before manifests kept it). memory_interval auto starts a restart with it rather
-    than with planner.first_interval, so that a crash soon after the restart still finds a snapshot."""
-    carried = None
-    if engine.global_rank == 0 and attempt > 1:
-        found = snapshot_manifests(cfg, 0, attempt - 1)
-        carried = found[max(found)][1].get("interval") if found else None
+def from_rank0(value):
+    """Rank 0's ``value`` on every rank (a collective where the job has several ranks)."""
     if dist.is_initialized() and dist.get_world_size() > 1:
-        box = [carried]
+        box = [value]
         dist.broadcast_object_list(box, src=0)
-        carried = box[0]
-    return carried
+        return box[0]
+    return value
 
 
 def _remove_earlier(cfg: CheckpointConfig, rank: int) -> None:
