@@ -97,9 +97,20 @@ def test_a_restart_that_goes_back_is_plausible_and_covers_the_recomputed_iterati
     write_journal(tmp_path, 1, [*range(1, 28), *range(21, 40)])
     progress = read_progress(str(tmp_path))
     assert progress.reached == 39 and progress.problems == ()
-    # Iteration 39 was reached by the run that resumed at 21, on both ranks.
-    assert progress.covered_from(39) == 21
-    assert progress.covered_from(27) == 1
+    # Iteration 39 was reached by the run that resumed at 21, on both ranks, after 1 to 27.
+    assert progress.covered_from(39) == 1 and progress.covered_from(27) == 1
+
+
+def test_a_restart_from_a_snapshot_within_the_recorded_iterations_keeps_them_covered(tmp_path):
+    """A crash after 241 resumed from the snapshot of 240 and reached 242: every iteration from 233 is recorded,
+    though the file's last consecutive run starts at 241."""
+    write_journal(tmp_path, 0, [*range(220, 239), *range(233, 242), 241, 242])
+    progress = read_progress(str(tmp_path))
+    assert progress.reached == 242 and progress.covered_from(242) == 220
+    other = tmp_path / "other"
+    write_journal(other, 0, [*range(300, 320), *range(280, 290)])  # back before the journal's first record
+    assert read_progress(str(other)).covered_from(289) == 280 and read_progress(str(other)).covered_from(319) == 300
+    assert read_progress(str(other)).covered_from(321) is None
 
 
 def test_journals_too_far_apart_use_the_slowest_rank_and_say_so(tmp_path):

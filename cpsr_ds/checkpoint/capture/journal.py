@@ -117,14 +117,11 @@ def forward_jump(entries: list[Entry]) -> Optional[int]:
 
 
 def run_start(entries: list[Entry], f: int) -> Optional[int]:
-    """The earliest start of a run of consecutive iterations in ``entries`` that reaches ``f``; None: f is not there."""
-    best = start = None
-    for k, e in enumerate(entries):
-        if k == 0 or e.iteration != entries[k - 1].iteration + 1:
-            start = e.iteration
-        if e.iteration == f:
-            best = start if best is None else min(best, start)
-    return best
+    """The first of the iterations ``entries`` record, every one of them, up to f's last record; None: f is not
+    there. Plausible entries (:func:`plausible`) step forward by one or go back (a restart resuming from a
+    checkpoint or a snapshot), so the iterations recorded up to any entry are every one from the least on."""
+    last = next((k for k in range(len(entries) - 1, -1, -1) if entries[k].iteration == f), None)
+    return None if last is None else min(e.iteration for e in entries[:last + 1])
 
 
 @dataclass(frozen=True)
