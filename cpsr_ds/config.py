@@ -131,11 +131,11 @@ class CheckpointConfig(_Strict):
         None,
         description="Iterations between host snapshots: each rank copies its state into shared memory beside its "
         "survivor dump (survivor_dir), no persist; a restart on the same node resumes from it when the training "
-        "process crashed and the node survived. auto: planner.first_interval (after a restart, the interval the "
-        "previous attempt ended with) until the first snapshot, then sqrt(2 stall / lambda_crash) iterations from its "
-        "measured stall and the crashes' rate "
-        "(planner.failure_rate_per_hour times planner.failure_mix.process_crash; planning/levels.py). With snapshots "
-        "the storage interval is planned against the lost nodes' rate alone. null: none.",
+        "process crashed and the node survived. auto: sqrt(2 stall / lambda_crash) iterations from a snapshot's "
+        "measured stall and the crashes' rate (planner.failure_rate_per_hour times planner.failure_mix.process_crash, "
+        "updated by the crashes the run has seen; planning/levels.py), planned at a restart from the run's last plan "
+        "(plans.jsonl) and again from each attempt's first snapshot; planner.first_interval until the first plan. "
+        "With snapshots the storage interval is planned against the lost nodes' rate alone. null: none.",
     )
 
     @field_validator("interval", mode="before")
