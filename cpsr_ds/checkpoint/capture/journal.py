@@ -118,10 +118,15 @@ def forward_jump(entries: list[Entry]) -> Optional[int]:
 
 def run_start(entries: list[Entry], f: int) -> Optional[int]:
     """The first of the iterations ``entries`` record, every one of them, up to f's last record; None: f is not
-    there. Plausible entries (:func:`plausible`) step forward by one or go back (a restart resuming from a
-    checkpoint or a snapshot), so the iterations recorded up to any entry are every one from the least on."""
+    there. A restart goes back (it resumed from a checkpoint or a snapshot) and the iterations recorded before
+    stay covered; a jump forward leaves a gap, after which the record starts again."""
     last = next((k for k in range(len(entries) - 1, -1, -1) if entries[k].iteration == f), None)
-    return None if last is None else min(e.iteration for e in entries[:last + 1])
+    if last is None:
+        return None
+    start = entries[0].iteration
+    for before, e in zip(entries, entries[1:last + 1]):
+        start = e.iteration if e.iteration > before.iteration + 1 else min(start, e.iteration)
+    return start
 
 
 @dataclass(frozen=True)
