@@ -28,12 +28,3 @@ def gathered(local, group=None) -> list:
     found = [None] * dist.get_world_size(group)
     dist.all_gather_object(found, local, group=group)
     return found
-
-
-def from_rank0(value):
-    """Rank 0's ``value`` on every rank (a collective where the job has several ranks)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]

@@ -20,11 +20,12 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable, Optional, Sequence
 
+import torch.distributed as dist
 
 from cpsr_ds.config import CPSRConfig
 from cpsr_ds.integration.deepspeed.topology import Place
 from cpsr_ds.planning import planner
-from cpsr_ds.recovery.agree import from_rank0, gathered
+from cpsr_ds.recovery.agree import gathered
 from cpsr_ds.runtime.measurements import Measurements
 from cpsr_ds.runtime.plans import Planning
 
@@ -204,4 +205,8 @@ class Scheduler:
                 result = decide()
             except Exception:
                 log.exception("cpsr: choosing the next checkpoint interval failed; keeping %d", self.interval)
-        return from_rank0(result)
+        if self.place.world == 1:
+            return result
+        box = [result]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from statistics import median
 from typing import Optional
 
+import torch.distributed as dist
 
 from cpsr_ds import runlog
 from cpsr_ds.checkpoint.storage import private_dir
@@ -35,7 +36,6 @@ from cpsr_ds.checkpoint.capture import dumps, run_id
 from cpsr_ds.config import CheckpointConfig, PlannerConfig
 from cpsr_ds.integration.deepspeed.engine_state import local_state
 from cpsr_ds.planning import levels
-from cpsr_ds.recovery.agree import from_rank0
 from cpsr_ds.runlog import MemoryPlanRow
 
 log = logging.getLogger(__name__)
@@ -220,6 +220,15 @@ def install(engine, cfg: CheckpointConfig, attempt: int, planner: Optional[Plann
     restarted = from_rank0(plan.at_restart(engine.global_steps) if plan is not None else None)
     interval = restarted.interval if restarted is not None else planner.first_interval
     return HostSnapshots(engine, root, run, attempt, interval, cfg.checksum, plan, auto=True)
+
+
+def from_rank0(value):
+    """Rank 0's ``value`` on every rank (a collective where the job has several ranks)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    return value
 
 
 def _remove_earlier(cfg: CheckpointConfig, rank: int) -> None:
